@@ -1,0 +1,1 @@
+"""Checkpoint formats (AutoAWQ GEMM, compressed-tensors) and the Volta packed layout."""

@@ -1,0 +1,1 @@
+"""Calibration, AWQ search and the streaming quantizer that writes AutoAWQ GEMM checkpoints."""

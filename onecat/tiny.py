@@ -1,0 +1,239 @@
+"""Tiny random checkpoints of the supported model families, built locally with no download.
+
+They have the real checkpoints' structure (Qwen3.5's multimodal wrapper keys
+``model.language_model.*``, hybrid ``layer_types``, gated q_proj, fused 3-D MoE experts,
+``mtp.*`` tensors, untied lm_head) and a small byte-level BPE tokenizer trained on the
+Python standard library's pydoc topics, with a ChatML chat template. Used by ``make demo``,
+the tests and the benchmarks' smoke runs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3", "llama")
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def pydoc_text() -> str:
+    """The pydoc topics of the running Python, sorted by key and joined by blank lines."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def build_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
+    """Train a byte-level BPE tokenizer on pydoc text and save it (with a chat template)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    text = pydoc_text()
+    tok.train_from_iterator((text[i : i + 4096] for i in range(0, len(text), 4096)), trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+
+
+def _text_kwargs(family: str, vocab_size: int, num_layers: int) -> dict:
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+    if family in ("qwen3_5", "qwen3_5_moe"):
+        common.update(
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=32,
+            linear_value_head_dim=32,
+            linear_conv_kernel_dim=4,
+            layer_types=[
+                "full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                for i in range(num_layers)
+            ],
+        )
+    if family == "qwen3_5":
+        common.update(intermediate_size=256)
+    elif family == "qwen3_5_moe":
+        common.update(
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+            num_experts=8,
+            num_experts_per_tok=2,
+        )
+    else:
+        common.update(intermediate_size=256)
+    return common
+
+
+def _build_model(family: str, vocab_size: int, num_layers: int, eos_id: int):
+    import transformers as tf
+
+    kwargs = _text_kwargs(family, vocab_size, num_layers)
+    if family == "qwen3_5":
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=128)
+        config = tf.Qwen3_5Config(text_config=kwargs, vision_config=vision)
+        model = tf.Qwen3_5ForConditionalGeneration(config)
+    elif family == "qwen3_5_moe":
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=128)
+        config = tf.Qwen3_5MoeConfig(text_config=kwargs, vision_config=vision)
+        model = tf.Qwen3_5MoeForConditionalGeneration(config)
+    elif family == "qwen3":
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**kwargs))
+    elif family == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**kwargs))
+    else:
+        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    model.config.eos_token_id = eos_id
+    text_cfg = getattr(model.config, "text_config", None)
+    if text_cfg is not None:
+        text_cfg.eos_token_id = eos_id
+    return model
+
+
+def _perturb_norms(model: torch.nn.Module, generator: torch.Generator) -> None:
+    """Give norm weights non-trivial values so that scale folding is actually exercised."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                noise = torch.randn(param.shape, generator=generator) * 0.1
+                param.add_(noise.to(param.dtype))
+
+
+def _add_mtp_tensors(out_dir: Path, hidden: int, generator: torch.Generator) -> None:
+    """Real Qwen3.5 checkpoints carry a multi-token-prediction head (``mtp.*``) that
+    transformers ignores on load; add a small one so tools must copy it through."""
+    shard = out_dir / "model-mtp.safetensors"
+    tensors = {
+        "mtp.fc.weight": torch.randn(hidden, 2 * hidden, generator=generator) * 0.02,
+        "mtp.norm.weight": torch.zeros(hidden),
+        "mtp.pre_fc_norm_hidden.weight": torch.zeros(hidden),
+        "mtp.pre_fc_norm_embedding.weight": torch.zeros(hidden),
+    }
+    tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()}
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index_path = out_dir / "model.safetensors.index.json"
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+    else:
+        single = out_dir / "model.safetensors"
+        names = list(load_file(single).keys())
+        index = {"metadata": {}, "weight_map": {n: single.name for n in names}}
+    for name in tensors:
+        index["weight_map"][name] = shard.name
+    index_path.write_text(json.dumps(index, indent=2))
+
+
+def _fuse_experts(out_dir: Path) -> None:
+    """Rewrite per-expert 2-D weights as the fused 3-D tensors the official 35B-A3B ships:
+    ``experts.gate_up_proj`` [E, 2*I, H] (gate rows, then up rows) and ``experts.down_proj``
+    [E, H, I]."""
+    import re
+
+    index_path = out_dir / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    pattern = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors = load_file(out_dir / shard)
+        experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+        kept = {}
+        for name, t in tensors.items():
+            m = pattern.match(name)
+            if m:
+                experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+            else:
+                kept[name] = t
+        if not experts:
+            continue
+        for prefix, per_expert in experts.items():
+            ids = sorted(per_expert)
+            if ids != list(range(len(ids))) or any(len(per_expert[e]) != 3 for e in ids):
+                raise RuntimeError(f"experts of {prefix} are split across shards; use a larger shard size")
+            kept[f"{prefix}.gate_up_proj"] = torch.stack(
+                [torch.cat([per_expert[e]["gate_proj"], per_expert[e]["up_proj"]]) for e in ids]
+            )
+            kept[f"{prefix}.down_proj"] = torch.stack([per_expert[e]["down_proj"] for e in ids])
+        for name in list(index["weight_map"]):
+            if index["weight_map"][name] == shard and name not in kept:
+                del index["weight_map"][name]
+        for name in kept:
+            index["weight_map"][name] = shard
+        save_file({k: v.contiguous() for k, v in kept.items()}, out_dir / shard, metadata={"format": "pt"})
+    index_path.write_text(json.dumps(index, indent=2))
+
+
+def build_tiny_model(
+    family: str,
+    out_dir: str | Path,
+    *,
+    num_layers: int = 4,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_size: str = "1MB",
+    fused_experts: bool = True,
+) -> Path:
+    """Write a tiny random checkpoint of ``family`` (with tokenizer) to ``out_dir``.
+
+    The checkpoint is sharded (several safetensors files and an index) like real ones; MoE
+    experts are stored fused (3-D) like the official Qwen3.5-35B-A3B unless ``fused_experts``
+    is False.
+    Returns the directory.
+    """
+    from transformers import AutoTokenizer
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    model = _build_model(family, len(tokenizer), num_layers, tokenizer.eos_token_id)
+    _perturb_norms(model, generator)
+    model = model.to(dtype)
+    model.save_pretrained(out, max_shard_size=max_shard_size)
+    if family.startswith("qwen3_5"):
+        if family == "qwen3_5_moe" and fused_experts:
+            _fuse_experts(out)
+        _add_mtp_tensors(out, model.config.text_config.hidden_size, generator)
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    for fam in FAMILIES:
+        path = build_tiny_model(fam, Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/tiny") / fam)
+        print(path, sorted(p.name for p in path.iterdir()))
