@@ -1,0 +1,52 @@
+"""Asymmetric group-wise 4-bit quantization of a weight matrix (the integers onecat writes).
+
+For W [N, K] and group size g, each row's groups of g consecutive input channels get
+``scale = (max - min).clamp(1e-5) / 15`` (rounded to fp16, the precision it is stored in),
+``zero = clamp(-round(min / scale), 0, 15)`` and ``q = clamp(round(w / scale) + zero, 0, 15)``;
+the dequantized value is ``(q - zero) * scale``. :func:`pseudo_quantize` returns exactly the
+weights the written checkpoint dequantizes to, so the search scores what ships.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MAX_INT = 15  # 4 bits, unsigned
+FP16_MAX = 65504.0
+
+
+def quantize_groups(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize W [N, K] (K % group_size == 0).
+
+    Returns ``(q [N, K] uint8, zeros [N, K/g] uint8, scales [N, K/g] float32)``; the scales
+    hold fp16-representable values (they may be inf if the weights overflow fp16: callers check).
+    """
+    n, k = w.shape
+    wg = w.float().reshape(n, k // group_size, group_size)  # [N, G, g]
+    wmax, wmin = wg.amax(dim=-1), wg.amin(dim=-1)  # [N, G]
+    scales = ((wmax - wmin).clamp(min=1e-5) / MAX_INT).half().float()
+    zeros = (-torch.round(wmin / scales)).clamp(0, MAX_INT)
+    q = (torch.round(wg / scales.unsqueeze(-1)) + zeros.unsqueeze(-1)).clamp(0, MAX_INT)
+    return q.reshape(n, k).to(torch.uint8), zeros.to(torch.uint8), scales
+
+
+def dequantize_groups(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``(q - zeros) * scales`` broadcast over groups: float32 [N, K]."""
+    n, k = q.shape
+    groups = zeros.shape[1]
+    qg = q.float().reshape(n, groups, k // groups)
+    return ((qg - zeros.float().unsqueeze(-1)) * scales.float().unsqueeze(-1)).reshape(n, k)
+
+
+def pseudo_quantize(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Quantize and dequantize W [N, K] in one pass (same values as the written checkpoint).
+
+    Works in W's dtype when it is float32, else float32; returns W's dtype.
+    """
+    n, k = w.shape
+    wg = w.float().reshape(n, k // group_size, group_size)  # [N, G, g]
+    wmax, wmin = wg.amax(dim=-1, keepdim=True), wg.amin(dim=-1, keepdim=True)
+    scales = ((wmax - wmin).clamp(min=1e-5) / MAX_INT).half().float()
+    zeros = (-torch.round(wmin / scales)).clamp(0, MAX_INT)
+    q = (torch.round(wg / scales) + zeros).clamp(0, MAX_INT)
+    return ((q - zeros) * scales).reshape(n, k).to(w.dtype)
