@@ -1,0 +1,54 @@
+"""What one forward pass needs to know about the batch, beyond the token ids.
+
+The model runner builds a :class:`ForwardContext` per step and sets it here; attention and
+Gated DeltaNet layers read it (nano-vllm passes its batch metadata the same way). A batch is
+flat: ``T`` tokens of several sequences, one after another. The first ``num_decodes``
+sequences contribute one token each (their tensors are batched; this part runs under CUDA
+graphs); each following sequence contributes a chunk of its prompt (a :class:`PrefillChunk`,
+processed one sequence at a time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's chunk of several tokens in the flat batch."""
+
+    start: int  # index of its first token in the flat batch
+    length: int  # tokens in this chunk
+    num_past: int  # tokens of this sequence already in the KV cache / recurrent state
+    block_table: torch.Tensor  # int64 [blocks covering num_past + length tokens]
+    state_slot: int  # its GDN state slot
+
+
+@dataclass
+class ForwardContext:
+    """Batch metadata of one forward pass (see the module docstring)."""
+
+    slot_mapping: torch.Tensor  # int64 [T]: KV cache slot (block * block_size + offset) per token
+    num_decodes: int = 0
+    decode_block_tables: torch.Tensor | None = None  # int64 [B, blocks]
+    decode_context_lens: torch.Tensor | None = None  # int64 [B]: tokens incl. the new one
+    decode_state_slots: torch.Tensor | None = None  # int64 [B]
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+_CONTEXT: ForwardContext | None = None
+
+
+def set_context(context: ForwardContext | None) -> None:
+    """Make ``context`` the batch metadata of the next forward pass (None clears it)."""
+    global _CONTEXT
+    _CONTEXT = context
+
+
+def get_context() -> ForwardContext:
+    """The current batch metadata; raises if the runner set none."""
+    if _CONTEXT is None:
+        raise RuntimeError("no forward context: the model runs only inside the model runner")
+    return _CONTEXT

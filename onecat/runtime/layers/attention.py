@@ -1,0 +1,102 @@
+"""Attention over a paged KV cache, in plain torch (sm_70 has no FlashAttention).
+
+The cache of one layer is ``k_cache``/``v_cache`` ``[num_blocks, block_size, kv_heads,
+head_dim]``; a sequence's tokens live in the blocks of its block table, token ``t`` at slot
+``block_table[t // block_size] * block_size + t % block_size``. Each call first writes the new
+keys and values at the context's ``slot_mapping``, then:
+
+- decode tokens (one per sequence, batched): gather each sequence's blocks, mask the slots
+  beyond its length, and run SDPA with the query heads of one KV head as the "query length"
+  axis (grouped-query attention without repeating K and V);
+- prefill chunks (one sequence at a time): causal SDPA of the chunk's queries over the
+  sequence's past and current keys.
+
+This module is the interface a fused paged-attention kernel would replace.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from onecat.runtime.context import ForwardContext, get_context
+
+
+class PagedAttention(nn.Module):
+    """Scaled dot-product attention with grouped KV heads over the paged cache."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if self.k_cache.numel() == 0:
+            return  # the memory-profiling pass runs before the cache exists
+        shape = (-1, self.num_kv_heads, self.head_dim)
+        self.k_cache.view(shape).index_copy_(0, slot_mapping, k.to(self.k_cache.dtype))
+        self.v_cache.view(shape).index_copy_(0, slot_mapping, v.to(self.v_cache.dtype))
+
+    def _gather(self, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the blocks in ``block_table [..., n]``: ``[..., n * bs, kvh, d]``."""
+        k = self.k_cache[block_table]
+        v = self.v_cache[block_table]
+        shape = (*block_table.shape[:-1], -1, self.num_kv_heads, self.head_dim)
+        return k.reshape(shape), v.reshape(shape)
+
+    def _decode(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        batch = q.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        k, v = self._gather(ctx.decode_block_tables)  # [B, L, kvh, d]
+        length = k.shape[1]
+        valid = torch.arange(length, device=q.device)[None, :] < ctx.decode_context_lens[:, None]
+        qg = q.view(batch, self.num_kv_heads, group, self.head_dim)
+        out = F.scaled_dot_product_attention(
+            qg,
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=valid[:, None, None, :],
+            scale=self.scale,
+        )
+        return out.reshape(batch, self.num_heads, self.head_dim)
+
+    def _prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_past: int, block_table
+    ) -> torch.Tensor:
+        group = self.num_heads // self.num_kv_heads
+        length = q.shape[0]
+        if num_past:
+            k_all, v_all = self._gather(block_table)
+            k, v = k_all[: num_past + length], v_all[: num_past + length]
+            rows = torch.arange(length, device=q.device)[:, None] + num_past
+            mask = torch.arange(num_past + length, device=q.device)[None, :] <= rows
+        else:
+            mask = None
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1).repeat_interleave(group, dim=0),
+            v.transpose(0, 1).repeat_interleave(group, dim=0),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.scale,
+        )
+        return out.transpose(0, 1)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q [T, H, D]``, ``k``/``v`` ``[T, KVH, D]`` of the flat batch -> ``[T, H, D]``."""
+        ctx = get_context()
+        self._store(k, v, ctx.slot_mapping)
+        outputs = []
+        if ctx.num_decodes:
+            outputs.append(self._decode(q[: ctx.num_decodes], ctx))
+        for chunk in ctx.prefills:
+            part = slice(chunk.start, chunk.start + chunk.length)
+            outputs.append(
+                self._prefill(q[part], k[part], v[part], chunk.num_past, chunk.block_table)
+            )
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)

@@ -1,0 +1,137 @@
+"""Routed experts of a mixture-of-experts block, stored stacked (one tensor per projection).
+
+``w13`` holds each expert's gate rows then up rows (``[E, 2I, H]``), ``w2`` its down
+projection (``[E, H, I]``), either as float weights or in the Volta packed layout with an
+expert dimension in front (``[E, N/32, K/32, 32, 4]`` and ``[E, N/32, K/g, 32, 2]``).
+
+Two ways to run them:
+
+- grouped (eager): sort the (token, expert) pairs by expert, read the expert ids on the host
+  once, and run each chosen expert on its tokens; every expert's weights are read once;
+- gathered (under CUDA graph capture, where the host cannot see the routing): copy the
+  chosen experts' weights into a buffer with ``index_select`` and run one pair at a time.
+  It moves each chosen expert's bytes three times, so the runner only captures MoE decode
+  graphs for small batches.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from onecat.pack.volta_layout import TILE
+from onecat.runtime.layers.linear import LinearWeights
+from onecat.runtime.layers.quant_ops import w4a16_linear
+
+GATE, UP, DOWN = "gate_proj", "up_proj", "down_proj"
+
+
+class FusedExperts(nn.Module):
+    """``num_experts`` SwiGLU experts (hidden -> intermediate -> hidden)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        group_size: int | None,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.group_size = group_size
+        e, h, i = num_experts, hidden_size, intermediate_size
+        for name, (n, k) in (("w13", (2 * i, h)), ("w2", (h, i))):
+            if group_size is None:
+                self._add(name, torch.empty(e, n, k, dtype=dtype))
+            else:
+                self._add(f"{name}_qweight", torch.empty(e, n // TILE, k // TILE, TILE, 4, dtype=torch.int32))
+                self._add(
+                    f"{name}_scales_zeros",
+                    torch.empty(e, n // TILE, k // group_size, TILE, 2, dtype=torch.float16),
+                )
+
+    def _add(self, name: str, tensor: torch.Tensor) -> None:
+        param = nn.Parameter(tensor, requires_grad=False)
+        param.weight_loader = self._load_rows
+        self.register_parameter(name, param)
+
+    @property
+    def is_packed(self) -> bool:
+        """True when the experts compute with the 4-bit kernel."""
+        return self.group_size is not None
+
+    def _load_rows(self, param: torch.Tensor, loaded: torch.Tensor, shard: tuple[int, str]) -> None:
+        expert, which = shard
+        tile = TILE if self.is_packed else 1
+        start = self.intermediate_size // tile if which == UP else 0
+        target = param.data[expert].narrow(0, start, loaded.shape[0])
+        if target.shape != loaded.shape:
+            raise ValueError(f"expert {expert} {which}: expected {tuple(target.shape)}, got {tuple(loaded.shape)}")
+        target.copy_(loaded.to(param.dtype))
+
+    def load_weights(self, expert: int, which: str, weights: LinearWeights) -> None:
+        """Load one expert's ``gate_proj``, ``up_proj`` or ``down_proj``."""
+        name = "w2" if which == DOWN else "w13"
+        if self.is_packed:
+            if not weights.is_packed or weights.group_size != self.group_size:
+                raise ValueError("packed experts need packed weights with their group size")
+            for suffix, tensor in (("qweight", weights.qweight), ("scales_zeros", weights.scales_zeros)):
+                param = getattr(self, f"{name}_{suffix}")
+                param.weight_loader(param, tensor, (expert, which))
+        else:
+            param = getattr(self, name)
+            param.weight_loader(param, weights.dense(), (expert, which))
+
+    def _project(self, x: torch.Tensor, params: dict[str, torch.Tensor], name: str, index: int) -> torch.Tensor:
+        if self.is_packed:
+            qweight, scales_zeros = params[f"{name}_qweight"][index], params[f"{name}_scales_zeros"][index]
+            return w4a16_linear(x, qweight, scales_zeros, self.group_size)
+        return F.linear(x, params[name][index])
+
+    def _expert(self, x: torch.Tensor, params: dict[str, torch.Tensor], index: int) -> torch.Tensor:
+        """SwiGLU of expert ``index`` of the stacked ``params`` on ``x [M, H]``."""
+        gate, up = self._project(x, params, "w13", index).chunk(2, dim=-1)
+        return self._project(F.silu(gate) * up, params, "w2", index)
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]``, routing ``expert_ids``/``weights`` ``[T, k]`` -> weighted sum ``[T, H]``."""
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self._forward_gathered(x, expert_ids, weights)
+        return self._forward_grouped(x, expert_ids, weights)
+
+    def _forward_grouped(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        top_k = expert_ids.shape[1]
+        flat_ids = expert_ids.flatten()
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        flat_weights = weights.flatten()
+        params = dict(self.named_parameters(recurse=False))
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            pairs = order[start : start + count]
+            start += count
+            tokens = pairs // top_k
+            y = self._expert(x[tokens], params, expert) * flat_weights[pairs, None].to(x.dtype)
+            out.index_add_(0, tokens, y)
+        return out
+
+    def _forward_gathered(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        num_tokens, top_k = expert_ids.shape
+        flat_ids = expert_ids.flatten()
+        gathered = {
+            name: param.index_select(0, flat_ids) for name, param in self.named_parameters(recurse=False)
+        }
+        rows = []
+        for pair in range(num_tokens * top_k):
+            token = pair // top_k
+            rows.append(self._expert(x[token : token + 1], gathered, pair))
+        y = torch.cat(rows).view(num_tokens, top_k, -1)
+        return (y * weights[..., None].to(x.dtype)).sum(1)

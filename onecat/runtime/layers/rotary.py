@@ -1,0 +1,36 @@
+"""Partial rotary position embedding (Qwen3.5 rotates the first quarter of each head).
+
+Text-only inputs give Qwen3.5's multimodal RoPE identical temporal, height and width
+positions, which makes it the plain RoPE below: the first ``rotary_dim`` features of a head
+are split into two halves rotated by ``position * inv_freq``; the rest pass through.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class PartialRotaryEmbedding(nn.Module):
+    """Rotate the first ``rotary_dim`` features of q and k by position."""
+
+    def __init__(self, rotary_dim: int, theta: float) -> None:
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = self.rotary_dim // 2
+        x1 = x[..., :half].float()
+        x2 = x[..., half : self.rotary_dim].float()
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        return torch.cat((rotated, x[..., self.rotary_dim :]), dim=-1)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q [T, Hq, D]``, ``k [T, Hk, D]`` at ``positions [T]`` -> rotated (q, k)."""
+        angles = positions.float()[:, None] * self.inv_freq[None, :]  # [T, rotary_dim / 2]
+        cos, sin = angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -1,0 +1,318 @@
+"""Qwen3.5 (dense 27B and MoE 35B-A3B): a hybrid of Gated DeltaNet and gated attention.
+
+Layer ``i`` mixes tokens with Gated DeltaNet (``linear_attention``) or with gated softmax
+attention (``full_attention``, every fourth layer in the released models), then applies a
+SwiGLU MLP or a mixture of experts with a shared expert. Norms are RMSNorms with a
+zero-centred weight, ``x_hat * (1 + w)``.
+
+Module and parameter names follow the text-only checkpoint layout (``model.layers.N....``);
+each :class:`Linear` lists the checkpoint linears it merges in ``sources`` for the loader.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from onecat.runtime.context import get_context
+from onecat.runtime.layers.attention import PagedAttention
+from onecat.runtime.layers.causal_conv import causal_conv1d_chunk, causal_conv1d_step
+from onecat.runtime.layers.delta_rule import gated_delta_rule_chunked, gated_delta_rule_step
+from onecat.runtime.layers.linear import Linear
+from onecat.runtime.layers.moe import FusedExperts
+from onecat.runtime.layers.norm import GatedRMSNorm, RMSNorm
+from onecat.runtime.layers.rotary import PartialRotaryEmbedding
+from onecat.runtime.models.config import ModelConfig
+from onecat.runtime.quant_plan import QuantPlan
+
+
+def merged_linear(
+    plan: QuantPlan,
+    sources: list[str],
+    in_features: int,
+    output_sizes: list[int],
+    dtype: torch.dtype,
+    *,
+    bias: bool = False,
+) -> Linear:
+    """A :class:`Linear` merging ``sources`` (in order), packed when the plan allows it."""
+    group = plan.group_size(sources, output_sizes, in_features)
+    layer = Linear(in_features, output_sizes, bias=bias, group_size=group, dtype=dtype)
+    layer.sources = sources
+    return layer
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
+
+
+class GatedAttention(nn.Module):
+    """Softmax attention whose output is gated per feature by ``sigmoid(gate)``.
+
+    ``q_proj`` yields, head by head, ``head_dim`` query rows then ``head_dim`` gate rows.
+    Queries and keys get a per-head RMSNorm, then partial RoPE.
+    """
+
+    def __init__(self, cfg: ModelConfig, prefix: str, plan: QuantPlan, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = d = cfg.head_dim
+        q_size, kv_size = 2 * self.num_heads * d, self.num_kv_heads * d
+        self.qkv_proj = merged_linear(
+            plan,
+            [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"],
+            cfg.hidden_size,
+            [q_size, kv_size, kv_size],
+            dtype,
+            bias=cfg.attention_bias,
+        )
+        self.o_proj = merged_linear(
+            plan, [f"{prefix}.o_proj"], self.num_heads * d, [cfg.hidden_size], dtype, bias=cfg.attention_bias
+        )
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.rotary = PartialRotaryEmbedding(int(d * cfg.partial_rotary_factor), cfg.rope_theta)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d**-0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, hidden]`` at ``positions [T]`` -> ``[T, hidden]``."""
+        tokens = x.shape[0]
+        q_gate, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        q_gate = q_gate.view(tokens, self.num_heads, 2 * self.head_dim)
+        q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]
+        q = self.q_norm(q)
+        k = self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim))
+        q, k = self.rotary(positions, q, k)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        out = self.attn(q, k, v).reshape(tokens, -1)
+        out = out * torch.sigmoid(gate.reshape(tokens, -1))
+        return self.o_proj(out)
+
+
+class DepthwiseConv(nn.Module):
+    """Holds the short convolution's weight ``[channels, kernel]`` (``[C, 1, K]`` on disk)."""
+
+    def __init__(self, channels: int, kernel: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _param(channels, kernel, dtype=dtype)
+        self.weight.weight_loader = lambda param, loaded, shard=None: param.data.copy_(
+            loaded.reshape(param.shape)
+        )
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention with the gated delta rule (see ``layers/delta_rule.py``).
+
+    ``in_proj_qkv`` gives q, k (per key head) and v (per value head), concatenated; a
+    depthwise causal conv (kernel 4) with SiLU runs over that concatenation. The decay is
+    ``g = -exp(A_log) * softplus(a + dt_bias)`` and the learning rate ``beta = sigmoid(b)``,
+    both in fp32. The output is ``out_proj(norm(o) * silu(z))`` per value head.
+
+    Per sequence the layer carries a conv state ``[C, K-1]`` and a recurrent state
+    ``[H_v, d_k, d_v]`` (fp32) in the slot the scheduler gave it; the runner allocates
+    ``conv_state`` and ``recurrent_state`` for all slots.
+    """
+
+    def __init__(self, cfg: ModelConfig, prefix: str, plan: QuantPlan, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_k_heads = cfg.linear_num_key_heads
+        self.num_v_heads = cfg.linear_num_value_heads
+        self.head_k_dim = cfg.linear_key_head_dim
+        self.head_v_dim = cfg.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        hidden = cfg.hidden_size
+        self.in_proj_qkvz = merged_linear(
+            plan,
+            [f"{prefix}.in_proj_qkv", f"{prefix}.in_proj_z"],
+            hidden,
+            [self.conv_dim, self.value_dim],
+            dtype,
+        )
+        self.in_proj_ba = merged_linear(
+            plan,
+            [f"{prefix}.in_proj_b", f"{prefix}.in_proj_a"],
+            hidden,
+            [self.num_v_heads, self.num_v_heads],
+            dtype,
+        )
+        self.conv1d = DepthwiseConv(self.conv_dim, cfg.linear_conv_kernel_dim, dtype)
+        self.A_log = _param(self.num_v_heads, dtype=torch.float32)
+        self.dt_bias = _param(self.num_v_heads, dtype=torch.float32)
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
+        self.out_proj = merged_linear(plan, [f"{prefix}.out_proj"], self.value_dim, [hidden], dtype)
+        self.conv_state = torch.empty(0)  # [slots, C, K-1], set by the model runner
+        self.recurrent_state = torch.empty(0)  # [slots, H_v, d_k, d_v] fp32
+
+    def _split_heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        shape = mixed.shape[:-1]
+        return (
+            q.reshape(*shape, self.num_k_heads, self.head_k_dim),
+            k.reshape(*shape, self.num_k_heads, self.head_k_dim),
+            v.reshape(*shape, self.num_v_heads, self.head_v_dim),
+        )
+
+    def _states(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.conv_state.numel() == 0:  # memory-profiling pass: no states yet
+            n = slots.shape[0]
+            conv = torch.zeros(n, self.conv_dim, self.conv1d.weight.shape[1] - 1, device=slots.device)
+            rec = torch.zeros(n, self.num_v_heads, self.head_k_dim, self.head_v_dim, device=slots.device)
+            return conv, rec
+        return self.conv_state[slots], self.recurrent_state[slots]
+
+    def _save_states(self, slots: torch.Tensor, conv: torch.Tensor, rec: torch.Tensor) -> None:
+        if self.conv_state.numel():
+            self.conv_state.index_copy_(0, slots, conv.to(self.conv_state.dtype))
+            self.recurrent_state.index_copy_(0, slots, rec)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, hidden]`` -> ``[T, hidden]`` (positions unused: the state carries order)."""
+        ctx = get_context()
+        mixed, z = self.in_proj_qkvz(x).split(self.in_proj_qkvz.output_sizes, dim=-1)
+        b, a = self.in_proj_ba(x).split(self.num_v_heads, dim=-1)
+        beta = torch.sigmoid(b)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        weight = self.conv1d.weight
+        outputs = []
+        if ctx.num_decodes:
+            n = ctx.num_decodes
+            slots = ctx.decode_state_slots
+            conv_state, rec_state = self._states(slots)
+            mixed_d, conv_state = causal_conv1d_step(mixed[:n], conv_state, weight)
+            q, k, v = self._split_heads(mixed_d)
+            out, rec_state = gated_delta_rule_step(q, k, v, g[:n], beta[:n], rec_state)
+            self._save_states(slots, conv_state, rec_state)
+            outputs.append(out)
+        for chunk in ctx.prefills:
+            part = slice(chunk.start, chunk.start + chunk.length)
+            slot = torch.tensor([chunk.state_slot], device=x.device)
+            conv_state, rec_state = self._states(slot)
+            mixed_c, conv_state = causal_conv1d_chunk(mixed[part], conv_state[0], weight)
+            q, k, v = self._split_heads(mixed_c)
+            out, rec_state = gated_delta_rule_chunked(q, k, v, g[part], beta[part], rec_state[0])
+            self._save_states(slot, conv_state[None], rec_state[None])
+            outputs.append(out)
+        core = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        core = self.norm(core, z.reshape(core.shape))
+        return self.out_proj(core.reshape(x.shape[0], self.value_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up merged."""
+
+    def __init__(self, hidden: int, intermediate: int, prefix: str, plan: QuantPlan, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = merged_linear(
+            plan, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], hidden, [intermediate] * 2, dtype
+        )
+        self.down_proj = merged_linear(plan, [f"{prefix}.down_proj"], intermediate, [hidden], dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, hidden]`` -> ``[T, hidden]``."""
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed experts (softmax router, renormalised top-k weights) plus a shared expert
+    scaled by ``sigmoid(shared_expert_gate(x))``."""
+
+    def __init__(self, cfg: ModelConfig, prefix: str, plan: QuantPlan, dtype: torch.dtype) -> None:
+        super().__init__()
+        hidden = cfg.hidden_size
+        self.top_k = cfg.num_experts_per_tok
+        self.gate = merged_linear(plan, [f"{prefix}.gate"], hidden, [cfg.num_experts], dtype)
+        expert_sources = [
+            f"{prefix}.experts.{e}.{which}"
+            for e in range(cfg.num_experts)
+            for which in ("gate_proj", "up_proj", "down_proj")
+        ]
+        group = plan.group_size(expert_sources, [cfg.moe_intermediate_size], hidden)
+        if group is not None and plan.group_size(expert_sources, [hidden], cfg.moe_intermediate_size) is None:
+            group = None
+        self.experts = FusedExperts(
+            cfg.num_experts, hidden, cfg.moe_intermediate_size, group_size=group, dtype=dtype
+        )
+        self.experts.prefix = f"{prefix}.experts"
+        self.shared_expert = MLP(
+            hidden, cfg.shared_expert_intermediate_size, f"{prefix}.shared_expert", plan, dtype
+        )
+        self.shared_expert_gate = merged_linear(plan, [f"{prefix}.shared_expert_gate"], hidden, [1], dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, hidden]`` -> ``[T, hidden]``."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        routed = self.experts(x, expert_ids, weights.to(x.dtype))
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: token mixer (GDN or gated attention), then MLP or MoE."""
+
+    def __init__(self, cfg: ModelConfig, index: int, plan: QuantPlan, dtype: torch.dtype) -> None:
+        super().__init__()
+        prefix = f"model.layers.{index}"
+        self.layer_type = cfg.layer_types[index]
+        if self.layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg, f"{prefix}.linear_attn", plan, dtype)
+        else:
+            self.self_attn = GatedAttention(cfg, f"{prefix}.self_attn", plan, dtype)
+        if cfg.is_moe:
+            self.mlp = SparseMoE(cfg, f"{prefix}.mlp", plan, dtype)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, f"{prefix}.mlp", plan, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """One layer on the flat batch ``x [T, hidden]``."""
+        mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
+        x = x + mixer(positions, self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3_5Model(nn.Module):
+    """Embedding, decoder layers and the final norm."""
+
+    def __init__(self, cfg: ModelConfig, plan: QuantPlan, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, plan, dtype) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token ids ``[T]`` -> final hidden states ``[T, hidden]``."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.norm(x)
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    """The language model and its (untied by default) output projection."""
+
+    def __init__(self, cfg: ModelConfig, plan: QuantPlan, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Qwen3_5Model(cfg, plan, dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
+            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.sources = []
+        else:
+            self.lm_head = merged_linear(plan, ["lm_head"], cfg.hidden_size, [cfg.vocab_size], dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` of the flat batch (see ``onecat.runtime.context``)."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[N, vocab]`` of the given hidden states."""
+        return self.lm_head(hidden)
