@@ -1,0 +1,172 @@
+"""The FastAPI application: OpenAI routes, health, version, metrics, API key and errors.
+
+Every error leaves as an OpenAI-style body ``{"error": {"message", "type", "param",
+"code"}}``: request validation (malformed JSON, wrong types) and engine refusals as 400, a
+missing or wrong API key as 401, a full queue as 429, a failed engine as 503. When an API
+key is set it guards the ``/v1`` routes (as vLLM's ``--api-key`` does); /health, /version
+and /metrics stay open for probes and scrapers.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import onecat
+from onecat.runtime.server.api_errors import APIError, error_body
+from onecat.runtime.server.async_engine import AsyncEngine
+from onecat.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
+from onecat.runtime.server.openai_serving import OpenAIServing, Submitted
+from onecat.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger(__name__)
+
+
+class _APIKeyMiddleware:
+    """Answers 401 to /v1 requests without ``Authorization: Bearer <key>`` (pure ASGI, so
+    streamed responses and disconnect detection pass through untouched)."""
+
+    def __init__(self, app: ASGIApp, api_key: str, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                self.metrics.request_errors.labels("401").inc()
+                message = "missing API key" if not given else "invalid API key"
+                body = error_body(
+                    f"{message}: send the header 'Authorization: Bearer <key>' with the server's --api-key",
+                    type="authentication_error",
+                    code="invalid_api_key",
+                )
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _AbortingStreamingResponse(StreamingResponse):
+    """A streamed response that aborts its engine request however it ends (client gone,
+    error, cancellation), so that the request's KV blocks and state slot are freed."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """A readable message and the offending parameter for pydantic validation errors."""
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return f"the request body is not valid JSON: {detail}".rstrip(": "), None
+    parts = []
+    for err in errors[:3]:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}")
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    return "invalid request: " + "; ".join(parts) + more, (loc[0] if loc else None)
+
+
+def create_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
+    """The OpenAI-compatible app serving ``engine`` (whose thread the caller starts/stops)."""
+    app = FastAPI(title="onecat", version=onecat.__version__)
+    metrics = ServerMetrics(engine.stats)
+    serving = OpenAIServing(engine, metrics)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    created = int(time.time())
+    if api_key:
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key, metrics=metrics)
+
+    def error_response(status: int, body: dict[str, Any]) -> JSONResponse:
+        metrics.request_errors.labels(str(status)).inc()
+        headers = {"Retry-After": "1"} if status == 429 else None
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.body())
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(list(exc.errors()))
+        return error_response(400, error_body(message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, error_body(str(exc.detail), type=kind))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error while serving %s", request.url.path)
+        return error_response(500, error_body(f"internal error: {exc!r}", type="server_error"))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if engine.error is not None:
+            body = error_body(f"the engine failed: {engine.error!r}", type="server_error")
+            return JSONResponse(body, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": onecat.__version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": engine.model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "onecat",
+            "root": str(getattr(engine.engine, "model_path", engine.model_name)),
+            "max_model_len": engine.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    def streamed(events: AsyncIterator[str], sub: Submitted) -> StreamingResponse:
+        def on_close() -> None:
+            if not sub.stream.finished:
+                engine.abort(sub.request_id)
+
+        return _AbortingStreamingResponse(events, on_close)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        sub = await serving.prepare_completion(body)
+        if body.stream:
+            return streamed(serving.completion_events(sub), sub)
+        return JSONResponse(await serving.completion_body(sub, request.is_disconnected))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        sub = await serving.prepare_chat(body)
+        if body.stream:
+            return streamed(serving.chat_events(sub), sub)
+        return JSONResponse(await serving.chat_body(sub, request.is_disconnected))
+
+    return app

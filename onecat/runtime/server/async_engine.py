@@ -1,0 +1,259 @@
+"""The bridge between asyncio request handlers and the single-threaded ``LLMEngine``.
+
+One background thread ("onecat-engine") owns the engine: it is the only thread that calls
+its methods. Handlers send it commands (add, abort, stop) through a thread-safe queue; it
+answers each add with a future (so that the engine's own validation, e.g. a prompt longer
+than max_model_len, reaches the client as a 400 before any byte is streamed), runs
+``engine.step()`` while requests are unfinished, and hands every ``RequestOutput`` to the
+request's ``RequestStream`` on the handler's event loop (``call_soon_threadsafe``).
+After every iteration it publishes a snapshot of ``engine.stats()`` for /metrics and the
+queue limit. When idle it blocks on the command queue (no busy polling).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(Exception):
+    """The bounded waiting queue is full; the server answers 429."""
+
+
+class EngineDeadError(Exception):
+    """The engine failed (or is shutting down); requests cannot be served."""
+
+
+_END = object()  # pushed to a stream whose request was aborted: iteration ends quietly
+
+
+class RequestStream:
+    """The outputs of one request, consumed by one asyncio task with ``async for``.
+
+    Iteration yields ``RequestOutput`` objects and ends after the one with ``finished``; it
+    raises ``EngineDeadError`` if the engine fails meanwhile.
+    """
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.finished = False
+        self._items: asyncio.Queue[Any] = asyncio.Queue()
+
+    def push(self, item: Any) -> None:
+        """Queue an output, an exception or the end marker (called on ``self.loop``)."""
+        self._items.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._items.get()
+        if item is _END:
+            self.finished = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: Any
+    stream: RequestStream
+    accepted: asyncio.Future
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+_STOP = object()
+
+
+def _call_on_loop(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
+    """Run ``fn(*args)`` on ``loop`` from another thread; a closed loop is ignored."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the event loop has been closed: nobody is listening any more
+        pass
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():  # the handler was cancelled (client gone) meanwhile
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+class AsyncEngine:
+    """Runs an ``LLMEngine`` in a background thread for asyncio request handlers.
+
+    ``max_queue_len`` bounds the requests accepted but not yet running (the engine's
+    waiting queue plus adds in flight); one more raises ``QueueFullError``.
+    """
+
+    def __init__(self, engine: Any, *, max_queue_len: int = 512) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name: str = engine.model_name
+        self.max_model_len: int = engine.max_model_len
+        self.max_queue_len = max_queue_len
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # touched by the engine thread only
+        self._lock = threading.Lock()
+        self._pending_adds = 0
+        self._stats: dict[str, int] = dict(engine.stats())
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="onecat-engine", daemon=True)
+
+    # ----- called from request handlers (any thread / event loop) -----------------------
+
+    def start(self) -> None:
+        """Start the engine thread."""
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort every request, stop the engine thread and wait for it."""
+        if self._thread.is_alive():
+            self._commands.put(_STOP)
+            self._thread.join(timeout)
+
+    @property
+    def error(self) -> BaseException | None:
+        """The exception that killed the engine, or None while it is healthy."""
+        return self._error
+
+    def stats(self) -> dict[str, int]:
+        """The latest ``engine.stats()`` snapshot (running, waiting, KV blocks, state slots,
+        token totals), published by the engine thread after each iteration."""
+        with self._lock:
+            return dict(self._stats)
+
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any) -> RequestStream:
+        """Submit a request; returns its stream once the engine has accepted it.
+
+        Raises QueueFullError when the waiting queue is full, EngineDeadError when the engine
+        has failed, and whatever ``engine.add_request`` raised (RequestError for bad input).
+        """
+        if self._error is not None or not self._thread.is_alive():
+            raise EngineDeadError(f"the engine is not running: {self._error or 'stopped'}")
+        with self._lock:
+            queued = self._pending_adds + self._stats.get("waiting", 0)
+            if queued >= self.max_queue_len:
+                raise QueueFullError(
+                    f"the server's queue is full ({queued} requests waiting, --max-queue-len "
+                    f"{self.max_queue_len}); retry later"
+                )
+            self._pending_adds += 1
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, loop)
+        accepted = loop.create_future()
+        self._commands.put(_Add(request_id, list(prompt_token_ids), params, stream, accepted))
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the client left while the engine was accepting it
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op once it has finished); frees its KV blocks and state slot."""
+        self._commands.put(_Abort(request_id))
+
+    # ----- the engine thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            busy = self._error is None and self.engine.has_unfinished_requests()
+            for command in self._drain(block=not busy):
+                if command is _STOP:
+                    self._abort_all(EngineDeadError("the server is shutting down"))
+                    return
+                if isinstance(command, _Add):
+                    self._add(command)
+                else:
+                    self._abort(command.request_id)
+            if self._error is None and self.engine.has_unfinished_requests():
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:  # the engine's state is unknown now: stop serving
+                    logger.exception("engine step failed; the server stops accepting requests")
+                    self._error = exc
+                    self._abort_all(EngineDeadError(f"the engine failed: {exc!r}"))
+                else:
+                    self._dispatch(outputs)
+            self._publish_stats()
+
+    def _drain(self, block: bool) -> list[Any]:
+        commands = [self._commands.get()] if block else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _add(self, command: _Add) -> None:
+        stream = command.stream
+        error: BaseException | None = None
+        if self._error is not None:
+            error = EngineDeadError(f"the engine failed: {self._error!r}")
+        else:
+            try:
+                self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+            except Exception as exc:  # RequestError (bad input) or a bug: the handler decides
+                error = exc
+            else:
+                self._streams[command.request_id] = stream
+        with self._lock:
+            self._pending_adds -= 1
+        _call_on_loop(stream.loop, _settle, command.accepted, error)
+
+    def _abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:  # already finished (or never accepted): nothing holds resources
+            return
+        self.engine.abort_request(request_id)
+        _call_on_loop(stream.loop, stream.push, _END)
+
+    def _abort_all(self, reason: BaseException) -> None:
+        for request_id, stream in list(self._streams.items()):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # a failed engine may not abort cleanly; the clients still learn
+                logger.exception("could not abort %s", request_id)
+            _call_on_loop(stream.loop, stream.push, reason)
+        self._streams.clear()
+
+    def _dispatch(self, outputs: list[Any]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+            _call_on_loop(stream.loop, stream.push, output)
+
+    def _publish_stats(self) -> None:
+        try:
+            stats = dict(self.engine.stats())
+        except Exception:  # a failed engine: keep the last snapshot
+            return
+        with self._lock:
+            self._stats = stats

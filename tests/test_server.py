@@ -1,0 +1,331 @@
+"""`onecat serve` end to end on CPU: a real uvicorn server on a free loopback port serving the
+real engine on a tiny random Qwen3.5 (full-attention KV blocks and GDN state slots), driven
+by httpx and the official openai client. Covers the OpenAI endpoints, SSE framing, bad
+input, the API key, a full queue, client disconnects and 64 concurrent streaming clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from onecat.runtime.config import EngineConfig  # noqa: E402
+
+from onecat.runtime.engine import LLMEngine  # noqa: E402
+from onecat.runtime.server.launcher import BackgroundServer  # noqa: E402
+from onecat.runtime.server.prompts import chat_token_ids  # noqa: E402
+from onecat.tiny import build_tiny_model  # noqa: E402
+
+API_KEY = "test-key"
+MODEL = "tiny-qwen3_5"
+MAX_MODEL_LEN = 256
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+HELLO = [{"role": "user", "content": "Hello, who are you?"}]
+
+
+def make_engine(model_dir, **overrides) -> LLMEngine:
+    config = dict(
+        model=str(model_dir), device="cpu", max_model_len=MAX_MODEL_LEN, served_model_name=MODEL
+    )
+    config.update(overrides)
+    return LLMEngine(EngineConfig(**config))
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return build_tiny_model("qwen3_5", tmp_path_factory.mktemp("server") / "tiny-qwen3_5")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    with BackgroundServer(make_engine(tiny_model, max_num_seqs=64), api_key=API_KEY) as srv:
+        yield srv
+
+
+@pytest.fixture
+def client(server):
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:
+        yield c
+
+
+def wait_idle(server, timeout: float = 15.0) -> dict[str, int]:
+    """The engine stats once nothing runs or waits (fails the test after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = server.async_engine.stats()
+        if stats["running"] == 0 and stats["waiting"] == 0:
+            return stats
+        assert time.monotonic() < deadline, f"engine still busy: {stats}"
+        time.sleep(0.02)
+
+
+def assert_all_free(stats: dict[str, int]) -> None:
+    assert stats["free_kv_blocks"] == stats["total_kv_blocks"] > 0, stats
+    assert stats["free_state_slots"] == stats["total_state_slots"] > 0, stats
+
+
+def sse_payloads(lines: list[str]) -> list[str]:
+    """The ``data:`` payloads of an SSE body, checking OpenAI's framing on the way."""
+    payloads = []
+    for i, line in enumerate(lines):
+        if not line:
+            continue
+        assert line.startswith("data: "), f"line {i} is not an SSE data line: {line!r}"
+        assert i + 1 < len(lines) and lines[i + 1] == "", "events must be separated by a blank line"
+        payloads.append(line[len("data: ") :])
+    assert payloads and payloads[-1] == "[DONE]", "the stream must end with data: [DONE]"
+    assert "[DONE]" not in payloads[:-1]
+    return payloads[:-1]
+
+
+def stream_lines(client: httpx.Client, path: str, body: dict) -> list[str]:
+    with client.stream("POST", path, json=body) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        return list(response.iter_lines())
+
+
+# ----- endpoints --------------------------------------------------------------------------
+
+
+def test_models_health_version_metrics(client, server):
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    assert client.get("/health").status_code == 200
+    assert client.get("/version").json()["version"]
+    metrics = client.get("/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    stats = server.async_engine.stats()
+    text = metrics.text
+    assert f"onecat:kv_blocks_total {float(stats['total_kv_blocks'])}" in text
+    for name in (
+        "onecat:num_requests_running",
+        "onecat:num_requests_waiting",
+        "onecat:kv_blocks_free",
+        "onecat:state_slots_free",
+        "onecat:prompt_tokens_total",
+        "onecat:generation_tokens_total",
+    ):
+        assert f"\n{name} " in text, name
+
+
+def test_chat_completion_with_openai_client(server, tiny_model):
+    openai = pytest.importorskip("openai")
+    oc = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+    reply = oc.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, temperature=0)
+    assert reply.object == "chat.completion"
+    assert reply.model == MODEL
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    tokenizer = server.async_engine.tokenizer
+    assert reply.usage.prompt_tokens == len(chat_token_ids(tokenizer, HELLO))
+    assert 1 <= reply.usage.completion_tokens <= 6
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    if choice.finish_reason == "length":
+        assert reply.usage.completion_tokens == 6
+
+    chunks = list(
+        oc.chat.completions.create(
+            model=MODEL,
+            messages=HELLO,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == choice.message.content, "greedy: streamed text equals the full response"
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+
+
+def test_chat_stream_framing(client):
+    body = {
+        "model": MODEL,
+        "messages": HELLO,
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    chunks = [json.loads(p) for p in sse_payloads(stream_lines(client, "/v1/chat/completions", body))]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    *content, usage_chunk = chunks
+    finishes = [c["choices"][0]["finish_reason"] for c in content if c["choices"][0]["finish_reason"]]
+    assert len(finishes) == 1 and content[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert usage_chunk["choices"] == []
+    usage = usage_chunk["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert 1 <= usage["completion_tokens"] <= 8
+
+    full = client.post("/v1/chat/completions", json={**body, "stream": False, "stream_options": None})
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in content)
+    assert full.json()["choices"][0]["message"]["content"] == text
+
+
+def test_completions_text_and_token_prompt(client, server):
+    body = {"model": MODEL, "prompt": "def main():", "max_tokens": 5, "temperature": 0}
+    reply = client.post("/v1/completions", json=body).json()
+    assert reply["object"] == "text_completion"
+    assert reply["choices"][0]["finish_reason"] in ("stop", "length")
+    token_ids = server.async_engine.tokenizer.encode("def main():")
+    by_ids = client.post("/v1/completions", json={**body, "prompt": token_ids}).json()
+    assert by_ids["choices"][0]["text"] == reply["choices"][0]["text"]
+    assert by_ids["usage"]["prompt_tokens"] == len(token_ids)
+
+    events = sse_payloads(stream_lines(client, "/v1/completions", {**body, "stream": True}))
+    chunks = [json.loads(p) for p in events]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == reply["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == reply["choices"][0]["finish_reason"]
+
+
+# ----- bad input ----------------------------------------------------------------------------
+
+LONG = "word " * (MAX_MODEL_LEN * 2)
+BAD_REQUESTS = {
+    "malformed json": (b'{"model": "tiny-qwen3_5", "messages": [', None),
+    "messages not a list": (json.dumps({"messages": "hello"}), "messages"),
+    "max_tokens not an int": (json.dumps({"messages": HELLO, "max_tokens": "many"}), "max_tokens"),
+    "temperature negative": (json.dumps({"messages": HELLO, "temperature": -1}), "temperature"),
+    "unknown role": (json.dumps({"messages": [{"role": "robot", "content": "x"}]}), "messages"),
+    "unknown model": (json.dumps({"model": "gpt-9", "messages": HELLO}), "model"),
+    "prompt too long": (json.dumps({"messages": [{"role": "user", "content": LONG}]}), None),
+    "max_tokens beyond the limit": (json.dumps({"messages": HELLO, "max_tokens": MAX_MODEL_LEN}), None),
+    "n > 1": (json.dumps({"messages": HELLO, "n": 2}), "n"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_request_is_400_and_server_keeps_serving(client, server, case):
+    content, param = BAD_REQUESTS[case]
+    response = client.post(
+        "/v1/chat/completions", content=content, headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    if case == "unknown model":
+        assert error["code"] == "model_not_found"
+    ok = client.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+    assert_all_free(wait_idle(server))
+
+
+def test_completion_prompt_too_long_and_bad_token_ids(client):
+    for prompt in (LONG, [10**9], list(range(5)) * MAX_MODEL_LEN):
+        response = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_api_key_is_required(server):
+    path, body = "/v1/chat/completions", {"messages": HELLO, "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        response = httpx.post(server.url + path, json=body, headers=headers)
+        assert response.status_code == 401, headers
+        assert response.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    assert httpx.get(server.url + "/health").status_code == 200  # probes need no key
+    assert httpx.post(server.url + path, json=body, headers=AUTH).status_code == 200
+
+
+# ----- faults -------------------------------------------------------------------------------
+
+
+def test_client_disconnect_mid_stream_frees_blocks_and_slots(client, server):
+    wait_idle(server)
+    before = server.async_engine.stats()["generation_tokens_total"]
+    max_tokens = MAX_MODEL_LEN - 64
+    body = {"messages": HELLO, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        seen = 0
+        for line in response.iter_lines():
+            seen += line.startswith("data: ")
+            if seen == 4:
+                assert server.async_engine.stats()["running"] == 1
+                break  # leaving the block closes the connection mid-stream
+    stats = wait_idle(server)
+    assert_all_free(stats)
+    generated = stats["generation_tokens_total"] - before
+    assert generated < max_tokens, "the request ran to the end instead of being aborted"
+
+
+def test_full_queue_answers_429(tiny_model):
+    engine = make_engine(tiny_model, max_num_seqs=1)
+    with BackgroundServer(engine, max_queue_len=1) as srv:
+
+        async def one(client: httpx.AsyncClient) -> httpx.Response:
+            body = {"messages": HELLO, "max_tokens": 32, "ignore_eos": True}
+            return await client.post("/v1/chat/completions", json=body)
+
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=srv.url, timeout=60) as client:
+                return await asyncio.gather(*(one(client) for _ in range(8)))
+
+        responses = asyncio.run(burst())
+        statuses = [r.status_code for r in responses]
+        assert set(statuses) <= {200, 429}, statuses
+        assert statuses.count(200) >= 1 and statuses.count(429) >= 1, statuses
+        refused = next(r for r in responses if r.status_code == 429)
+        assert refused.json()["error"]["code"] == "queue_full"
+        assert refused.headers["retry-after"]
+        after = httpx.post(srv.url + "/v1/chat/completions", json={"messages": HELLO, "max_tokens": 1})
+        assert after.status_code == 200, "the server serves again once the queue drains"
+        assert_all_free(wait_idle(srv))
+
+
+def test_64_concurrent_streaming_clients(server):
+    num_clients, max_tokens = 64, 8
+
+    async def one(client: httpx.AsyncClient, i: int) -> dict:
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"Client {i}: tell me about lists."}],
+            "max_tokens": max_tokens,
+            "temperature": 0.8,
+            "seed": i,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = [line async for line in response.aiter_lines()]
+        chunks = [json.loads(p) for p in sse_payloads(lines)]
+        finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+        return {"finish": [f for f in finish if f], "usage": chunks[-1]["usage"]}
+
+    async def run_all() -> list[dict]:
+        limits = httpx.Limits(max_connections=num_clients)
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120, limits=limits) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(num_clients)))
+
+    wait_idle(server)
+    before = server.async_engine.stats()
+    results = asyncio.run(run_all())
+    assert len(results) == num_clients
+    for result in results:
+        assert len(result["finish"]) == 1 and result["finish"][0] in ("stop", "length")
+        assert 1 <= result["usage"]["completion_tokens"] <= max_tokens
+        if result["finish"][0] == "length":
+            assert result["usage"]["completion_tokens"] == max_tokens
+    stats = wait_idle(server)
+    assert_all_free(stats)
+    generated = stats["generation_tokens_total"] - before["generation_tokens_total"]
+    assert generated == sum(r["usage"]["completion_tokens"] for r in results)
