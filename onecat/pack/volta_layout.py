@@ -44,8 +44,8 @@ NIBBLE_K_OFFSET = (0, 2, 4, 6, 1, 3, 5, 7)
 """Nibble j of a word holds k offset NIBBLE_K_OFFSET[j] within the word's 8 k values."""
 
 # Byte b of a little-endian word holds nibbles 2b (low half) and 2b+1 (high half).
-_LOW_NIBBLE_K = [NIBBLE_K_OFFSET[2 * b] for b in range(4)]  # [0, 4, 1, 5]
-_HIGH_NIBBLE_K = [NIBBLE_K_OFFSET[2 * b + 1] for b in range(4)]  # [2, 6, 3, 7]
+_NIBBLE_K = torch.tensor(NIBBLE_K_OFFSET, dtype=torch.int64)  # nibble j -> k offset
+_K_NIBBLE = torch.argsort(_NIBBLE_K)  # k offset -> nibble j
 
 if sys.byteorder != "little":  # pragma: no cover - every CUDA host is little-endian
     raise ImportError("onecat's packed layout code assumes a little-endian host")
@@ -157,9 +157,8 @@ def pack_volta(
     lanes = LANE_COLUMNS.to(q.device)
     # [N/32, 32 columns, K/32, 4 words, 8 k] -> lane order -> [N/32, K/32, 32 lanes, 4, 8]
     v = q.reshape(tiles_n, TILE, tiles_k, 4, 8).index_select(1, lanes).permute(0, 2, 1, 3, 4)
-    low = v[..., _LOW_NIBBLE_K]
-    high = v[..., _HIGH_NIBBLE_K]
-    packed_bytes = (low | (high << 4)).contiguous()  # [.., 4 words, 4 bytes], uint8
+    nibbles = v.index_select(-1, _NIBBLE_K.to(q.device)).reshape(*v.shape[:-1], 4, 2)
+    packed_bytes = nibbles[..., 0] | (nibbles[..., 1] << 4)  # [.., 4 words, 4 bytes], uint8
     qweight = packed_bytes.view(torch.int32).reshape(tiles_n, tiles_k, TILE, 4)
 
     nzs = negative_zero_times_scale(zeros, scales)
@@ -196,9 +195,8 @@ def unpack_volta_weights(qweight: torch.Tensor) -> torch.Tensor:
     """The 4-bit integers ``q [N, K]`` (uint8) of a packed ``qweight``."""
     tiles_n, tiles_k = qweight.shape[:2]
     b = qweight.contiguous().view(torch.uint8).reshape(tiles_n, tiles_k, TILE, 4, 4)
-    v = torch.empty(tiles_n, tiles_k, TILE, 4, 8, dtype=torch.uint8, device=qweight.device)
-    v[..., _LOW_NIBBLE_K] = b & 0xF
-    v[..., _HIGH_NIBBLE_K] = b >> 4
+    nibbles = torch.stack([b & 0xF, b >> 4], dim=-1).reshape(tiles_n, tiles_k, TILE, 4, 8)
+    v = nibbles.index_select(-1, _K_NIBBLE.to(qweight.device))  # k order
     # [N/32, K/32, lanes, 4, 8] -> [N/32, lanes, K/32, 4, 8] -> columns
     v = v.permute(0, 2, 1, 3, 4).index_select(1, COLUMN_LANES.to(qweight.device))
     return v.reshape(tiles_n * TILE, tiles_k * TILE)
