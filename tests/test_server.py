@@ -17,7 +17,6 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from onecat.runtime.config import EngineConfig  # noqa: E402
-
 from onecat.runtime.engine import LLMEngine  # noqa: E402
 from onecat.runtime.server.launcher import BackgroundServer  # noqa: E402
 from onecat.runtime.server.prompts import chat_token_ids  # noqa: E402

@@ -121,6 +121,7 @@ class AsyncEngine:
         self._pending_adds = 0
         self._stats: dict[str, int] = dict(engine.stats())
         self._error: BaseException | None = None
+        self._inbox: list[Any] = []  # commands drained from the queue, not yet handled
         self._thread = threading.Thread(target=self._run, name="onecat-engine", daemon=True)
 
     # ----- called from request handlers (any thread / event loop) -----------------------
@@ -181,25 +182,36 @@ class AsyncEngine:
 
     def _run(self) -> None:
         while True:
-            busy = self._error is None and self.engine.has_unfinished_requests()
-            for command in self._drain(block=not busy):
-                if command is _STOP:
-                    self._abort_all(EngineDeadError("the server is shutting down"))
+            try:
+                if not self._iterate():
                     return
-                if isinstance(command, _Add):
-                    self._add(command)
-                else:
-                    self._abort(command.request_id)
-            if self._error is None and self.engine.has_unfinished_requests():
-                try:
-                    outputs = self.engine.step()
-                except Exception as exc:  # the engine's state is unknown now: stop serving
-                    logger.exception("engine step failed; the server stops accepting requests")
-                    self._error = exc
-                    self._abort_all(EngineDeadError(f"the engine failed: {exc!r}"))
-                else:
-                    self._dispatch(outputs)
+            except Exception as exc:  # the engine's state is unknown now: stop serving
+                logger.exception("the engine failed; the server stops accepting requests")
+                self._error = exc
+                self._abort_all(EngineDeadError(f"the engine failed: {exc!r}"))
+                while self._inbox:  # commands drained but not handled: refuse their adds
+                    command = self._inbox.pop(0)
+                    if isinstance(command, _Add):
+                        self._add(command)
             self._publish_stats()
+
+    def _iterate(self) -> bool:
+        """Handle the queued commands, then run one engine step if anything is unfinished.
+        Returns False once asked to stop."""
+        busy = self._error is None and self.engine.has_unfinished_requests()
+        self._inbox = self._drain(block=not busy)
+        while self._inbox:
+            command = self._inbox.pop(0)
+            if command is _STOP:
+                self._abort_all(EngineDeadError("the server is shutting down"))
+                return False
+            if isinstance(command, _Add):
+                self._add(command)
+            else:
+                self._abort(command.request_id)
+        if self._error is None and self.engine.has_unfinished_requests():
+            self._dispatch(self.engine.step())
+        return True
 
     def _drain(self, block: bool) -> list[Any]:
         commands = [self._commands.get()] if block else []
