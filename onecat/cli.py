@@ -140,6 +140,7 @@ def generate(artifact: str, prompt: str, chat: bool, max_tokens: int, temperatur
     import time
 
     from onecat.runtime.engine import LLMEngine
+    from onecat.runtime.errors import RequestError
     from onecat.runtime.sampling_params import SamplingParams
     from onecat.runtime.server.prompts import chat_token_ids
 
@@ -150,7 +151,10 @@ def generate(artifact: str, prompt: str, chat: bool, max_tokens: int, temperatur
     if chat:
         request = chat_token_ids(engine.tokenizer, [{"role": "user", "content": prompt}])
     start = time.perf_counter()
-    text = engine.generate([request], params)[0]
+    try:
+        text = engine.generate([request], params)[0]
+    except RequestError as exc:
+        raise OnecatError(f"{exc} (adjust --prompt, --max-tokens or --max-model-len)") from exc
     click.echo(text)
     click.secho(f"[{time.perf_counter() - start:.2f} s, {engine.model_name}]", fg="cyan", err=True)
 
