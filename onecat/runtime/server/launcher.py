@@ -61,6 +61,8 @@ def serve(
     async_engine.start()
     try:
         _uvicorn_server(create_app(async_engine, api_key=api_key), log_level).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: a normal way to stop
+        pass
     finally:
         async_engine.shutdown()
         sock.close()
