@@ -66,7 +66,99 @@ def eval_command(model: str, text: str, tokens: int, ctx: int) -> None:
 # --- pack (onecat.pack) ----------------------------------------------------------------
 
 
+@main.command("pack")
+@click.argument("src", type=click.Path(exists=True, file_okay=False))
+@click.option("--out", "out", required=True, type=click.Path(), help="Artifact directory to write.")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
+@_friendly
+def pack_command(src: str, out: str, overwrite: bool, no_progress: bool) -> None:
+    """Pack an AutoAWQ GEMM or compressed-tensors 4-bit checkpoint into the Volta layout."""
+    import json
+    import logging
+
+    from onecat.pack.writer import MANIFEST_NAME, pack_checkpoint
+
+    logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
+    path = pack_checkpoint(src, out, overwrite=overwrite, show_progress=not no_progress)
+    summary = json.loads((path / MANIFEST_NAME).read_text())["summary"]
+    click.echo(
+        f"{path}: {summary['packed_linears']} linears packed, "
+        f"{summary['kept_fp16_linears']} kept fp16, {summary['copied_tensors']} tensors copied, "
+        f"{summary['tensor_bytes'] / 1e9:.3f} GB in {summary['shards']} shard(s)"
+    )
+
+
 # --- build-kernels / tune / doctor (onecat.kernels) --------------------------------------
+
+@main.command("build-kernels")
+@click.option("--arch", default="sm_70", show_default=True, help="Target GPU architecture.")
+@click.option("--out", "out", required=True, type=click.Path(), help="Directory to write.")
+@_friendly
+def build_kernels_command(arch: str, out: str) -> None:
+    """Pre-build the kernels as PTX (compute_XY) and cubins (sm_XY) for ONECAT_KERNEL_DIR."""
+    from onecat.kernels.build import build_all
+
+    for compiled in build_all(arch, out):
+        click.echo(f"{compiled.program} {compiled.target}: {len(compiled.image)} bytes")
+        for r in compiled.resources:
+            click.echo(
+                f"  {r.name}: {r.registers} registers, {r.shared_bytes} B smem, "
+                f"{r.spill_stores + r.spill_loads} B spilled"
+            )
+    click.echo(f"wrote {out}; use it with ONECAT_KERNEL_DIR={out}")
+
+
+@main.command("tune")
+@click.option("--m", "ms", default="1,2,4,8,16,32,64,128,256", show_default=True,
+              help="Comma-separated token counts (each tunes its M bucket).")
+@click.option("--shape", "shapes", multiple=True, help="NxK to tune (default: every Qwen3.5 shape).")
+@click.option("--group-size", default=128, show_default=True)
+@_friendly
+def tune_command(ms: str, shapes: tuple[str, ...], group_size: int) -> None:
+    """Time the kernel variants on this GPU per (M bucket, N, K) and cache the winners."""
+    import torch
+
+    from onecat.kernels.shapes import sliced_shapes
+    from onecat.kernels.tuning import table_path, tune_shapes
+
+    if not torch.cuda.is_available():
+        raise OnecatError("onecat tune needs a CUDA GPU (torch sees none)")
+    if shapes:
+        try:
+            pairs = [tuple(int(v) for v in s.lower().split("x")) for s in shapes]
+        except ValueError as exc:
+            raise OnecatError(f"--shape takes NxK, e.g. 5120x17408; got {shapes}") from exc
+    else:
+        pairs = [(n, k) for _, n, k in sliced_shapes() if k % group_size == 0]
+    m_values = [int(v) for v in ms.split(",")]
+    from tqdm import tqdm
+
+    results = []
+    for n, k in tqdm(pairs, desc="tuning", unit="shape"):
+        results += tune_shapes([(n, k)], m_values, group_size)
+    for n, k, m, name, micros in results:
+        click.echo(f"{n:6d}x{k:<6d} M<={m:<5d} {name:18s} {micros:9.1f} us")
+    click.echo(f"{len(results)} winners saved to {table_path(0)}")
+
+
+@main.command("doctor")
+@_friendly
+def doctor_command() -> None:
+    """Check GPU, driver, torch, NVRTC and every kernel; print each problem with its fix."""
+    from onecat.kernels.doctor import diagnose
+
+    findings = diagnose()
+    for f in findings:
+        mark = click.style("ok  ", fg="green") if f.ok else click.style("FAIL", fg="red")
+        click.echo(f"{mark} {f.check}: {f.detail}")
+        if f.fix:
+            click.echo(f"     fix: {f.fix}")
+    problems = [f for f in findings if not f.ok]
+    click.echo(f"{len(problems)} problem(s)" if problems else "all checks passed")
+    if problems:
+        sys.exit(1)
+
 
 
 # --- serve / generate (onecat.runtime) ---------------------------------------------------
