@@ -36,6 +36,7 @@ class ForwardContext:
     decode_context_lens: torch.Tensor | None = None  # int64 [B]: tokens incl. the new one
     decode_state_slots: torch.Tensor | None = None  # int64 [B]
     prefills: list[PrefillChunk] = field(default_factory=list)
+    capturing_graph: bool = False  # CUDA-graph warm-up or capture: no reads of device data on the host
 
 
 _CONTEXT: ForwardContext | None = None

@@ -8,7 +8,7 @@ Two ways to run them:
 
 - grouped (eager): sort the (token, expert) pairs by expert, read the expert ids on the host
   once, and run each chosen expert on its tokens; every expert's weights are read once;
-- gathered (under CUDA graph capture, where the host cannot see the routing): copy the
+- gathered (for CUDA graph capture and its warm-up, where the host cannot see the routing): copy the
   chosen experts' weights into a buffer with ``index_select`` and run one pair at a time.
   It moves each chosen expert's bytes three times, so the runner only captures MoE decode
   graphs for small batches.
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from onecat.pack.volta_layout import TILE
+from onecat.runtime.context import get_context
 from onecat.runtime.layers.linear import LinearWeights
 from onecat.runtime.layers.quant_ops import w4a16_linear
 
@@ -100,7 +101,7 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x [T, H]``, routing ``expert_ids``/``weights`` ``[T, k]`` -> weighted sum ``[T, H]``."""
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        if get_context().capturing_graph:
             return self._forward_gathered(x, expert_ids, weights)
         return self._forward_grouped(x, expert_ids, weights)
 

@@ -1,0 +1,29 @@
+"""The engine's settings (one dataclass; names and defaults follow ``vllm serve``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    """Settings of :class:`onecat.runtime.engine.LLMEngine`.
+
+    ``model`` is a packed artifact, an AWQ / compressed-tensors checkpoint or an fp16/bf16
+    checkpoint directory. ``device`` "auto" picks CUDA when available. ``max_model_len`` None
+    means the model's ``max_position_embeddings`` limited by what the KV cache can hold.
+    ``max_num_batched_tokens`` is the per-step token budget (prompts are prefilled in chunks
+    of at most that many tokens). ``num_kv_blocks`` overrides the KV cache size (on CPU the
+    default is a fixed byte budget). ``enforce_eager`` turns CUDA graphs off.
+    """
+
+    model: str
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    gpu_memory_utilization: float = 0.92
+    kv_block_size: int = 16
+    num_kv_blocks: int | None = None
+    enforce_eager: bool = False
+    served_model_name: str | None = None

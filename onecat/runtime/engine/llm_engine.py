@@ -1,0 +1,223 @@
+"""The engine: requests in, incremental outputs out, one scheduler step at a time.
+
+Single-threaded: one thread calls every method (the server runs it in a loop thread).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from onecat.errors import OnecatError
+from onecat.runtime.config import EngineConfig
+from onecat.runtime.engine.block_manager import BlockManager, StateSlotPool
+from onecat.runtime.engine.detokenizer import IncrementalDetokenizer
+from onecat.runtime.engine.model_runner import ModelRunner
+from onecat.runtime.engine.scheduler import Scheduler
+from onecat.runtime.engine.sequence import Sequence, SequenceStatus
+from onecat.runtime.errors import RequestError
+from onecat.runtime.layers.sampler import Sampler
+from onecat.runtime.models.qwen3_5 import Qwen3_5ForCausalLM
+from onecat.runtime.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str  # incremental text (stop strings removed)
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` -> CUDA when available, else CPU; other names as given."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise OnecatError(f"device {name!r} was asked for, but torch sees no CUDA GPU; use --device cpu")
+    return device
+
+
+def _generation_eos(path: Path) -> list[int]:
+    try:
+        eos = json.loads((path / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError):
+        return []
+    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+
+class LLMEngine:
+    """Continuous-batching Qwen3.5 engine over a checkpoint or packed artifact."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        """Load ``config.model`` (fp16 on a GPU, fp32 on CPU) and its tokenizer."""
+        from transformers import AutoTokenizer
+
+        from onecat.runtime.loader import load_model
+
+        device = resolve_device(config.device)
+        dtype = torch.float16 if device.type == "cuda" else torch.float32
+        path = Path(config.model)
+        model = load_model(path, device, dtype)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except Exception as exc:
+            raise OnecatError(f"{path}: cannot load the tokenizer ({exc}); copy the tokenizer files next to config.json") from None
+        self._setup(config, model, tokenizer, _generation_eos(path))
+
+    @classmethod
+    def from_model(
+        cls, config: EngineConfig, model: Qwen3_5ForCausalLM, tokenizer: Any | None = None
+    ) -> LLMEngine:
+        """An engine over an already built model (benchmarks build random packed models);
+        without a tokenizer outputs carry token ids and empty text."""
+        engine = cls.__new__(cls)
+        engine._setup(config, model, tokenizer, [])
+        return engine
+
+    def _setup(self, config: EngineConfig, model: Qwen3_5ForCausalLM, tokenizer: Any | None, eos: list[int]) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_name = config.served_model_name or Path(config.model).name
+        self.runner = ModelRunner(config, model)
+        self.max_model_len = self.runner.max_model_len
+        self.block_manager = BlockManager(self.runner.num_blocks, config.kv_block_size)
+        self.slots = StateSlotPool(self.runner.num_slots)
+        self.scheduler = Scheduler(
+            self.block_manager, self.slots, self.runner.num_slots, config.max_num_batched_tokens
+        )
+        self.sampler = Sampler()
+        eos_ids = set(model.config.eos_token_ids) | set(eos)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos_ids.add(tokenizer.eos_token_id)
+        self.eos_token_ids = eos_ids
+        self._sequences: dict[str, Sequence] = {}
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+
+    # --- requests ----------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; RequestError when it cannot be served as asked."""
+        params.validate()
+        if request_id in self._sequences:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.runner.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise RequestError(f"prompt token ids must be in 0..{vocab - 1}")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(prompt_token_ids)} tokens; this model serves at most "
+                f"{self.max_model_len} tokens (prompt + completion)"
+            )
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"max_tokens {params.max_tokens} is too large: the prompt has "
+                f"{len(prompt_token_ids)} tokens and the limit is {self.max_model_len}, so at "
+                f"most {self.max_model_len - len(prompt_token_ids)} can be generated"
+            )
+        generator = None
+        if params.seed is not None and params.temperature > 0:
+            generator = torch.Generator(device=self.runner.device)
+            generator.manual_seed(params.seed)
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+        seq = Sequence(request_id, prompt_token_ids, params, detok, generator)
+        self._sequences[request_id] = seq
+        self.scheduler.add(seq)
+        self._prompt_tokens_total += len(prompt_token_ids)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its KV blocks and state slot (unknown ids are ignored)."""
+        seq = self._sequences.pop(request_id, None)
+        if seq is not None and seq.status != SequenceStatus.FINISHED:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request waits or runs."""
+        return self.scheduler.has_unfinished()
+
+    def num_waiting(self) -> int:
+        """Requests not yet scheduled."""
+        return len(self.scheduler.waiting)
+
+    def stats(self) -> dict[str, int]:
+        """Counters for /metrics and tests."""
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "free_kv_blocks": self.block_manager.num_free,
+            "total_kv_blocks": self.block_manager.num_blocks,
+            "free_state_slots": self.slots.num_free,
+            "total_state_slots": self.slots.num_slots,
+            "prompt_tokens_total": self._prompt_tokens_total,
+            "generation_tokens_total": self._generation_tokens_total,
+        }
+
+    # --- stepping ----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns an output for each request that got a token."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        sampled, logits = self.runner.run(scheduled)
+        for seq, count in scheduled:
+            seq.num_computed_tokens += count
+        if not sampled:
+            return []
+        tokens = self.sampler(logits, [s.params for s in sampled], [s.generator for s in sampled])
+        return [self._append(seq, token) for seq, token in zip(sampled, tokens, strict=True)]
+
+    def _append(self, seq: Sequence, token: int) -> RequestOutput:
+        params = seq.params
+        seq.token_ids.append(token)
+        self._generation_tokens_total += 1
+        reason = None
+        is_stop_token = token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.eos_token_ids
+        )
+        if is_stop_token:
+            reason = "stop"
+        elif seq.detokenizer.append(token):
+            reason = "stop"
+        elif seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self._sequences.pop(seq.request_id, None)
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[token],
+            new_text=seq.detokenizer.release(final=reason is not None),
+            finished=reason is not None,
+            finish_reason=reason,
+            prompt_tokens=seq.num_prompt_tokens,
+            completion_tokens=seq.num_completion_tokens,
+        )
+
+    def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams) -> list[str]:
+        """Complete each prompt (text or token ids) offline; returns the completions' text."""
+        texts = {}
+        for i, prompt in enumerate(prompts):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            self.add_request(f"generate-{i}", ids, params)
+            texts[f"generate-{i}"] = ""
+        while self.has_unfinished_requests():
+            for out in self.step():
+                texts[out.request_id] += out.new_text
+        return [texts[f"generate-{i}"] for i in range(len(prompts))]

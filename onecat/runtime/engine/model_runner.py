@@ -1,0 +1,320 @@
+"""Runs the model on a scheduled batch: caches, batch tensors, CUDA graphs, logits.
+
+Memory: on a GPU, after the weights are loaded, one prefill of ``max_num_batched_tokens``
+tokens measures the peak activation memory; what ``gpu_memory_utilization`` leaves after
+that (and a reserve for sampling and graphs) holds the GDN state slots (``max_num_seqs``
+of them, fewer with a warning if they would take more than half) and the paged KV cache of
+the full-attention layers. On CPU the KV cache gets a fixed byte budget.
+
+CUDA graphs: a batch of decode tokens only runs as a replayed graph, captured on first use
+for its (batch-size bucket, KV-length bucket): batch sizes 1, 2, 4, 8, 16, 32, ... up to
+``max_num_seqs``, KV lengths in powers of two of blocks. Padding rows write their key/value
+to a scratch block and their state to a scratch slot. MoE models capture graphs only while
+``batch x top_k <= 64`` (the captured expert path copies the chosen experts' weights); larger
+MoE decode batches run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from onecat.errors import OnecatError
+from onecat.runtime.config import EngineConfig
+from onecat.runtime.context import ForwardContext, PrefillChunk, set_context
+from onecat.runtime.engine.sequence import Sequence
+from onecat.runtime.layers.attention import PagedAttention
+from onecat.runtime.models.qwen3_5 import GatedDeltaNet, Qwen3_5ForCausalLM
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_CACHE_BYTES = 64 << 20
+"""KV cache size on CPU unless ``num_kv_blocks`` is given."""
+GRAPH_RESERVE_BYTES = 512 << 20
+"""GPU memory kept free for CUDA graph pools and allocator slack."""
+MOE_GRAPH_MAX_PAIRS = 64
+"""Largest ``batch x top_k`` a MoE decode graph is captured for."""
+MIN_GRAPH_BLOCKS = 16
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+class _DecodeGraph:
+    """One captured decode step: static inputs, the graph, and its logits."""
+
+    def __init__(self, batch: int, width: int, device: torch.device, scratch_slot: int, scratch_block: int, scratch_state: int) -> None:
+        def full(shape, value):
+            return torch.full(shape, value, dtype=torch.int64, device=device)
+
+        self.batch, self.width = batch, width
+        self.input_ids = full((batch,), 0)
+        self.positions = full((batch,), 0)
+        self.slot_mapping = full((batch,), scratch_slot)
+        self.block_tables = full((batch, width), scratch_block)
+        self.context_lens = full((batch,), 1)
+        self.state_slots = full((batch,), scratch_state)
+        self.graph = torch.cuda.CUDAGraph()
+        self.logits: torch.Tensor | None = None
+
+    def context(self) -> ForwardContext:
+        return ForwardContext(
+            slot_mapping=self.slot_mapping,
+            num_decodes=self.batch,
+            decode_block_tables=self.block_tables,
+            decode_context_lens=self.context_lens,
+            decode_state_slots=self.state_slots,
+            capturing_graph=True,
+        )
+
+
+class ModelRunner:
+    """Owns the model, its KV cache and GDN states, and runs scheduled batches."""
+
+    def __init__(self, config: EngineConfig, model: Qwen3_5ForCausalLM) -> None:
+        self.model = model.eval()
+        self.model_config = model.config
+        self.device = model.model.embed_tokens.weight.device
+        self.dtype = model.model.embed_tokens.weight.dtype
+        self.block_size = config.kv_block_size
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.attention = [m for m in model.modules() if isinstance(m, PagedAttention)]
+        self.gdn = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+        wanted_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.num_blocks, self.num_slots = self._plan_memory(config, wanted_len)
+        capacity = self.num_blocks * self.block_size
+        if config.max_model_len and config.max_model_len > capacity:
+            raise OnecatError(
+                f"--max-model-len {config.max_model_len} needs {config.max_model_len} KV cache "
+                f"tokens, but only {capacity} fit; lower --max-model-len or raise "
+                "--gpu-memory-utilization"
+            )
+        self.max_model_len = min(wanted_len, capacity)
+        self._allocate()
+        self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        self.graphs: dict[tuple[int, int], _DecodeGraph] = {}
+        self.graph_pool = None
+        self.graph_batch_sizes = [1 << i for i in range(int(math.log2(self.num_slots)) + 1)]
+        if self.graph_batch_sizes[-1] < self.num_slots:
+            self.graph_batch_sizes.append(self.num_slots)
+        self._overflow_warned = False
+
+    # --- memory ------------------------------------------------------------------------
+
+    def block_bytes(self) -> int:
+        """Bytes of one KV block over all full-attention layers (keys and values)."""
+        cfg = self.model_config
+        per_token = 2 * cfg.num_key_value_heads * cfg.head_dim * self.dtype.itemsize
+        return len(self.attention) * self.block_size * per_token
+
+    def slot_bytes(self) -> int:
+        """Bytes of one sequence's conv and recurrent states over all GDN layers."""
+        total = 0
+        for layer in self.gdn:
+            kernel = layer.conv1d.weight.shape[1]
+            total += layer.conv_dim * (kernel - 1) * self.dtype.itemsize
+            total += layer.num_v_heads * layer.head_k_dim * layer.head_v_dim * 4
+        return total
+
+    def _plan_memory(self, config: EngineConfig, max_len: int) -> tuple[int, int]:
+        slots = config.max_num_seqs
+        per_seq_blocks = -(-max_len // self.block_size)
+        if self.device.type != "cuda":
+            blocks = config.num_kv_blocks or max(
+                per_seq_blocks, min(CPU_KV_CACHE_BYTES // self.block_bytes(), slots * per_seq_blocks)
+            )
+            return blocks, slots
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_run(min(config.max_num_batched_tokens, max_len))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        others = total - free - torch.cuda.memory_reserved(self.device)
+        sampling = config.max_num_seqs * self.model_config.vocab_size * 16
+        available = int(total * config.gpu_memory_utilization) - others - peak - sampling - GRAPH_RESERVE_BYTES
+        if available <= 0:
+            raise OnecatError(
+                f"the model leaves no GPU memory for the KV cache ({peak / 2**30:.1f} GiB used at "
+                f"peak of {total / 2**30:.1f} GiB); raise --gpu-memory-utilization or lower "
+                "--max-num-batched-tokens"
+            )
+        if slots * self.slot_bytes() > available // 2:
+            fitting = max(1, available // 2 // max(self.slot_bytes(), 1))
+            logger.warning(
+                "GDN states of %d sequences would take %.1f GiB; serving at most %d at a time "
+                "(lower --max-num-seqs to silence this)",
+                slots, slots * self.slot_bytes() / 2**30, fitting,
+            )
+            slots = fitting
+        blocks = config.num_kv_blocks or (available - slots * self.slot_bytes()) // self.block_bytes()
+        return int(blocks), int(slots)
+
+    @torch.inference_mode()
+    def _profile_run(self, num_tokens: int) -> None:
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        chunk = PrefillChunk(0, num_tokens, 0, torch.zeros(1, dtype=torch.int64, device=self.device), 0)
+        set_context(ForwardContext(slot_mapping=positions, prefills=[chunk]))
+        try:
+            hidden = self.model(ids, positions)
+            self.model.compute_logits(hidden[-self.max_num_seqs :])
+        finally:
+            set_context(None)
+
+    def _allocate(self) -> None:
+        cfg = self.model_config
+        # one scratch block and one scratch slot beyond the pools, for CUDA-graph padding rows
+        kv = torch.zeros(
+            2, len(self.attention), self.num_blocks + 1, self.block_size,
+            cfg.num_key_value_heads, cfg.head_dim, dtype=self.dtype, device=self.device,
+        )
+        for i, layer in enumerate(self.attention):
+            layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]
+        for layer in self.gdn:
+            kernel = layer.conv1d.weight.shape[1]
+            layer.conv_state = torch.zeros(
+                self.num_slots + 1, layer.conv_dim, kernel - 1, dtype=self.dtype, device=self.device
+            )
+            layer.recurrent_state = torch.zeros(
+                self.num_slots + 1, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim,
+                dtype=torch.float32, device=self.device,
+            )
+
+    # --- running a batch ---------------------------------------------------------------
+
+    def _reset_fresh_slots(self, seqs: list[Sequence]) -> None:
+        fresh = [s.state_slot for s in seqs if s.fresh_slot]
+        if not fresh:
+            return
+        index = torch.tensor(fresh, dtype=torch.int64, device=self.device)
+        for layer in self.gdn:
+            layer.conv_state.index_fill_(0, index, 0)
+            layer.recurrent_state.index_fill_(0, index, 0)
+        for s in seqs:
+            s.fresh_slot = False
+
+    def _slot(self, seq: Sequence, position: int) -> int:
+        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def _graph_fits(self, batch: int) -> bool:
+        if batch > self.graph_batch_sizes[-1]:
+            return False
+        cfg = self.model_config
+        return not cfg.is_moe or batch * cfg.num_experts_per_tok <= MOE_GRAPH_MAX_PAIRS
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
+        """Compute the scheduled tokens; returns the sequences that completed their pending
+        tokens (and now need a sample) and their logits ``[n, vocab]``."""
+        seqs = [seq for seq, _ in scheduled]
+        self._reset_fresh_slots(seqs)
+        decodes = [seq for seq, count in scheduled if count == 1]
+        if self.use_graphs and len(decodes) == len(scheduled) and self._graph_fits(len(decodes)):
+            logits = self._run_graph(decodes)
+            sampled = decodes
+        else:
+            sampled, logits = self._run_eager(scheduled)
+        if self.dtype == torch.float16 and not self._overflow_warned and not bool(torch.isfinite(logits).all()):
+            self._overflow_warned = True
+            logger.warning(
+                "non-finite logits: activations overflowed fp16 (the checkpoint was trained in "
+                "bf16); outputs of this model may be garbage on fp16 hardware"
+            )
+        return sampled, logits
+
+    def _run_eager(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        prefills: list[PrefillChunk] = []
+        rows: list[int] = []
+        sampled: list[Sequence] = []
+        decodes = [seq for seq, count in scheduled if count == 1]
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=self.device)  # noqa: E731
+        for seq, count in scheduled:
+            start = seq.num_computed_tokens
+            first = len(ids)
+            ids.extend(seq.token_ids[start : start + count])
+            positions.extend(range(start, start + count))
+            slots.extend(self._slot(seq, p) for p in range(start, start + count))
+            if count > 1:
+                prefills.append(
+                    PrefillChunk(first, count, start, as_tensor(seq.block_table), seq.state_slot)
+                )
+            if start + count == seq.num_tokens:
+                rows.append(len(ids) - 1)
+                sampled.append(seq)
+        ctx = ForwardContext(slot_mapping=as_tensor(slots), prefills=prefills)
+        if decodes:
+            width = max(len(s.block_table) for s in decodes)
+            ctx.num_decodes = len(decodes)
+            ctx.decode_block_tables = as_tensor(
+                [s.block_table + [self.num_blocks] * (width - len(s.block_table)) for s in decodes]
+            )
+            ctx.decode_context_lens = as_tensor([s.num_computed_tokens + 1 for s in decodes])
+            ctx.decode_state_slots = as_tensor([s.state_slot for s in decodes])
+        set_context(ctx)
+        try:
+            hidden = self.model(as_tensor(ids), as_tensor(positions))
+            logits = self.model.compute_logits(hidden[as_tensor(rows)])
+        finally:
+            set_context(None)
+        return sampled, logits
+
+    def _graph_for(self, batch: int, blocks: int) -> _DecodeGraph:
+        bucket = next(b for b in self.graph_batch_sizes if b >= batch)
+        max_width = -(-self.max_model_len // self.block_size)
+        width = min(_next_power_of_two(max(blocks, MIN_GRAPH_BLOCKS)), _next_power_of_two(max_width))
+        key = (bucket, width)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(bucket, width)
+        return self.graphs[key]
+
+    def _capture(self, batch: int, width: int) -> _DecodeGraph:
+        graph = _DecodeGraph(
+            batch, width, self.device,
+            scratch_slot=self.num_blocks * self.block_size,
+            scratch_block=self.num_blocks,
+            scratch_state=self.num_slots,
+        )
+        set_context(graph.context())
+        try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm-up: kernel selection and loading happen here
+                for _ in range(2):
+                    self.model.compute_logits(self.model(graph.input_ids, graph.positions))
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            with torch.cuda.graph(graph.graph, pool=self.graph_pool):
+                graph.logits = self.model.compute_logits(self.model(graph.input_ids, graph.positions))
+            self.graph_pool = graph.graph.pool()
+        finally:
+            set_context(None)
+        return graph
+
+    def _run_graph(self, decodes: list[Sequence]) -> torch.Tensor:
+        batch = len(decodes)
+        graph = self._graph_for(batch, max(len(s.block_table) for s in decodes))
+        pad = graph.batch - batch  # padding rows point at the scratch block and slot
+        positions = [s.num_computed_tokens for s in decodes]
+        table = torch.full((graph.batch, graph.width), self.num_blocks, dtype=torch.int64)
+        for i, seq in enumerate(decodes):
+            table[i, : len(seq.block_table)] = torch.tensor(seq.block_table)
+        host = {
+            "input_ids": [s.token_ids[p] for s, p in zip(decodes, positions, strict=True)] + [0] * pad,
+            "positions": positions + [0] * pad,
+            "slot_mapping": [self._slot(s, p) for s, p in zip(decodes, positions, strict=True)]
+            + [self.num_blocks * self.block_size] * pad,
+            "context_lens": [p + 1 for p in positions] + [1] * pad,
+            "state_slots": [s.state_slot for s in decodes] + [self.num_slots] * pad,
+        }
+        for name, values in host.items():
+            getattr(graph, name).copy_(torch.tensor(values, dtype=torch.int64))
+        graph.block_tables.copy_(table)
+        graph.graph.replay()
+        return graph.logits[:batch]

@@ -1,0 +1,70 @@
+"""A request as the engine tracks it: its tokens, how far they are computed, its cache."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from onecat.runtime.engine.detokenizer import IncrementalDetokenizer
+from onecat.runtime.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is in its life."""
+
+    WAITING = "waiting"  # queued, holds no KV blocks and no state slot
+    RUNNING = "running"  # scheduled: holds KV blocks and a GDN state slot
+    FINISHED = "finished"
+
+
+class Sequence:
+    """The prompt plus generated tokens of one request.
+
+    ``num_computed_tokens`` counts tokens whose keys/values are in the KV cache and whose
+    effect is in the GDN state; the next step computes from there (a prompt chunk, or the
+    single newest token when decoding). ``block_table`` lists its KV blocks in order;
+    ``state_slot`` is its GDN state slot (``fresh_slot`` asks the runner to zero it first).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        detokenizer: IncrementalDetokenizer,
+        generator: torch.Generator | None,
+    ) -> None:
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.detokenizer = detokenizer
+        self.generator = generator
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.state_slot: int | None = None
+        self.fresh_slot = False
+        self.finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        """Generated tokens."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens not yet computed (prompt left to prefill, or the newest sampled token)."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )
