@@ -272,3 +272,48 @@ def reference_linear(
     if bias is not None:
         y = y + bias.to(torch.float32)
     return y.to(x.dtype)
+
+
+def slice_volta(
+    qweight: torch.Tensor,
+    scales_zeros: torch.Tensor,
+    group_size: int,
+    dim: str,
+    rank: int,
+    world_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s tensor-parallel slice of a packed linear, without unpacking.
+
+    ``dim="out"`` splits N (column parallel: each rank gets ``N/world_size`` output columns),
+    ``dim="in"`` splits K (row parallel: ``K/world_size`` inputs). The result equals packing
+    the same slice of the integer weights, because tiles never straddle the split: N/world_size
+    must be a multiple of 32, K/world_size a multiple of the group size (itself a multiple
+    of 32). Raises ValueError naming the sizes otherwise. Returns contiguous tensors.
+    """
+    _check_packed(qweight, scales_zeros, group_size)
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
+    tiles_n, tiles_k = qweight.shape[:2]
+    n, k = tiles_n * TILE, tiles_k * TILE
+    if dim == "out":
+        if n % (TILE * world_size):
+            raise ValueError(
+                f"out_features {n} cannot be split {world_size} ways in 32-column tiles "
+                f"(needs a multiple of {TILE * world_size})"
+            )
+        step = tiles_n // world_size
+        rows = slice(rank * step, (rank + 1) * step)
+        return qweight[rows].contiguous(), scales_zeros[rows].contiguous()
+    if dim == "in":
+        if k % (group_size * world_size):
+            raise ValueError(
+                f"in_features {k} with group size {group_size} cannot be split {world_size} "
+                f"ways (needs a multiple of {group_size * world_size})"
+            )
+        k_tiles = tiles_k // world_size
+        groups = k_tiles * TILE // group_size
+        return (
+            qweight[:, rank * k_tiles : (rank + 1) * k_tiles].contiguous(),
+            scales_zeros[:, rank * groups : (rank + 1) * groups].contiguous(),
+        )
+    raise ValueError(f"dim must be 'out' or 'in', got {dim!r}")
