@@ -1,0 +1,200 @@
+"""Benchmark onecat's W4A16 op against fp16 cuBLAS and PyTorch's int4 weight-only kernel.
+
+    python bench/kernels.py [--quick] [--m 1,2,4] [--out results.md]
+
+For each Qwen3.5 shape (onecat.kernels.shapes.BENCH_SHAPES) and M it reports, all measured in
+the same run on the same GPU: microseconds per call (median of CUDA-graph replays, weights
+rotated over copies larger than L2), GB/s (weights + scales + x + y), % of the device copy
+bandwidth (a 2 GiB device-to-device copy, bytes read + written), TFLOP/s (2*M*N*K), and the
+speed-up over fp16 ``torch.matmul`` and over ``torch.ops.aten._weight_int4pack_mm`` (bf16,
+g128, prepared with ``_convert_weight_to_int4pack``).  Writes a markdown table (``--out``) and
+prints the targets of issue 3 with met / not met.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import platform
+import sys
+
+import torch
+
+from onecat.kernels.ops import w4a16_linear
+from onecat.kernels.shapes import BENCH_SHAPES
+from onecat.kernels.timing import copies_for, graph_time_us
+from onecat.kernels.tuning import choose_variant
+
+M_VALUES = (1, 2, 4, 8, 16, 32, 64, 128, 512, 2048, 8192)
+GROUP = 128
+
+
+def copy_bandwidth_gbs() -> float:
+    """Device-to-device copy bandwidth in GB/s (bytes read + written), median of 10."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times = sorted(times[2:])
+    return 2 * src.numel() / (times[len(times) // 2] * 1e-3) / 1e9
+
+
+def random_packed(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    qweight = torch.randint(
+        -(2**31), 2**31 - 1, (n // 32, k // 32, 32, 4), dtype=torch.int32, device="cuda"
+    )
+    s = (torch.rand(n // 32, k // GROUP, 32, 1, device="cuda") * 0.01 + 0.001).half()
+    z = torch.randint(0, 16, s.shape, device="cuda").half()
+    return qweight, torch.cat([s, -(z * s)], dim=-1).contiguous()
+
+
+def int4mm_weights(n: int, k: int):
+    """PyTorch's tinygemm int4 weight and bf16 scales/zeros, or None if unsupported here."""
+    try:
+        w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
+        packed = torch._convert_weight_to_int4pack(w, 8)
+        sz = torch.rand(k // GROUP, n, 2, device="cuda").to(torch.bfloat16)
+        x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+        torch.ops.aten._weight_int4pack_mm(x, packed, GROUP, sz)
+        return packed, sz
+    except (RuntimeError, AttributeError) as exc:  # pragma: no cover - depends on the build
+        print(f"int4pack unavailable for {n}x{k}: {exc}", file=sys.stderr)
+        return None
+
+
+def bench_shape(label: str, n: int, k: int, ms: list[int], copy_gbs: float) -> list[dict]:
+    w4_bytes = n * k // 2 + n * (k // GROUP) * 4
+    ours = [random_packed(n, k) for _ in range(copies_for(w4_bytes))]
+    fp16 = [
+        torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(copies_for(2 * n * k))
+    ]
+    first = int4mm_weights(n, k)
+    int4 = (
+        [first] + [int4mm_weights(n, k) for _ in range(copies_for(w4_bytes) - 1)] if first else []
+    )
+    rows = []
+    for m in ms:
+        x = torch.randn(m, k, dtype=torch.float16, device="cuda")
+        xb = x.bfloat16()
+        w4a16_linear(x, *ours[0], GROUP)  # tunes this bucket on first use (ONECAT_AUTOTUNE)
+        variant = choose_variant(m, ours[0][0], ours[0][1], GROUP).name
+        t_ours = graph_time_us(
+            [functools.partial(w4a16_linear, x, qw, sz, GROUP) for qw, sz in ours]
+        )
+        t_fp16 = graph_time_us([functools.partial(torch.matmul, x, w.t()) for w in fp16])
+        t_int4 = None
+        if int4:
+            mm = torch.ops.aten._weight_int4pack_mm
+            t_int4 = graph_time_us([functools.partial(mm, xb, p, GROUP, s) for p, s in int4])
+        moved = w4_bytes + 2 * m * k + 2 * m * n
+        gbs = moved / (t_ours * 1e-6) / 1e9
+        rows.append(
+            dict(
+                shape=label,
+                n=n,
+                k=k,
+                m=m,
+                variant=variant,
+                us=t_ours,
+                gbs=gbs,
+                pct_copy=100 * gbs / copy_gbs,
+                tflops=2 * m * n * k / (t_ours * 1e-6) / 1e12,
+                fp16_us=t_fp16,
+                vs_fp16=t_fp16 / t_ours,
+                int4_us=t_int4,
+                vs_int4=(t_int4 / t_ours) if t_int4 else None,
+                weight_mb=w4_bytes / 1e6,
+            )
+        )
+        print(
+            f"{label:22s} {n:6d}x{k:<6d} M={m:<5d} {variant:18s} {t_ours:9.1f} us "
+            f"{gbs:7.0f} GB/s {100 * gbs / copy_gbs:5.1f}%  fp16 {t_fp16:9.1f} us "
+            f"x{t_fp16 / t_ours:5.2f}  int4mm {t_int4 or float('nan'):9.1f} us",
+            flush=True,
+        )
+    return rows
+
+
+def markdown(rows: list[dict], header: str) -> str:
+    out = [header, "", "| shape | N x K | M | variant | us | GB/s | % copy BW | TFLOP/s | fp16 matmul us | x fp16 | int4mm us | x int4mm |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        int4 = f"{r['int4_us']:.1f} | {r['vs_int4']:.2f}" if r["int4_us"] else "- | -"
+        out.append(
+            f"| {r['shape']} | {r['n']}x{r['k']} | {r['m']} | {r['variant']} | {r['us']:.1f} | "
+            f"{r['gbs']:.0f} | {r['pct_copy']:.1f} | {r['tflops']:.1f} | {r['fp16_us']:.1f} | "
+            f"{r['vs_fp16']:.2f} | {int4} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def targets(rows: list[dict]) -> str:
+    """Issue 3's targets, each with the measured values and met / not met."""
+    lines = []
+    by = {(r["n"], r["k"], r["m"]): r for r in rows}
+    big = [r for r in rows if r["m"] == 1 and r["weight_mb"] >= 20]
+    for r in big:
+        ok = r["pct_copy"] >= 80
+        lines.append(f"- M=1 >= 80% copy BW, {r['shape']} ({r['weight_mb']:.0f} MB): {r['pct_copy']:.1f}% {'MET' if ok else 'NOT MET'}")  # fmt: skip
+    for r in rows:
+        if 1 < r["m"] <= 16 and (r["n"], r["k"], 1) in by:
+            ratio = r["us"] / by[(r["n"], r["k"], 1)]["us"]
+            lines.append(f"- M={r['m']} within 1.25x of M=1, {r['shape']}: {ratio:.2f}x {'MET' if ratio <= 1.25 else 'NOT MET'}")  # fmt: skip
+    for r in rows:
+        if r["m"] >= 512:
+            lines.append(f"- M={r['m']} >= 90% of fp16 cuBLAS, {r['shape']}: {100 * r['vs_fp16']:.0f}% {'MET' if r['vs_fp16'] >= 0.9 else 'NOT MET'}")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    """Run the benchmark and write the markdown table."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--m", default=",".join(map(str, M_VALUES)), help="comma-separated M values"
+    )
+    parser.add_argument("--quick", action="store_true", help="only the first three shapes")
+    parser.add_argument("--out", default="bench-kernels.md", help="markdown output file")
+    parser.add_argument("--json", default=None, help="also write the raw rows as JSON")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/kernels.py needs a CUDA GPU")
+    ms = [int(v) for v in args.m.split(",")]
+    shapes = BENCH_SHAPES[:3] if args.quick else BENCH_SHAPES
+    copy_gbs = copy_bandwidth_gbs()
+    name = torch.cuda.get_device_name()
+    print(f"{name}: device copy {copy_gbs:.0f} GB/s", flush=True)
+    rows = []
+    for label, n, k in shapes:
+        rows += bench_shape(label, n, k, ms, copy_gbs)
+        torch.cuda.empty_cache()
+    env = {
+        key: os.environ[key]
+        for key in ("ONECAT_KERNEL_ARCH", "ONECAT_KERNEL_DIR")
+        if key in os.environ
+    }
+    header = (
+        f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on {name} "
+        f"(torch {torch.__version__}, Python {platform.python_version()}, env {env}); "
+        f"device copy {copy_gbs:.0f} GB/s; command: `{' '.join(['python'] + sys.argv)}`"
+    )
+    text = markdown(rows, header) + "\nTargets:\n\n" + targets(rows)
+    with open(args.out, "w") as f:
+        f.write(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

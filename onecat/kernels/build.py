@@ -1,0 +1,289 @@
+"""Compile onecat's CUDA C++ kernels with NVRTC 12 (no CUDA toolkit, no torch headers).
+
+Every ``*.cu`` file in this package is one NVRTC program; ``w4a16_common.cuh`` is handed to
+NVRTC as an in-memory header, and ``cuda_fp16.h`` comes from the ``nvidia-cuda-runtime-cu12``
+wheel (or ``$CUDA_HOME/include``).  A target is ``compute_XY`` (PTX, which the driver
+JIT-compiles for any GPU of that capability or newer) or ``sm_XY`` (a cubin for exactly that
+GPU; NVRTC then also runs ptxas, whose ``-v`` report lists registers and spills).
+
+Compiled images are cached on disk under ``cache_dir() / "kernels"``, keyed by the sources'
+hash, the target and the NVRTC version, so a GPU compiles each program once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from onecat.errors import OnecatError
+
+KERNEL_DIR = Path(__file__).resolve().parent
+COMMON_HEADER = "w4a16_common.cuh"
+PROGRAMS = ("w4a16_gemv", "w4a16_wmma", "w4a16_dequant")
+"""The NVRTC programs (``<name>.cu`` in this package)."""
+
+MANIFEST = "onecat_kernels.json"
+"""Name of the manifest written by :func:`build_all` next to the prebuilt images."""
+
+
+@dataclass(frozen=True)
+class KernelResource:
+    """ptxas's report for one kernel of a cubin build."""
+
+    name: str
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack_bytes: int
+    shared_bytes: int
+
+
+@dataclass(frozen=True)
+class CompiledProgram:
+    """One program compiled for one target."""
+
+    program: str
+    target: str  # "compute_70" or "sm_70"
+    image: bytes  # PTX text (NUL-terminated) or cubin
+    log: str
+    resources: tuple[KernelResource, ...]
+
+
+def cache_dir() -> Path:
+    """onecat's cache directory: ``$ONECAT_CACHE_DIR``, else ``$XDG_CACHE_HOME/onecat``, else
+    ``~/.cache/onecat``."""
+    if os.environ.get("ONECAT_CACHE_DIR"):
+        return Path(os.environ["ONECAT_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "onecat"
+
+
+def _nvrtc():
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError as exc:
+        raise OnecatError(
+            "onecat.kernels needs NVRTC 12 to compile its kernels: install it with "
+            "`pip install 'onecat[cuda]'` (nvidia-cuda-nvrtc-cu12, nvidia-cuda-runtime-cu12, "
+            "cuda-bindings 12), or point ONECAT_KERNEL_DIR at kernels prebuilt by "
+            "`onecat build-kernels`"
+        ) from exc
+    return nvrtc
+
+
+def nvrtc_version() -> tuple[int, int]:
+    """The NVRTC version ``(major, minor)``; raises OnecatError when NVRTC is missing."""
+    nvrtc = _nvrtc()
+    err, major, minor = nvrtc.nvrtcVersion()
+    _check(nvrtc, err, "nvrtcVersion")
+    return int(major), int(minor)
+
+
+def _check(nvrtc, err, what: str) -> None:
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise OnecatError(f"NVRTC {what} failed: {err}")
+
+
+def cuda_include_dirs() -> list[Path]:
+    """Directories holding ``cuda_fp16.h``: the nvidia-cuda-runtime-cu12 wheel, CUDA_HOME."""
+    found = []
+    spec = importlib.util.find_spec("nvidia.cuda_runtime")
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            found.append(Path(location) / "include")
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(env):
+            found.append(Path(os.environ[env]) / "include")
+    found.append(Path("/usr/local/cuda/include"))
+    usable = [d for d in found if (d / "cuda_fp16.h").is_file()]
+    if not usable:
+        raise OnecatError(
+            "cuda_fp16.h not found: install `nvidia-cuda-runtime-cu12` (pip install "
+            "'onecat[cuda]') or set CUDA_HOME to a CUDA 12 toolkit"
+        )
+    return usable[:1]
+
+
+def source_text(program: str) -> str:
+    """The CUDA C++ source of ``program``."""
+    return (KERNEL_DIR / f"{program}.cu").read_text()
+
+
+def sources_hash() -> str:
+    """sha256 over every kernel source and the shared header (first 16 hex digits)."""
+    h = hashlib.sha256()
+    for name in sorted([COMMON_HEADER] + [f"{p}.cu" for p in PROGRAMS]):
+        h.update(name.encode())
+        h.update((KERNEL_DIR / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def kernel_names(program: str) -> list[str]:
+    """The ``extern "C"`` kernel names a program defines (read from its source)."""
+    text = source_text(program)
+    names = re.findall(r"^ONECAT_\w+\((\d+), (\d+)\)$", text, flags=re.M)
+    if program == "w4a16_gemv":
+        return [f"w4a16_gemv_m{a}_w{b}" for a, b in names]
+    if program == "w4a16_wmma":
+        return [f"w4a16_wmma_mt{a}_w{b}" for a, b in names]
+    return [program]
+
+
+def _options(target: str, verbose_ptxas: bool) -> list[bytes]:
+    opts = [
+        f"--gpu-architecture={target}",
+        "-std=c++17",
+        "--device-as-default-execution-space",
+    ]
+    opts += [f"--include-path={d}" for d in cuda_include_dirs()]
+    if verbose_ptxas and target.startswith("sm_"):
+        opts.append("--ptxas-options=-v")
+    return [o.encode() for o in opts]
+
+
+_PTXAS_FUNCTION = re.compile(r"Compiling entry function '(\w+)'")
+_PTXAS_STACK = re.compile(
+    r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
+)
+_PTXAS_USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
+
+
+def parse_ptxas_report(log: str) -> tuple[KernelResource, ...]:
+    """Registers, spills, stack and static shared memory per kernel from ptxas ``-v`` output."""
+    resources = []
+    current = None
+    stack = (0, 0, 0)
+    for line in log.splitlines():
+        if m := _PTXAS_FUNCTION.search(line):
+            current, stack = m.group(1), (0, 0, 0)
+        elif (m := _PTXAS_STACK.search(line)) and current:
+            stack = (int(m.group(1)), int(m.group(2)), int(m.group(3)))
+        elif (m := _PTXAS_USED.search(line)) and current:
+            resources.append(
+                KernelResource(
+                    name=current,
+                    registers=int(m.group(1)),
+                    spill_stores=stack[1],
+                    spill_loads=stack[2],
+                    stack_bytes=stack[0],
+                    shared_bytes=int(m.group(2) or 0),
+                )
+            )
+            current = None
+    return tuple(resources)
+
+
+def compile_program(program: str, target: str, verbose_ptxas: bool = True) -> CompiledProgram:
+    """Compile ``program`` for ``target`` (``compute_XY`` -> PTX, ``sm_XY`` -> cubin) with NVRTC.
+
+    Raises OnecatError with NVRTC's log on a compile error.
+    """
+    if program not in PROGRAMS:
+        raise OnecatError(f"unknown kernel program {program!r}; known: {', '.join(PROGRAMS)}")
+    if not re.fullmatch(r"(compute|sm)_\d+a?", target):
+        raise OnecatError(f"bad target {target!r}: use compute_70 (PTX) or sm_70 (cubin)")
+    nvrtc = _nvrtc()
+    header = (KERNEL_DIR / COMMON_HEADER).read_bytes()
+    err, prog = nvrtc.nvrtcCreateProgram(
+        source_text(program).encode(),
+        f"{program}.cu".encode(),
+        1,
+        [header],
+        [COMMON_HEADER.encode()],
+    )
+    _check(nvrtc, err, "nvrtcCreateProgram")
+    try:
+        options = _options(target, verbose_ptxas)
+        (compile_err,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
+        err, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        _check(nvrtc, err, "nvrtcGetProgramLogSize")
+        buf = b" " * size
+        (err,) = nvrtc.nvrtcGetProgramLog(prog, buf)
+        log = buf.rstrip(b"\0").decode(errors="replace")
+        if compile_err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise OnecatError(f"NVRTC could not compile {program}.cu for {target}:\n{log}")
+        if target.startswith("sm_"):
+            err, size = nvrtc.nvrtcGetCUBINSize(prog)
+            _check(nvrtc, err, "nvrtcGetCUBINSize")
+            image = b" " * size
+            (err,) = nvrtc.nvrtcGetCUBIN(prog, image)
+            _check(nvrtc, err, "nvrtcGetCUBIN")
+        else:
+            err, size = nvrtc.nvrtcGetPTXSize(prog)
+            _check(nvrtc, err, "nvrtcGetPTXSize")
+            image = b" " * size
+            (err,) = nvrtc.nvrtcGetPTX(prog, image)
+            _check(nvrtc, err, "nvrtcGetPTX")
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    return CompiledProgram(program, target, image, log, parse_ptxas_report(log))
+
+
+def image_suffix(target: str) -> str:
+    """File suffix of a compiled image: ``.ptx`` for compute_XY, ``.cubin`` for sm_XY."""
+    return ".ptx" if target.startswith("compute_") else ".cubin"
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def cached_image(program: str, target: str) -> bytes:
+    """The compiled image of ``program`` for ``target`` from the disk cache, compiling on a miss."""
+    major, minor = nvrtc_version()
+    key = f"{program}-{target}-nvrtc{major}.{minor}-{sources_hash()}{image_suffix(target)}"
+    path = cache_dir() / "kernels" / key
+    if path.is_file():
+        return path.read_bytes()
+    image = compile_program(program, target, verbose_ptxas=False).image
+    _atomic_write(path, image)
+    return image
+
+
+def build_all(arch: str, out_dir: Path) -> list[CompiledProgram]:
+    """Pre-build every program as ``compute_<arch>`` PTX and ``sm_<arch>`` cubin into ``out_dir``.
+
+    ``arch`` is ``sm_70``, ``70`` or ``compute_70``.  Writes ``<program>.<target>.{ptx,cubin}``
+    and a manifest (sources hash, NVRTC version) read by the loader (``ONECAT_KERNEL_DIR``).
+    The directory is written to a temporary sibling and renamed into place.
+    """
+    digits = re.sub(r"^(sm_|compute_)", "", str(arch))
+    if not digits.isdigit():
+        raise OnecatError(f"bad --arch {arch!r}: use e.g. sm_70")
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
+    results = []
+    for program in PROGRAMS:
+        for target in (f"compute_{digits}", f"sm_{digits}"):
+            compiled = compile_program(program, target)
+            (tmp / f"{program}.{target}{image_suffix(target)}").write_bytes(compiled.image)
+            results.append(compiled)
+    major, minor = nvrtc_version()
+    manifest = {
+        "sources_hash": sources_hash(),
+        "nvrtc": f"{major}.{minor}",
+        "arch": digits,
+        "programs": list(PROGRAMS),
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    if out_dir.exists():
+        old = out_dir.with_name(f".{out_dir.name}.old")
+        os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        for f in old.iterdir():
+            f.unlink()
+        old.rmdir()
+    else:
+        os.replace(tmp, out_dir)
+    return results

@@ -1,0 +1,148 @@
+"""``torch.ops.onecat.w4a16_linear``: the W4A16 linear as a torch custom op.
+
+- CUDA: picks a kernel variant by M (tuned winner or default, see tuning.py) and launches it
+  on torch's current stream.
+- CPU: the pure torch reference with the same dequant contract (``dequantize_volta``), then a
+  matmul in fp32.
+- Meta / fake tensors: shape ``[..., N]`` fp16, so torch.compile and CUDA-graph capture can
+  trace through the op.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from onecat.errors import OnecatError
+from onecat.pack.volta_layout import reference_linear
+
+_SCHEMA = (
+    "w4a16_linear(Tensor x, Tensor qweight, Tensor scales_zeros, int group_size, "
+    "Tensor? bias=None) -> Tensor"
+)
+
+# The Library object must stay alive for the registration to last: module scope.
+_LIB = torch.library.Library("onecat", "FRAGMENT")
+_LIB.define(_SCHEMA)
+
+
+def check_inputs(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales_zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None,
+) -> tuple[int, int]:
+    """Validate the op's inputs; returns ``(N, K)``.  Raises OnecatError naming the bad field."""
+    where = "onecat.kernels.ops.w4a16_linear"
+    if qweight.dtype != torch.int32 or qweight.dim() != 4 or tuple(qweight.shape[2:]) != (32, 4):
+        raise OnecatError(
+            f"{where}: qweight must be int32 [N/32, K/32, 32, 4] (Volta layout v1), got "
+            f"{qweight.dtype} {tuple(qweight.shape)}; pack the checkpoint with `onecat pack`"
+        )
+    n, k = qweight.shape[0] * 32, qweight.shape[1] * 32
+    if group_size <= 0 or group_size % 32 or k % group_size:
+        raise OnecatError(
+            f"{where}: group_size {group_size} must be a positive multiple of 32 dividing K={k}"
+        )
+    expected = (n // 32, k // group_size, 32, 2)
+    if scales_zeros.dtype != torch.float16 or tuple(scales_zeros.shape) != expected:
+        raise OnecatError(
+            f"{where}: scales_zeros must be float16 {list(expected)} for this qweight and group "
+            f"size {group_size}, got {scales_zeros.dtype} {tuple(scales_zeros.shape)}"
+        )
+    if x.dtype != torch.float16:
+        raise OnecatError(f"{where}: x must be float16 (V100 has no bf16), got {x.dtype}")
+    if x.dim() == 0 or x.shape[-1] != k:
+        raise OnecatError(f"{where}: x must be [..., {k}], got {tuple(x.shape)}")
+    if bias is not None and (bias.dtype != torch.float16 or tuple(bias.shape) != (n,)):
+        raise OnecatError(
+            f"{where}: bias must be float16 [{n}], got {bias.dtype} {tuple(bias.shape)}"
+        )
+    tensors = [("x", x), ("qweight", qweight), ("scales_zeros", scales_zeros)]
+    if bias is not None:
+        tensors.append(("bias", bias))
+    for name, t in tensors:
+        if t.device != x.device:
+            raise OnecatError(f"{where}: {name} is on {t.device}, x on {x.device}")
+    for name, t in tensors[1:]:
+        if x.device.type == "cuda" and (not t.is_contiguous() or t.data_ptr() % 16):
+            raise OnecatError(
+                f"{where}: {name} must be contiguous and 16-byte aligned on the GPU "
+                f"(call .contiguous() once when loading the weights)"
+            )
+    return n, k
+
+
+def _cuda_impl(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales_zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    from onecat.kernels.tuning import choose_variant
+    from onecat.kernels.variants import run_variant
+
+    n, k = check_inputs(x, qweight, scales_zeros, group_size, bias)
+    x2 = x.reshape(-1, k)
+    if not x2.is_contiguous() or x2.data_ptr() % 16:
+        x2 = x2.contiguous() if not x2.is_contiguous() else x2.clone()
+    with torch.cuda.device(x.device):
+        variant = choose_variant(x2.shape[0], qweight, scales_zeros, group_size)
+        y = run_variant(variant, x2, qweight, scales_zeros, group_size, bias)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def _cpu_impl(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales_zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    n, _ = check_inputs(x, qweight, scales_zeros, group_size, bias)
+    return reference_linear(x, qweight, scales_zeros, group_size, bias).reshape(*x.shape[:-1], n)
+
+
+_LIB.impl("w4a16_linear", _cuda_impl, "CUDA")
+_LIB.impl("w4a16_linear", _cpu_impl, "CPU")
+
+
+@torch.library.register_fake("onecat::w4a16_linear")
+def _fake_impl(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales_zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    n = qweight.shape[0] * 32
+    return x.new_empty((*x.shape[:-1], n))
+
+
+def w4a16_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales_zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``y = x @ W^T (+ bias)`` with a 4-bit weight ``W [N, K]`` in the Volta layout (v1).
+
+    Args:
+        x: activations, float16 ``[..., K]``, on the weight's device.  Any strides; a
+            non-contiguous or misaligned ``x`` is copied once.
+        qweight: int32 ``[N/32, K/32, 32, 4]``, contiguous, 16-byte aligned (``pack_volta``).
+        scales_zeros: float16 ``[N/32, K/g, 32, 2]``, the half2 ``(s, fp16(-z*s))`` per column
+            and group, contiguous.
+        group_size: quantization group ``g`` along K (a multiple of 32 dividing K).
+        bias: optional float16 ``[N]``, added in fp32 before the final rounding.
+
+    Returns:
+        float16 ``[..., N]``.  Weights are dequantised as ``fp16(q*s + nzs)`` (one rounding)
+        and products are summed in fp32 (the GEMV forms fp16 partial sums of 4 products).
+
+    Raises:
+        OnecatError: on a wrong dtype, shape, device, or non-contiguous weights.
+    """
+    return torch.ops.onecat.w4a16_linear(x, qweight, scales_zeros, group_size, bias)

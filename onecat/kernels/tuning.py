@@ -1,0 +1,218 @@
+"""Choose the fastest variant per (M bucket, N, K, group) on the GPU at hand, and remember it.
+
+Winners live in a JSON file per GPU and kernel target (``cache_dir()/tune/<gpu>-<target>.json``)
+together with the hash of the kernel sources (a change of the sources drops old winners).
+Keys are ``N{n}-K{k}-g{g}-M{bucket}`` where the bucket is the smallest power of two >= M
+(capped at 8192); each bucket is timed at its upper end.  ``onecat tune`` fills the table for
+given shapes; with ``ONECAT_AUTOTUNE=1`` (the default) the op also tunes a missing key on first
+use, outside CUDA-graph capture and torch.compile tracing.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import tempfile
+import threading
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+from onecat.kernels import build, loader
+from onecat.kernels.timing import copies_for, graph_time_us
+from onecat.kernels.variants import (
+    GEMV_WARPS,
+    WMMA_TILES,
+    Variant,
+    auto_splits,
+    default_variant,
+    run_variant,
+)
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+_lock = threading.Lock()
+_tables: dict[str, dict[str, str]] = {}
+
+
+def bucket(m: int) -> int:
+    """The M bucket of ``m`` rows: the smallest entry of BUCKETS >= m (the last for more)."""
+    return next((b for b in BUCKETS if b >= m), BUCKETS[-1])
+
+
+def table_path(device_index: int) -> Path:
+    """Where the tuning table of this GPU and kernel target lives."""
+    name = re.sub(r"[^A-Za-z0-9]+", "-", torch.cuda.get_device_name(device_index)).strip("-")
+    return build.cache_dir() / "tune" / f"{name}-{loader.choose_target(device_index)}.json"
+
+
+def _key(m: int, n: int, k: int, group_size: int) -> str:
+    return f"N{n}-K{k}-g{group_size}-M{bucket(m)}"
+
+
+def _table(device_index: int) -> dict[str, str]:
+    path = table_path(device_index)
+    cached = _tables.get(str(path))
+    if cached is not None:
+        return cached
+    entries: dict[str, str] = {}
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            if data.get("sources_hash") == build.sources_hash():
+                entries = dict(data.get("entries", {}))
+        except (OSError, ValueError):
+            entries = {}
+    _tables[str(path)] = entries
+    return entries
+
+
+def _save(device_index: int) -> None:
+    path = table_path(device_index)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {
+        "gpu": torch.cuda.get_device_name(device_index),
+        "target": loader.choose_target(device_index),
+        "sources_hash": build.sources_hash(),
+        "entries": dict(sorted(_table(device_index).items())),
+    }
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def candidates(m: int, n: int, k: int, device_index: int) -> list[Variant]:
+    """The variants worth timing for ``m`` rows of an ``[n, k]`` weight."""
+    found: list[Variant] = []
+    gemv_rows = next((r for r in GEMV_WARPS if r >= m), None)
+    if gemv_rows is not None:
+        for warps in GEMV_WARPS[gemv_rows]:
+            base = auto_splits(Variant("gemv", gemv_rows, warps), m, n, k, device_index)
+            for splits in sorted({base, max(1, base // 2), base * 2}):
+                found.append(Variant("gemv", gemv_rows, warps, splits))
+    tiles = [t for t in WMMA_TILES if t >= min(m, 64)][:2]
+    if m > 64:
+        tiles = [64] if m <= 256 else []  # beyond that cuBLAS wins by far
+    for tile in tiles:
+        for warps in WMMA_TILES[tile]:
+            base = auto_splits(Variant("wmma", tile, warps), m, n, k, device_index)
+            for splits in sorted({base, max(1, base // 2), base * 2}):
+                found.append(Variant("wmma", tile, warps, splits))
+    if m >= 16:
+        found.append(Variant("dequant"))
+    return found
+
+
+def time_variant(
+    variant: Variant,
+    x: torch.Tensor,
+    weights: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    group_size: int,
+) -> float:
+    """Median microseconds per call of ``variant`` (CUDA graph of calls rotating over the
+    ``(qweight, scales_zeros)`` copies in ``weights``, see timing.py)."""
+    n = weights[0][0].shape[0] * 32
+    out = torch.empty((x.shape[0], n), dtype=torch.float16, device=x.device)
+    calls = [
+        functools.partial(run_variant, variant, x, qw, sz, group_size, None, out)
+        for qw, sz in weights
+    ]
+    return graph_time_us(calls)
+
+
+def tune_shape(
+    m: int,
+    qweight: torch.Tensor,
+    scales_zeros: torch.Tensor,
+    group_size: int,
+    save: bool = True,
+) -> tuple[Variant, dict[str, float]]:
+    """Time every candidate for the bucket of ``m`` and record the winner.
+
+    Returns the winner and all timings (microseconds by variant name).
+    """
+    device = qweight.device
+    device_index = device.index if device.index is not None else torch.cuda.current_device()
+    n, k = qweight.shape[0] * 32, qweight.shape[1] * 32
+    rows = bucket(m)
+    x = torch.randn(rows, k, dtype=torch.float16, device=device)
+    options = candidates(rows, n, k, device_index)
+    copies = copies_for(qweight.numel() * 4 + scales_zeros.numel() * 2)
+    weights = [(qweight, scales_zeros)] + [
+        (qweight.clone(), scales_zeros.clone()) for _ in range(copies - 1)
+    ]
+    if len(options) == 1:
+        timings = {options[0].name: time_variant(options[0], x, weights[:1], group_size)}
+    else:
+        timings = {v.name: time_variant(v, x, weights, group_size) for v in options}
+    best = Variant.parse(min(timings, key=timings.get))
+    with _lock:
+        _table(device_index)[_key(m, n, k, group_size)] = best.name
+        if save:
+            _save(device_index)
+    return best, timings
+
+
+def autotune_enabled() -> bool:
+    """Whether the op tunes unknown shapes on first use (``ONECAT_AUTOTUNE``, default on)."""
+    return os.environ.get("ONECAT_AUTOTUNE", "1") not in ("0", "false", "no", "")
+
+
+def choose_variant(
+    m: int, qweight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int
+) -> Variant:
+    """The variant to run: the tuned winner, else (tuning now if allowed) the default."""
+    device_index = qweight.device.index
+    if device_index is None:
+        device_index = torch.cuda.current_device()
+    n, k = qweight.shape[0] * 32, qweight.shape[1] * 32
+    name = _table(device_index).get(_key(m, n, k, group_size))
+    if name is not None:
+        variant = Variant.parse(name)
+        if variant.supports(m):
+            return variant
+    if (
+        autotune_enabled()
+        and not torch.cuda.is_current_stream_capturing()
+        and not torch.compiler.is_compiling()
+    ):
+        return tune_shape(m, qweight, scales_zeros, group_size)[0]
+    return default_variant(m)
+
+
+def tune_shapes(
+    shapes: Iterable[tuple[int, int]],
+    ms: Iterable[int],
+    group_size: int = 128,
+    device: str = "cuda",
+) -> list[tuple[int, int, int, str, float]]:
+    """Tune every (N, K) in ``shapes`` for every M in ``ms`` on random weights.
+
+    Returns rows ``(n, k, m, winner, microseconds)`` and saves the table.
+    """
+    results = []
+    ms = list(ms)
+    for n, k in shapes:
+        gen = torch.Generator(device=device).manual_seed(0)
+        qweight = torch.randint(
+            -(2**31),
+            2**31 - 1,
+            (n // 32, k // 32, 32, 4),
+            dtype=torch.int32,
+            device=device,
+            generator=gen,
+        )
+        scales = torch.rand(n // 32, k // group_size, 32, 1, device=device, generator=gen)
+        scales = (scales * 0.01 + 0.001).to(torch.float16)
+        zeros = torch.randint(0, 16, scales.shape, device=device, generator=gen).to(torch.float16)
+        scales_zeros = torch.cat([scales, -(zeros * scales)], dim=-1).contiguous()
+        for m in ms:
+            best, timings = tune_shape(m, qweight, scales_zeros, group_size, save=False)
+            results.append((n, k, m, best.name, timings[best.name]))
+    if results:
+        device_index = torch.device(device).index
+        _save(device_index if device_index is not None else torch.cuda.current_device())
+    return results

@@ -1,0 +1,85 @@
+// Shared pieces of onecat's sm_70 W4A16 kernels: the packed layout, the in-register dequant
+// and the split-K finish.  Compiled by NVRTC 12 for compute_70 / sm_70; no torch headers.
+//
+// Packed layout (version 1, docs/FORMAT.md, onecat/pack/volta_layout.py), W [N out, K in]:
+//   qweight      u32   [N/32][K/32][32 lanes][4 words]   one 32x32 tile = 512 contiguous bytes
+//   scales_zeros half2 [N/32][K/g][32 lanes]             (s, fp16(-z*s)) per column and group
+// Lane l of a tile owns output column 8*((l%16)/4) + (l%4) + 4*(l>=16) (the m8n8k4 B .col
+// rule), so ONE 128-bit load per lane reads a whole 32x32 tile and lane l holds the 32 k
+// values of its column.  Word w holds k = 8w..8w+7; nibble j holds k offset
+// [0,2,4,6,1,3,5,7][j], so masking nibbles j and j+4 (bits 4j and 16+4j) gives the fp16 pair
+// (k 2j, k 2j+1) in k order.
+//
+// Dequant contract (the CPU reference reproduces it bit for bit):
+//   w = fma.rn.f16x2(q, s, nzs)   with nzs = fp16(-z*s): one rounding per weight.
+#pragma once
+#include <cuda_fp16.h>
+
+namespace onecat {
+
+constexpr int kTile = 32;  // columns per column tile, and k values per k tile
+
+// Output column (0..31 inside its tile) owned by lane l: the layout's lane -> column rule.
+__device__ __forceinline__ int lane_column(int l) {
+  return 8 * ((l & 15) >> 2) + (l & 3) + ((l >> 4) << 2);
+}
+
+// Weights are read exactly once: load them past L1 (sm_70 has .L1::no_allocate).
+__device__ __forceinline__ uint4 load_weights_streaming(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// (a & b) | c in one lop3 instruction (immLut 0xEA = (0xF0 & 0xCC) | 0xAA).
+__device__ __forceinline__ unsigned and_or(unsigned a, unsigned b, unsigned c) {
+  unsigned r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+
+__device__ __forceinline__ half2 as_half2(unsigned u) {
+  return *reinterpret_cast<half2*>(&u);
+}
+
+// One packed word (8 nibbles) -> 4 fp16 pairs (k0,k1) (k2,k3) (k4,k5) (k6,k7), dequantised.
+// Magic-number trick: 0x6400 | q is the fp16 1024 + q exactly, so q = that - 1024 exactly;
+// then one fma.rn.f16x2 per pair applies the contract w = fp16(q*s + nzs).
+__device__ __forceinline__ void dequant_word(unsigned word, half2 s2, half2 nzs2, half2 out[4]) {
+  const unsigned kMask = 0x000F000Fu;
+  const unsigned kMagic = 0x64006400u;  // fp16 1024.0 in both halves
+  const half2 k1024 = as_half2(kMagic);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    half2 q = __hsub2(as_half2(and_or(word >> (4 * j), kMask, kMagic)), k1024);
+    out[j] = __hfma2(q, s2, nzs2);
+  }
+}
+
+// A whole lane fragment (one uint4 = 32 k of one column) -> 16 dequantised fp16 pairs.
+__device__ __forceinline__ void dequant_tile(uint4 v, half2 sz, half2 out[16]) {
+  const half2 s2 = __half2half2(__low2half(sz));
+  const half2 nzs2 = __half2half2(__high2half(sz));
+  dequant_word(v.x, s2, nzs2, out + 0);
+  dequant_word(v.y, s2, nzs2, out + 4);
+  dequant_word(v.z, s2, nzs2, out + 8);
+  dequant_word(v.w, s2, nzs2, out + 12);
+}
+
+// Split-K finish, called by every thread of a block after its partial sums were added to the
+// fp32 workspace with atomicAdd.  The last block to arrive for `counter` (a zeroed int per
+// output tile) returns true and may then read the complete sums (with ld.global.cg: the
+// other blocks' atomics live in L2, never in this SM's L1).  Classic threadfence reduction.
+__device__ __forceinline__ bool arrive_last(int* counter, int arrivals) {
+  __shared__ int is_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = (atomicAdd(counter, 1) == arrivals - 1);
+  __syncthreads();
+  if (is_last) __threadfence();
+  return is_last != 0;
+}
+
+}  // namespace onecat

@@ -1,0 +1,259 @@
+// W4A16 tensor-core GEMM for small batches (M = 3..~64 tokens, more via grid.z):
+// y[M, N] = x[M, K] @ W[N, K]^T (+ bias), fp16 in, fp32 accumulate, fp16 out.
+//
+// Why wmma: it is the tensor-core route that exists on sm_70 (HMMA.884 underneath) AND runs
+// natively when the same compute_70 PTX is JIT-compiled for a newer GPU.  It is written as
+// inline PTX (wmma.load / wmma.mma / wmma.store), so NVRTC needs only cuda_fp16.h, not the
+// crt/ headers behind mma.h.  sm_70 has no cp.async and no ldmatrix: tiles go
+// global -> registers -> shared, and the fragments are read from shared by wmma.load.
+//
+// Data layout: weights as in w4a16_common.cuh (lane l holds the 32 k of column
+// lane_column(l) of a tile in one uint4).  x [M, K] fp16 row-major, y [M, N] fp16 row-major.
+//
+// Thread mapping:
+//   grid  = (ceil(N/32 / WARPS), S splits of K, ceil(M / MT))     block = WARPS warps
+//   warp w of block (bx, s, bz) owns column tile t = bx*WARPS + w (32 output columns) and rows
+//   bz*MT .. bz*MT+MT-1, over k tiles [s*kps, (s+1)*kps), in chunks of KC = 64 k.
+//   Per chunk:
+//     1. every warp dequantises its two uint4 fragments (loaded one chunk earlier) into its
+//        own slice of shared memory, sB[w][column 0..31][k 0..63] (k contiguous, i.e. the
+//        col-major B operand of wmma), one row per lane, 128-bit stores;
+//        all threads store the x chunk they loaded into sA[row 0..MT-1][k 0..63];
+//     2. __syncthreads, then the loads of the NEXT chunk are issued into registers
+//        (register double buffering: their latency overlaps this chunk's MMAs);
+//     3. the warp runs KC/16 wmma steps: m8n32k16 for MT = 8 (one fragment covers the tile's
+//        32 columns), otherwise m16n16k16 with (MT/16) x 2 fragments.
+//   Rows are padded to 72 halves (144 bytes): fragment addresses stay 32-byte aligned and
+//   consecutive rows start 4 banks apart.
+//   Epilogue: accumulators go through shared memory (fp32, row stride 36) so that each warp
+//   writes full 64-byte rows of y; with S > 1 they are added to a zeroed fp32 workspace and
+//   the last block of the (column group, row tile) writes y (see arrive_last).
+#include "w4a16_common.cuh"
+
+namespace onecat {
+
+constexpr int kChunkTiles = 2;                 // k tiles per chunk
+constexpr int kChunk = kChunkTiles * kTile;    // 64 k per chunk
+constexpr int kLds = kChunk + 8;               // shared row stride in halves (144 bytes)
+constexpr int kLdc = 36;                       // epilogue row stride in floats (144 bytes)
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+struct FragAB { unsigned r[8]; };
+struct FragC { float r[8]; };
+
+#define ONECAT_WMMA_FUNCS(SHAPE)                                                               \
+  __device__ __forceinline__ void load_a_##SHAPE(FragAB& f, const half* p, int ld) {            \
+    asm volatile("wmma.load.a.sync.aligned.row." #SHAPE ".shared.f16 "                          \
+                 "{%0,%1,%2,%3,%4,%5,%6,%7}, [%8], %9;"                                         \
+                 : "=r"(f.r[0]), "=r"(f.r[1]), "=r"(f.r[2]), "=r"(f.r[3]), "=r"(f.r[4]),        \
+                   "=r"(f.r[5]), "=r"(f.r[6]), "=r"(f.r[7])                                     \
+                 : "r"(smem_addr(p)), "r"(ld));                                                 \
+  }                                                                                             \
+  __device__ __forceinline__ void load_b_##SHAPE(FragAB& f, const half* p, int ld) {            \
+    asm volatile("wmma.load.b.sync.aligned.col." #SHAPE ".shared.f16 "                          \
+                 "{%0,%1,%2,%3,%4,%5,%6,%7}, [%8], %9;"                                         \
+                 : "=r"(f.r[0]), "=r"(f.r[1]), "=r"(f.r[2]), "=r"(f.r[3]), "=r"(f.r[4]),        \
+                   "=r"(f.r[5]), "=r"(f.r[6]), "=r"(f.r[7])                                     \
+                 : "r"(smem_addr(p)), "r"(ld));                                                 \
+  }                                                                                             \
+  __device__ __forceinline__ void mma_##SHAPE(FragC& d, const FragAB& a, const FragAB& b) {     \
+    asm volatile("wmma.mma.sync.aligned.row.col." #SHAPE ".f32.f32 "                            \
+                 "{%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11,%12,%13,%14,%15}, "                 \
+                 "{%16,%17,%18,%19,%20,%21,%22,%23}, {%0,%1,%2,%3,%4,%5,%6,%7};"                \
+                 : "+f"(d.r[0]), "+f"(d.r[1]), "+f"(d.r[2]), "+f"(d.r[3]), "+f"(d.r[4]),        \
+                   "+f"(d.r[5]), "+f"(d.r[6]), "+f"(d.r[7])                                     \
+                 : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(a.r[4]),             \
+                   "r"(a.r[5]), "r"(a.r[6]), "r"(a.r[7]), "r"(b.r[0]), "r"(b.r[1]),             \
+                   "r"(b.r[2]), "r"(b.r[3]), "r"(b.r[4]), "r"(b.r[5]), "r"(b.r[6]),             \
+                   "r"(b.r[7]));                                                                \
+  }                                                                                             \
+  __device__ __forceinline__ void store_c_##SHAPE(float* p, const FragC& c, int ld) {           \
+    asm volatile("wmma.store.d.sync.aligned.row." #SHAPE ".shared.f32 "                         \
+                 "[%0], {%1,%2,%3,%4,%5,%6,%7,%8}, %9;"                                         \
+                 :                                                                              \
+                 : "r"(smem_addr(p)), "f"(c.r[0]), "f"(c.r[1]), "f"(c.r[2]), "f"(c.r[3]),       \
+                   "f"(c.r[4]), "f"(c.r[5]), "f"(c.r[6]), "f"(c.r[7]), "r"(ld)                  \
+                 : "memory");                                                                   \
+  }
+
+ONECAT_WMMA_FUNCS(m16n16k16)
+ONECAT_WMMA_FUNCS(m8n32k16)
+
+template <int MT, int WARPS>
+struct WmmaSmem {
+  static constexpr int kA = MT * kLds * 2;              // bytes of sA
+  static constexpr int kB = WARPS * kTile * kLds * 2;   // bytes of sB
+  static constexpr int kC = WARPS * MT * kLdc * 4;      // bytes of the epilogue
+  static constexpr int kBytes = (kA + kB) > kC ? (kA + kB) : kC;
+};
+
+template <int MT, int WARPS>
+__device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint4* __restrict__ qweight,
+                                          const half2* __restrict__ scales_zeros,
+                                          const half* __restrict__ bias, half* __restrict__ y,
+                                          float* __restrict__ workspace, int* __restrict__ counters,
+                                          int M, int N, int K, int group_size, int ktiles_per_split) {
+  constexpr bool kM8 = MT == 8;
+  constexpr int kMFrags = kM8 ? 1 : MT / 16;
+  constexpr int kNFrags = kM8 ? 1 : 2;
+  constexpr int kThreads = 32 * WARPS;
+  constexpr int kXVecs = MT * kChunk / 8;                          // uint4 per x chunk
+  constexpr int kXPerThread = (kXVecs + kThreads - 1) / kThreads;
+
+  __shared__ __align__(128) unsigned char smem[WmmaSmem<MT, WARPS>::kBytes];
+  half* sA = reinterpret_cast<half*>(smem);
+  half* sB = reinterpret_cast<half*>(smem + WmmaSmem<MT, WARPS>::kA);
+  float* sC = reinterpret_cast<float*>(smem);
+
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int tiles_n = N / kTile;
+  const int tile = blockIdx.x * WARPS + warp;
+  const bool tile_ok = tile < tiles_n;
+  const int m0 = blockIdx.z * MT;
+  const int ktiles = K / kTile;
+  const int groups = K / group_size;
+  const int tiles_per_group = group_size / kTile;
+  const int k_begin = blockIdx.y * ktiles_per_split;
+  const int k_end = min(ktiles, k_begin + ktiles_per_split);
+
+  const uint4* w_tile = qweight + (size_t)(tile_ok ? tile : 0) * ktiles * 32 + lane;
+  const half2* sz_tile = scales_zeros + (size_t)(tile_ok ? tile : 0) * groups * 32 + lane;
+  half* sB_warp = sB + warp * kTile * kLds;
+
+  uint4 wv[kChunkTiles];
+  half2 sz[kChunkTiles];
+  uint4 xv[kXPerThread];
+
+  auto load_chunk = [&](int kc) {
+#pragma unroll
+    for (int u = 0; u < kChunkTiles; ++u) {
+      const int kt = kc + u;
+      if (tile_ok && kt < k_end) {
+        wv[u] = load_weights_streaming(w_tile + (size_t)kt * 32);
+        sz[u] = __ldg(sz_tile + (size_t)(kt / tiles_per_group) * 32);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kXPerThread; ++i) {
+      const int idx = threadIdx.x + i * kThreads;
+      const int row = idx / (kChunk / 8);
+      const int col = (idx % (kChunk / 8)) * 8;
+      const int m = m0 + row;
+      const int kt = kc + col / kTile;
+      xv[i] = make_uint4(0u, 0u, 0u, 0u);
+      if (idx < kXVecs && m < M && kt < k_end)
+        xv[i] = __ldg(reinterpret_cast<const uint4*>(x + (size_t)m * K + (size_t)kc * kTile + col));
+    }
+  };
+
+  FragC acc[kMFrags][kNFrags];
+#pragma unroll
+  for (int i = 0; i < kMFrags; ++i)
+#pragma unroll
+    for (int j = 0; j < kNFrags; ++j)
+#pragma unroll
+      for (int r = 0; r < 8; ++r) acc[i][j].r[r] = 0.0f;
+
+  if (k_begin < k_end) load_chunk(k_begin);
+  for (int kc = k_begin; kc < k_end; kc += kChunkTiles) {
+    const int valid_tiles = min(kChunkTiles, k_end - kc);
+    __syncthreads();  // the previous chunk's fragments have been read
+#pragma unroll
+    for (int i = 0; i < kXPerThread; ++i) {
+      const int idx = threadIdx.x + i * kThreads;
+      if (idx < kXVecs)
+        *reinterpret_cast<uint4*>(sA + (idx / (kChunk / 8)) * kLds + (idx % (kChunk / 8)) * 8) = xv[i];
+    }
+    if (tile_ok) {
+      half* row = sB_warp + lane_column(lane) * kLds;
+#pragma unroll
+      for (int u = 0; u < kChunkTiles; ++u) {
+        if (u < valid_tiles) {
+          half2 w[16];
+          dequant_tile(wv[u], sz[u], w);
+          uint4* dst = reinterpret_cast<uint4*>(row + u * kTile);
+#pragma unroll
+          for (int q = 0; q < 4; ++q) dst[q] = *reinterpret_cast<uint4*>(w + 4 * q);
+        }
+      }
+    }
+    __syncthreads();
+    if (kc + kChunkTiles < k_end) load_chunk(kc + kChunkTiles);  // overlaps the MMAs below
+#pragma unroll
+    for (int ks = 0; ks < kChunk / 16; ++ks) {
+      if (ks < 2 * valid_tiles) {
+        if constexpr (kM8) {
+          FragAB a, b;
+          load_a_m8n32k16(a, sA + ks * 16, kLds);
+          load_b_m8n32k16(b, sB_warp + ks * 16, kLds);
+          mma_m8n32k16(acc[0][0], a, b);
+        } else {
+          FragAB b[kNFrags];
+#pragma unroll
+          for (int j = 0; j < kNFrags; ++j) load_b_m16n16k16(b[j], sB_warp + j * 16 * kLds + ks * 16, kLds);
+#pragma unroll
+          for (int i = 0; i < kMFrags; ++i) {
+            FragAB a;
+            load_a_m16n16k16(a, sA + i * 16 * kLds + ks * 16, kLds);
+#pragma unroll
+            for (int j = 0; j < kNFrags; ++j) mma_m16n16k16(acc[i][j], a, b[j]);
+          }
+        }
+      }
+    }
+  }
+
+  // Epilogue: fragments -> shared (fp32) -> full rows of y (or the split-K workspace).
+  __syncthreads();
+  float* sC_warp = sC + warp * MT * kLdc;
+  if constexpr (kM8) {
+    store_c_m8n32k16(sC_warp, acc[0][0], kLdc);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kMFrags; ++i)
+#pragma unroll
+      for (int j = 0; j < kNFrags; ++j) store_c_m16n16k16(sC_warp + i * 16 * kLdc + j * 16, acc[i][j], kLdc);
+  }
+  __syncwarp();
+  const int n = tile * kTile + lane;
+  const int rows = min(MT, M - m0);
+  if (gridDim.y == 1) {
+    if (tile_ok) {
+      const float b = bias ? __half2float(bias[n]) : 0.0f;
+      for (int r = 0; r < rows; ++r) y[(size_t)(m0 + r) * N + n] = __float2half_rn(sC_warp[r * kLdc + lane] + b);
+    }
+    return;
+  }
+  if (tile_ok) {
+    for (int r = 0; r < rows; ++r) atomicAdd(workspace + (size_t)(m0 + r) * N + n, sC_warp[r * kLdc + lane]);
+  }
+  if (arrive_last(counters + blockIdx.z * gridDim.x + blockIdx.x, gridDim.y) && tile_ok) {
+    const float b = bias ? __half2float(bias[n]) : 0.0f;
+    for (int r = 0; r < rows; ++r) {
+      const size_t at = (size_t)(m0 + r) * N + n;
+      y[at] = __float2half_rn(__ldcg(workspace + at) + b);
+    }
+  }
+}
+
+}  // namespace onecat
+
+#define ONECAT_WMMA(MT, WARPS)                                                                 \
+  extern "C" __global__ void __launch_bounds__(32 * WARPS) w4a16_wmma_mt##MT##_w##WARPS(     \
+      const half* x, const uint4* qweight, const half2* scales_zeros, const half* bias,       \
+      half* y, float* workspace, int* counters, int M, int N, int K, int group_size,          \
+      int ktiles_per_split) {                                                                  \
+    onecat::wmma_body<MT, WARPS>(x, qweight, scales_zeros, bias, y, workspace, counters, M, N, \
+                                 K, group_size, ktiles_per_split);                             \
+  }
+
+ONECAT_WMMA(8, 4)
+ONECAT_WMMA(8, 8)
+ONECAT_WMMA(16, 4)
+ONECAT_WMMA(16, 8)
+ONECAT_WMMA(32, 4)
+ONECAT_WMMA(64, 4)
