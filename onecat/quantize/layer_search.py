@@ -1,0 +1,435 @@
+"""AWQ for one decoder layer: calibrate, search scales, fold them, search clips, quantize.
+
+Steps for layer i (built by :class:`~onecat.quantize.layer_build.LayerFactory`):
+
+1. Resolve the recipe's mappings against the layer's modules (``*`` = expert index; a mapping
+   whose modules are absent, e.g. attention in a linear-attention layer, or whose shapes do
+   not chain, e.g. v_proj -> o_proj under grouped-query attention, is skipped).
+2. One fp forward over all calibration sequences, in chunks. Hooks accumulate ``mean |x|``
+   per input channel for each mapping, keep a strided token sample of every quantized
+   linear's input, and keep the scored modules' inputs for the "loss chunk" (evenly spaced
+   whole sequences, about ``loss_tokens`` tokens, run first). MoE experts run on every token
+   (routed outputs only enter the result). The fp outputs feed the next layer (as AutoAWQ
+   does), so a resumed run can recompute them from the source weights bit for bit.
+3. Per mapping: :func:`~onecat.quantize.auto_scale.search_scale`, scored by the MSE of the
+   scored module's output (a whole attention / GDN / MLP / MoE block, or a single linear on
+   its token sample) against the fp output. Weights are snapshotted with a real clone.
+4. Fold every chosen scale, then clip-search each quantized linear (except ``clip_skip``)
+   on its token sample divided by its input scale, then quantize.
+5. Measure the whole layer's output MSE on the loss chunk for plain round-to-nearest and for
+   the result, for the report.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from onecat.errors import OnecatError
+from onecat.pack.awq_gemm import pack_awq_gemm
+from onecat.quantize.auto_clip import apply_clip, search_clip
+from onecat.quantize.auto_scale import ScaleResult, search_scale, weight_mean
+from onecat.quantize.layer_build import LayerFactory
+from onecat.quantize.moe import ExpertList, split_fused_experts
+from onecat.quantize.quantizer import FP16_MAX, dequantize_groups, pseudo_quantize, quantize_groups
+from onecat.quantize.recipe import Mapping, Recipe
+from onecat.quantize.smoothing import fold_into_balance, fold_into_smooth
+
+CHUNK_TOKENS = 4096  # tokens per forward chunk of the calibration pass
+
+
+@dataclass
+class ResolvedMapping:
+    """A recipe mapping bound to concrete module names of one layer."""
+
+    smooth: str
+    balance: list[str]
+    scored: str
+    gated_query: str | None
+    quantized: list[str]  # the balance layers that are quantized
+
+    @property
+    def owner(self) -> str:
+        """The module whose input stands for the whole group's input (the first balance layer)."""
+        return self.balance[0]
+
+
+@dataclass
+class LayerOutcome:
+    """What one layer produced: output tensors (layer-relative names), report and next input."""
+
+    tensors: dict[str, torch.Tensor]
+    report: dict
+    next_hidden: torch.Tensor
+    fp16_kept: list[str] = field(default_factory=list)
+
+
+def plan_chunks(num_seqs: int, seqlen: int, loss_tokens: int) -> tuple[list[int], list[list[int]]]:
+    """Deterministic chunking: (loss sequences, chunks) with the loss sequences as chunk 0."""
+    n_loss = max(1, min(num_seqs, -(-loss_tokens // seqlen)))
+    loss = sorted({i * num_seqs // n_loss for i in range(n_loss)})
+    rest = [i for i in range(num_seqs) if i not in set(loss)]
+    per_chunk = max(1, CHUNK_TOKENS // seqlen)
+    return loss, [loss] + [rest[i : i + per_chunk] for i in range(0, len(rest), per_chunk)]
+
+
+def _expand(mapping: Mapping, names: set[str]) -> list[tuple[str, list[str], str, str | None]]:
+    if "*" not in mapping.smooth:
+        return [(mapping.smooth, list(mapping.balance), mapping.scored, mapping.gated_query)]
+    pattern = re.compile(re.escape(mapping.smooth).replace(r"\*", r"(\d+)"))
+    found = sorted((int(m.group(1)), n) for n in names if (m := pattern.fullmatch(n)))
+    return [
+        (smooth, [b.replace("*", str(e)) for b in mapping.balance],
+         mapping.scored.replace("*", str(e)), mapping.gated_query)
+        for e, smooth in found
+    ]
+
+
+class LayerQuantizer:
+    """Runs AWQ (or plain round-to-nearest) on decoder layers one at a time."""
+
+    def __init__(self, factory: LayerFactory, recipe: Recipe, group_size: int, awq: bool = True) -> None:
+        self.factory, self.recipe, self.group_size, self.awq = factory, recipe, group_size, awq
+        self.device, self.dtype = factory.device, factory.dtype
+        cfg = factory.config
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+    # ---- which modules ---------------------------------------------------------------
+    def quantized_linears(self, layer: nn.Module, where: str) -> tuple[list[str], list[str]]:
+        """(quantized linear names, linears kept fp16 because K or N do not fit the format)."""
+        chosen, kept = [], []
+        for name, module in layer.named_modules():
+            if not isinstance(module, nn.Linear) or not self.recipe.is_quantized(name):
+                continue
+            n, k = module.weight.shape
+            if k % self.group_size == 0 and n % 8 == 0:
+                chosen.append(name)
+                continue
+            why = (
+                f"in-features {k} do not divide by group size {self.group_size}"
+                if k % self.group_size
+                else f"out-features {n} do not divide by 8"
+            )
+            if self.recipe.indivisible == "fail":
+                raise OnecatError(
+                    f"{where}{name}: {why}; recipe {self.recipe.path} says "
+                    f"quantization.indivisible: fail. Pick another --group-size or set "
+                    f"indivisible: keep_fp16"
+                )
+            warnings.warn(f"{where}{name}: {why}; kept in fp16", stacklevel=2)
+            kept.append(name)
+        return chosen, kept
+
+    def resolve(self, layer: nn.Module, quantized: set[str]) -> tuple[list[ResolvedMapping], list[str]]:
+        """Bind the recipe mappings to this layer; returns (mappings, notes on skipped ones)."""
+        modules = dict(layer.named_modules())
+        resolved, notes = [], []
+        for mapping in self.recipe.mappings:
+            for smooth, balance, scored, gated in _expand(mapping, set(modules)):
+                if any(n not in modules for n in (smooth, *balance, scored)):
+                    continue  # not this kind of layer (e.g. attention in a GDN layer)
+                ks = {modules[b].weight.shape[1] for b in balance}
+                sw = modules[smooth].weight
+                width = sw.shape[0]
+                if len(ks) != 1 or width != next(iter(ks)):
+                    notes.append(f"{smooth} -> {', '.join(balance)}: shapes do not chain, skipped")
+                    continue
+                q = [b for b in balance if b in quantized]
+                if not q:
+                    notes.append(f"{smooth} -> {', '.join(balance)}: nothing quantized, skipped")
+                    continue
+                resolved.append(ResolvedMapping(smooth, balance, scored, gated, q))
+        return resolved, notes
+
+    # ---- passes ------------------------------------------------------------------------
+    def _experts(self, layer: nn.Module) -> list[ExpertList]:
+        return [m for m in layer.modules() if isinstance(m, ExpertList)]
+
+    @torch.no_grad()
+    def propagate(self, layer: nn.Module, hidden: torch.Tensor, loss_tokens: int) -> torch.Tensor:
+        """The fp layer's outputs for all sequences (same chunks and expert mode as calibration)."""
+        for experts in self._experts(layer):
+            experts.all_tokens = True
+        _, chunks = plan_chunks(hidden.shape[0], hidden.shape[1], loss_tokens)
+        out = torch.empty_like(hidden)
+        for chunk in chunks:
+            out[chunk] = self.factory.run(layer, hidden[chunk])
+        for experts in self._experts(layer):
+            experts.all_tokens = False
+        return out
+
+    @torch.no_grad()
+    def quantize_layer(
+        self, index: int, tensors: dict[str, torch.Tensor], hidden: torch.Tensor | None, where: str
+    ) -> LayerOutcome:
+        """Quantize layer ``index`` from its source ``tensors``; ``hidden`` [S, L, H] are its
+        calibration inputs (None for round-to-nearest without calibration)."""
+        start = time.perf_counter()
+        rcp = self.recipe
+        if rcp.experts is not None:
+            src_dtypes = {k: v.dtype for k, v in split_fused_experts(
+                tensors, rcp.experts.module, rcp.experts.gate_up_proj, rcp.experts.down_proj).items()}
+        else:
+            src_dtypes = {k: v.dtype for k, v in tensors.items()}
+        layer = self.factory.build(index, tensors, where)
+        quantized, kept = self.quantized_linears(layer, where)
+        modules = dict(layer.named_modules())
+        report: dict = {"layer": index, "kind": getattr(layer, "block_type", None) or "decoder"}
+        modified: set[str] = set()
+        next_hidden = hidden
+        if self.awq and hidden is not None:
+            mappings, notes = self.resolve(layer, set(quantized))
+            report["skipped_mappings"] = notes
+            seqs, seqlen = hidden.shape[0], hidden.shape[1]
+            loss_idx, chunks = plan_chunks(seqs, seqlen, rcp.loss_tokens)
+            cap = _Capture(self, layer, mappings, quantized, seqs * seqlen)
+            next_hidden = torch.empty_like(hidden)
+            for experts in self._experts(layer):
+                experts.all_tokens = True
+            for c, chunk in enumerate(chunks):
+                cap.begin_chunk(chunk, seqlen, loss=(c == 0))
+                next_hidden[chunk] = self.factory.run(layer, hidden[chunk])
+            cap.remove()
+            for experts in self._experts(layer):
+                experts.all_tokens = False
+            self._check_activations(where, cap, next_hidden, report)
+
+            results = [self._search(m, modules, cap, where) for m in mappings]
+            report["mappings"] = [
+                {"smooth": m.smooth, "balance": m.balance, "scored": m.scored,
+                 "ratio": r.ratio, "loss_rtn": r.loss_identity, "loss_awq": r.loss_best}
+                for m, r in zip(mappings, results, strict=True)
+            ]
+            input_scale: dict[str, torch.Tensor] = {}
+            for m, r in zip(mappings, results, strict=True):
+                if r.ratio is None:
+                    continue
+                fold_into_smooth(modules[m.smooth], r.scales, rcp.norm_style)
+                fold_into_balance([modules[b] for b in m.balance], r.scales)
+                modified.update([m.smooth, *m.balance])
+                input_scale[m.owner] = r.scales.to(self.device)
+            if rcp.clip:
+                report["clip"] = self._clip(quantized, modules, cap, input_scale)
+        packed = self._quantize(quantized, modules, where)
+        if self.awq and hidden is not None:
+            report.update(self._layer_error(index, tensors, layer, quantized, hidden[loss_idx], where))
+        out = self._collect(layer, quantized, packed, modified, src_dtypes)
+        report["fp16_kept"] = kept
+        report["time_s"] = round(time.perf_counter() - start, 3)
+        return LayerOutcome(out, report, next_hidden, kept)
+
+    # ---- pieces --------------------------------------------------------------------------
+    def _check_activations(self, where: str, cap: _Capture, out: torch.Tensor, report: dict) -> None:
+        peak = {name: v for name, v in cap.absmax.items()}
+        peak["<layer output>"] = float(out.abs().amax())
+        bad = [n for n, v in peak.items() if not v < float("inf")]
+        if bad:
+            raise OnecatError(
+                f"{where}: activations are not finite ({', '.join(bad[:4])}) in "
+                f"{self.dtype} on {self.device}; this layer overflows the compute dtype: "
+                f"quantize on --device cpu (float32)"
+            )
+        over = {n: v for n, v in peak.items() if v > FP16_MAX}
+        report["max_abs_activation"] = max(peak.values())
+        if over:
+            report["fp16_overflow"] = over
+            warnings.warn(
+                f"{where}: activations exceed the fp16 range (max {max(over.values()):.4g} in "
+                f"{', '.join(over)}); fp16 inference of this layer may overflow", stacklevel=2
+            )
+
+    def _search(self, m: ResolvedMapping, modules: dict, cap: _Capture, where: str) -> ScaleResult:
+        g = self.group_size
+        qmods = [modules[b] for b in m.quantized]
+        originals = [mod.weight.detach().clone() for mod in qmods]  # real copies (not .cpu())
+        rows = None
+        if m.gated_query is not None and m.gated_query in m.quantized:
+            n = modules[m.gated_query].weight.shape[0]
+            rows = ((torch.arange(n, device=self.device) // self.head_dim) % 2 == 0).unsqueeze(1)
+        scored = modules[m.scored]
+        args, kwargs = cap.scored_inputs(m.scored)
+        reference = _first(scored(*args, **kwargs)).float()
+        x_mean = (cap.abs_sum[m.owner] / cap.count[m.owner]).to(self.device)
+        w_mean = weight_mean(originals, g).to(self.device)
+
+        def loss(s: torch.Tensor) -> float:
+            s = s.to(device=self.device, dtype=torch.float32)
+            for name, mod, orig in zip(m.quantized, qmods, originals, strict=True):
+                w = (pseudo_quantize(orig.float() * s, g) / s).to(orig.dtype)
+                if rows is not None and name == m.gated_query:
+                    w = torch.where(rows, w, orig)
+                mod.weight.data = w
+            out = _first(scored(*args, **kwargs)).float()
+            return float((out - reference).pow(2).mean())
+
+        try:
+            result = search_scale(x_mean, w_mean, loss, grid=self.recipe.grid, duo=self.recipe.duo_scaling)
+        finally:
+            for mod, orig in zip(qmods, originals, strict=True):
+                mod.weight.data = orig
+        if not result.loss_best < float("inf"):
+            raise OnecatError(f"{where}{m.scored}: every scale candidate gave a non-finite loss")
+        return result
+
+    def _clip(self, quantized: list[str], modules: dict, cap: _Capture, input_scale: dict) -> dict:
+        shrink = {}
+        for name in quantized:
+            if self.recipe.skips_clip(name):
+                continue
+            key = cap.key_of[name]
+            x = cap.sample(key, self.recipe.clip_tokens).to(self.device)
+            if key in input_scale:
+                x = x / input_scale[key].to(x.dtype)
+            w = modules[name].weight
+            max_val = search_clip(
+                w.data, x, self.group_size, grid=self.recipe.clip_grid,
+                max_shrink=self.recipe.clip_max_shrink,
+            )
+            org = w.float().reshape(w.shape[0], -1, self.group_size).abs().amax(-1)
+            shrink[name] = round(float((max_val / org.clamp(min=1e-12)).mean()), 4)
+            w.data = apply_clip(w.data, max_val)
+        return shrink
+
+    def _quantize(self, quantized: list[str], modules: dict, where: str) -> dict[str, dict]:
+        packed = {}
+        for name in quantized:
+            mod = modules[name]
+            q, z, s = quantize_groups(mod.weight.data, self.group_size)
+            if not bool(torch.isfinite(s).all()) or float(s.amax()) > FP16_MAX:
+                raise OnecatError(
+                    f"{where}{name}: quantization scales overflow fp16 (max {float(s.amax()):.4g}); "
+                    f"the smoothed weights are too large for an fp16 checkpoint"
+                )
+            mod.weight.data = dequantize_groups(q, z, s).to(mod.weight.dtype)
+            packed[name] = pack_awq_gemm(q.cpu(), z.cpu(), s.cpu())
+            if mod.bias is not None:
+                packed[name]["bias"] = mod.bias.detach().to("cpu", torch.float16)
+        return packed
+
+    def _layer_error(self, index, tensors, layer, quantized, loss_hidden, where) -> dict:
+        """Whole-layer output MSE on the loss sequences: round-to-nearest vs this result."""
+        fresh = self.factory.build(index, tensors, where)
+        fmods = dict(fresh.named_modules())
+        reference = self.factory.run(fresh, loss_hidden).float()
+        for name in quantized:
+            w = fmods[name].weight
+            w.data = pseudo_quantize(w.data, self.group_size)
+        rtn = float((self.factory.run(fresh, loss_hidden).float() - reference).pow(2).mean())
+        del fresh, fmods
+        awq = float((self.factory.run(layer, loss_hidden).float() - reference).pow(2).mean())
+        return {"output_mse_rtn": rtn, "output_mse_awq": awq}
+
+    def _collect(self, layer, quantized, packed, modified, src_dtypes) -> dict[str, torch.Tensor]:
+        """Output tensors of the layer: packed linears, everything else in its source dtype
+        (tensors changed by smoothing are stored in fp16 when the source was bf16)."""
+        out: dict[str, torch.Tensor] = {}
+        quantized_set = set(quantized)
+        for name, tensor in layer.state_dict().items():
+            module, _, leaf = name.rpartition(".")
+            if module in quantized_set:
+                continue
+            dtype = src_dtypes.get(name, tensor.dtype)
+            if module in modified and dtype == torch.bfloat16:
+                dtype = torch.float16
+            out[name] = tensor.detach().to("cpu", dtype).contiguous()
+        for module, parts in packed.items():
+            for leaf, t in parts.items():
+                out[f"{module}.{leaf}"] = t.contiguous()
+        return out
+
+
+def _first(output):
+    return output[0] if isinstance(output, tuple | list) else output
+
+
+class _Capture:
+    """Forward hooks for the calibration pass (statistics, token samples, scored inputs)."""
+
+    def __init__(self, lq: LayerQuantizer, layer: nn.Module, mappings: list[ResolvedMapping],
+                 quantized: list[str], total_tokens: int) -> None:
+        self.lq = lq
+        modules = dict(layer.named_modules())
+        rcp = lq.recipe
+        expert_prefix = f"{rcp.experts.module}." if rcp.experts is not None else None
+        # whose input sample does each quantized linear use?
+        self.key_of: dict[str, str] = {}
+        for m in mappings:
+            for b in m.balance:
+                self.key_of[b] = m.owner
+        for name in quantized:
+            self.key_of.setdefault(name, name)
+        scored_linears = {m.scored for m in mappings if isinstance(modules[m.scored], nn.Linear)}
+        self.stride: dict[str, int] = {}
+        for key in set(self.key_of.values()):
+            want = rcp.clip_tokens
+            if key in scored_linears and not (expert_prefix and key.startswith(expert_prefix)):
+                want = max(want, rcp.loss_tokens)
+            self.stride[key] = max(1, total_tokens // want)
+        self.scored_linears = scored_linears
+        self.abs_sum: dict[str, torch.Tensor] = {}
+        self.count: dict[str, int] = {}
+        self.absmax: dict[str, float] = {}
+        self.samples: dict[str, list[torch.Tensor]] = {k: [] for k in self.stride}
+        self.scored: dict[str, tuple] = {}
+        self.stats_keys = {m.owner for m in mappings}
+        self.handles = []
+        for key in self.stride:
+            self.handles.append(modules[key].register_forward_pre_hook(self._input_hook(key), with_kwargs=True))
+        for name in {m.scored for m in mappings} - scored_linears:
+            self.handles.append(modules[name].register_forward_pre_hook(self._scored_hook(name), with_kwargs=True))
+        self.positions = None
+        self.loss = False
+
+    def begin_chunk(self, seqs: list[int], seqlen: int, loss: bool) -> None:
+        """Set the global token ids of the coming chunk (sequence-major) and whether it is the loss chunk."""
+        seq = torch.tensor(seqs, dtype=torch.int64).unsqueeze(1)
+        self.positions = (seq * seqlen + torch.arange(seqlen)).reshape(-1)
+        self.loss = loss
+
+    def _input_hook(self, key: str):
+        def hook(module, args, kwargs):
+            x = args[0] if args else next(iter(kwargs.values()))
+            flat = x.reshape(-1, x.shape[-1])
+            xf = flat.float()
+            if key in self.stats_keys:
+                part = xf.abs().sum(dim=0)
+                self.abs_sum[key] = part if key not in self.abs_sum else self.abs_sum[key] + part
+                self.count[key] = self.count.get(key, 0) + flat.shape[0]
+            peak = float(xf.abs().amax()) if xf.numel() else 0.0
+            if not peak == peak:
+                peak = float("inf")
+            self.absmax[key] = max(self.absmax.get(key, 0.0), peak)
+            keep = (self.positions % self.stride[key] == 0).nonzero().squeeze(1)
+            self.samples[key].append(flat[keep.to(flat.device)].clone())
+
+        return hook
+
+    def _scored_hook(self, name: str):
+        def hook(module, args, kwargs):
+            if self.loss and name not in self.scored:
+                self.scored[name] = (args, dict(kwargs))
+
+        return hook
+
+    def remove(self) -> None:
+        """Detach the hooks and join each token sample into one tensor."""
+        for h in self.handles:
+            h.remove()
+        self.samples = {k: torch.cat(v) for k, v in self.samples.items() if v}
+
+    def sample(self, key: str, tokens: int) -> torch.Tensor:
+        """About ``tokens`` evenly strided rows of the input sample of ``key``."""
+        x = self.samples[key]
+        step = max(1, x.shape[0] // tokens)
+        return x[::step][:tokens] if step > 1 else x
+
+    def scored_inputs(self, name: str) -> tuple[tuple, dict]:
+        """(args, kwargs) to call the scored module ``name`` on the loss tokens."""
+        if name in self.scored_linears:
+            return (self.samples[name],), {}
+        return self.scored[name]

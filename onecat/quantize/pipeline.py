@@ -1,0 +1,333 @@
+"""``onecat quantize``: streaming, resumable AWQ of a safetensors checkpoint into AutoAWQ GEMM.
+
+Memory is bounded by one decoder layer plus the calibration activations: the embeddings
+are read once to embed the calibration tokens, then each layer is read from the shards,
+quantized (:mod:`onecat.quantize.layer_search`), written as its own shard and freed.
+
+Work happens in ``OUT.partial`` next to OUT: one shard per finished layer plus
+``progress.json`` (settings fingerprint and per-layer reports). After a crash or kill -9,
+``resume=True`` recomputes the finished layers' fp outputs from the source (cheap, and bit
+for bit the same) and goes on; the artifact equals an uninterrupted run's (only the
+wall-clock times in the report differ). The work directory is renamed to OUT at the end.
+
+Choices: the next layer is fed the fp layer's outputs (as AutoAWQ does); calibration
+computes in float32 on CPU and float16 on CUDA; unquantized tensors keep their source
+dtype, except tensors changed by smoothing, which are stored as float16 when the source is
+bfloat16; :func:`quantize_rtn` is plain round-to-nearest (no calibration) for comparisons.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from onecat.errors import OnecatError
+from onecat.quantize.calibration import calibration_tokens
+from onecat.quantize.layer_build import LayerFactory
+from onecat.quantize.layer_search import LayerQuantizer
+from onecat.quantize.recipe import Recipe, load_recipe, recipe_for_model_type
+from onecat.quantize.shards import CheckpointReader
+from onecat.quantize.summary import print_summary
+from onecat.quantize.writer import (
+    awq_config,
+    copy_side_files,
+    plan_rest_shards,
+    shard_name,
+    write_index,
+    write_json,
+    write_shard,
+)
+
+REPORT_NAME = "onecat_quantize_report.json"
+PROGRESS_NAME = "progress.json"
+
+
+def resolve_device(device: str) -> torch.device:
+    """Parse ``cpu`` / ``cuda`` / ``cuda:N``; a CUDA device without a GPU is a clear error."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise OnecatError(f"--device {device!r} is not a device; use cpu, cuda or cuda:N") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise OnecatError(
+                f"--device {device}: no CUDA GPU is available to this torch "
+                f"({torch.__version__}); use --device cpu"
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise OnecatError(f"--device {device}: only {torch.cuda.device_count()} GPU(s) present")
+    elif dev.type != "cpu":
+        raise OnecatError(f"--device {device}: only cpu and cuda devices are supported")
+    return dev
+
+
+def resolve_model(model: str | Path) -> Path:
+    """A local checkpoint directory, or a hub id downloaded with huggingface_hub."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    text = str(model)
+    if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
+        raise OnecatError(f"model {text!r} is not a checkpoint directory (nor a hub id like org/name)")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(
+            snapshot_download(
+                text,
+                allow_patterns=["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model", "*.tiktoken"],
+            )
+        )
+    except Exception as exc:  # offline, unknown repo, gated repo...
+        raise OnecatError(
+            f"could not download {text!r} from the Hugging Face hub ({type(exc).__name__}: {exc}). "
+            f"Offline? Download the checkpoint elsewhere and pass its local directory as MODEL"
+        ) from exc
+
+
+def _read_config(model_dir: Path) -> dict:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise OnecatError(f"{path} is missing: MODEL must be a transformers checkpoint directory")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise OnecatError(f"{path} is not valid JSON: {exc}") from exc
+    if "model_type" not in config:
+        raise OnecatError(f"{path} has no model_type; pass --recipe FILE")
+    if "quantization_config" in config:
+        raise OnecatError(f"{path}: the model is already quantized; quantize an fp16/bf16 checkpoint")
+    return config
+
+
+def _layer_prefix(recipe: Recipe, reader: CheckpointReader) -> str:
+    names = reader.names()
+    for prefix in recipe.layer_prefixes:
+        if any(n.startswith(f"{prefix}0.") for n in names):
+            return prefix
+    raise OnecatError(
+        f"recipe {recipe.path}: none of architecture.layer_prefixes "
+        f"({', '.join(recipe.layer_prefixes)}) matches the tensors of {reader.dir}"
+    )
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _prepare_output(out: Path, work: Path, resume: bool, overwrite: bool) -> bool:
+    """Check OUT / the work dir against the flags. Returns True when OUT is already complete."""
+    if resume and overwrite:
+        raise OnecatError("pass either --resume or --overwrite, not both")
+    if out.exists() and not overwrite:
+        if resume and (out / REPORT_NAME).is_file():
+            return True
+        raise OnecatError(
+            f"output directory {out} already exists; pass --overwrite to replace it"
+            + (" (it is not a finished onecat artifact, so --resume cannot finish it)" if resume else
+               " or --resume to finish an interrupted run")
+        )
+    if work.exists():
+        if overwrite:
+            shutil.rmtree(work)
+        elif not resume:
+            raise OnecatError(
+                f"an interrupted run left {work}; pass --resume to finish it or --overwrite to start over"
+            )
+    return False
+
+
+def quantize_model(
+    model: str | Path,
+    out: str | Path,
+    *,
+    recipe: str | Path | None = None,
+    calib: str | None = "builtin:pydoc",
+    samples: int | None = None,
+    seqlen: int | None = None,
+    group_size: int | None = None,
+    device: str = "cpu",
+    resume: bool = False,
+    overwrite: bool = False,
+    show_progress: bool = True,
+) -> Path:
+    """AWQ-quantize MODEL (directory or hub id) into an AutoAWQ GEMM checkpoint at OUT.
+
+    None for ``recipe`` / ``calib`` / ``samples`` / ``seqlen`` / ``group_size`` means the
+    recipe's value (the recipe is chosen by config.json's model_type). Returns OUT.
+    """
+    return _run(model, out, awq=True, recipe=recipe, calib=calib, samples=samples, seqlen=seqlen,
+                group_size=group_size, device=device, resume=resume, overwrite=overwrite,
+                show_progress=show_progress)
+
+
+def quantize_rtn(
+    model: str | Path,
+    out: str | Path,
+    *,
+    group_size: int | None = None,
+    recipe: str | Path | None = None,
+    device: str = "cpu",
+    resume: bool = False,
+    overwrite: bool = False,
+    show_progress: bool = True,
+) -> Path:
+    """Plain round-to-nearest (no calibration, no smoothing, no clipping) into the same format."""
+    return _run(model, out, awq=False, recipe=recipe, calib=None, samples=None, seqlen=None,
+                group_size=group_size, device=device, resume=resume, overwrite=overwrite,
+                show_progress=show_progress)
+
+
+def _run(model, out, *, awq, recipe, calib, samples, seqlen, group_size, device, resume,
+         overwrite, show_progress) -> Path:
+    started = time.perf_counter()
+    dev = resolve_device(device)
+    out = Path(out).expanduser().absolute()
+    work = out.with_name(out.name + ".partial")
+    if _prepare_output(out, work, resume, overwrite):
+        if show_progress:
+            print(f"{out} is already complete")
+        return out
+    model_dir = resolve_model(model)
+    config = _read_config(model_dir)
+    rcp = load_recipe(recipe) if recipe is not None else recipe_for_model_type(
+        config["model_type"], model_dir / "config.json")
+    if config["model_type"] not in rcp.model_types and recipe is None:
+        raise OnecatError(f"recipe {rcp.path} does not list model_type {config['model_type']!r}")
+    reader = CheckpointReader(model_dir)
+    prefix = _layer_prefix(rcp, reader)
+    group = group_size or rcp.group_size
+    if group <= 0 or group % 8:
+        raise OnecatError(f"--group-size {group}: must be a positive multiple of 8 (e.g. 32, 64, 128)")
+    calib = calib or rcp.calib_source
+    samples = samples or rcp.calib_samples
+    seqlen = seqlen or rcp.calib_seqlen
+    dtype = torch.float32 if dev.type == "cpu" else torch.float16
+
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    factory = LayerFactory(rcp, hf_config, dev, dtype)
+    num_layers = factory.num_layers
+    layer_names = {i: [n for n in reader.names() if n.startswith(f"{prefix}{i}.")] for i in range(num_layers)}
+    for i, names in layer_names.items():
+        if not names:
+            raise OnecatError(f"{reader.dir}: no tensors for layer {i} ({prefix}{i}.*); the checkpoint is incomplete")
+    in_layers = {n for names in layer_names.values() for n in names}
+    rest_groups = plan_rest_shards(reader, [n for n in reader.names() if n not in in_layers])
+    total_shards = len(rest_groups) + num_layers
+
+    fingerprint = {
+        "method": "awq" if awq else "rtn",
+        "recipe_sha256": _sha256(rcp.path.read_bytes()),
+        "config_sha256": _sha256((model_dir / "config.json").read_bytes()),
+        "tensors_sha256": _sha256(json.dumps([[n, reader.shapes[n], reader.dtypes[n]] for n in reader.names()]).encode()),
+        "group_size": group,
+        "calibration": {"source": calib, "samples": samples, "seqlen": seqlen} if awq else None,
+        "device_type": dev.type,
+        "dtype": str(dtype),
+    }
+    work.mkdir(parents=True, exist_ok=True)
+    progress_path = work / PROGRESS_NAME
+    if progress_path.is_file():
+        progress = json.loads(progress_path.read_text())
+        if progress.get("fingerprint") != fingerprint:
+            raise OnecatError(
+                f"{work} was started with other settings (model, recipe, calibration, group size "
+                f"or device); pass --overwrite to start over"
+            )
+    else:
+        progress = {"fingerprint": fingerprint, "layers": {}}
+        write_json(progress_path, progress)
+
+    hidden = None
+    if awq:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        except Exception as exc:
+            raise OnecatError(f"{model_dir}: cannot load the tokenizer for calibration ({exc})") from exc
+        tokens = calibration_tokens(tokenizer, calib, samples, seqlen)
+        embed_name = prefix[: -len("layers.")] + "embed_tokens.weight"
+        embed = reader.get(embed_name)
+        hidden = embed[tokens].to(device=dev, dtype=dtype)
+        del embed
+
+    quantizer = LayerQuantizer(factory, rcp, group, awq=awq)
+    weight_map: dict[str, str] = {}
+    bar = _progress_bar(num_layers, show_progress, "AWQ" if awq else "RTN")
+    for i in range(num_layers):
+        where = f"{prefix}{i}."
+        shard = shard_name(len(rest_groups) + 1 + i, total_shards)
+        done = progress["layers"].get(str(i))
+        tensors = {n[len(where):]: reader.get(n) for n in layer_names[i]}
+        if done is not None and (work / shard).is_file():
+            if hidden is not None and i + 1 < num_layers:
+                layer = factory.build(i, tensors, where)
+                hidden = quantizer.propagate(layer, hidden, rcp.loss_tokens)
+                del layer
+            names = done["tensors"]
+        else:
+            outcome = quantizer.quantize_layer(i, tensors, hidden, where)
+            write_shard(work / shard, {where + k: v for k, v in outcome.tensors.items()})
+            names = sorted(where + k for k in outcome.tensors)
+            progress["layers"][str(i)] = {"report": outcome.report, "tensors": names,
+                                          "fp16_kept": [where + n for n in outcome.fp16_kept]}
+            write_json(progress_path, progress)
+            hidden = outcome.next_hidden
+            del outcome
+        del tensors
+        weight_map.update({n: shard for n in names})
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    del hidden
+
+    for number, names in enumerate(rest_groups, 1):
+        shard = shard_name(number, total_shards)
+        if not (work / shard).is_file():
+            write_shard(work / shard, {n: reader.get(n) for n in names})
+        weight_map.update({n: shard for n in names})
+    write_index(work, weight_map)
+    kept = [n for i in range(num_layers) for n in progress["layers"][str(i)]["fp16_kept"]]
+    not_convert = list(rcp.modules_to_not_convert) + kept
+    write_json(work / "config.json", awq_config(config, group, not_convert))
+    copy_side_files(model_dir, work)
+    layers = [progress["layers"][str(i)]["report"] for i in range(num_layers)]
+    report = {
+        "method": fingerprint["method"],
+        "model": str(model),
+        "recipe": {"name": rcp.name, "path": str(rcp.path), "sha256": fingerprint["recipe_sha256"]},
+        "calibration": fingerprint["calibration"],
+        "group_size": group,
+        "bits": 4,
+        "device": dev.type,
+        "compute_dtype": str(dtype),
+        "modules_to_not_convert": not_convert,
+        "layers": layers,
+        "time_s": round(time.perf_counter() - started, 3),
+    }
+    write_json(work / REPORT_NAME, report)
+    (work / PROGRESS_NAME).unlink()
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(work, out)
+    if show_progress:
+        print_summary(report, out)
+    return out
+
+
+def _progress_bar(total: int, show: bool, label: str):
+    if not show:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=f"onecat quantize ({label})", unit="layer")
