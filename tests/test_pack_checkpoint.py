@@ -420,3 +420,36 @@ def test_cli_pack(tiny_moe, tmp_path):
     assert again.exit_code == 1 and "already exists" in again.output
     forced = runner.invoke(cli_main, ["pack", str(src), "--out", str(out), "--overwrite", "--no-progress"])
     assert forced.exit_code == 0, forced.output
+
+
+@pytest.mark.slow  # runs the AWQ search on a tiny model (about 10 s)
+def test_pack_output_of_onecat_quantize(tmp_path):
+    pipeline = pytest.importorskip("onecat.quantize.pipeline")
+    from onecat.pack.awq_gemm import dequantize_awq_gemm
+    from onecat.pack.volta_layout import reference_linear
+
+    tiny = build_tiny_model("qwen3_5", tmp_path / "tiny")
+    awq = pipeline.quantize_model(tiny, tmp_path / "awq", samples=2, seqlen=32, show_progress=False)
+    art = open_packed(pack_checkpoint(awq, tmp_path / "packed", show_progress=False))
+    art.verify()
+    ckpt = Checkpoint(awq)
+    prefixes = art.linear_prefixes()
+    assert prefixes == sorted(n[: -len(".qweight")] for n in ckpt.names() if n.endswith(".qweight"))
+    assert any(p.endswith("mlp.down_proj") for p in prefixes)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(0)).half()
+    for prefix in prefixes:
+        parts = [ckpt.get(f"{prefix}.{p}") for p in ("qweight", "qzeros", "scales")]
+        lin = art.get_linear(prefix)
+        unpacked = unpack_volta(lin.qweight, lin.scales_zeros, lin.group_size)
+        for a, b in zip(unpacked, decode_awq_gemm(*parts), strict=True):
+            assert torch.equal(a, b), prefix
+        if lin.in_features == x.shape[1]:
+            # the kernels' contract against (q - z) * s in fp64: within fp16 rounding
+            y = reference_linear(x, lin.qweight, lin.scales_zeros, lin.group_size).double()
+            exact = x.double() @ dequantize_awq_gemm(*parts).double().t()
+            assert float((y - exact).abs().max()) < 2e-3 * (1 + float(exact.abs().max()))
+    back = unpack_artifact(art.path, tmp_path / "back")
+    source, result = all_tensors(awq), all_tensors(back)
+    assert set(result) == set(source)
+    for name, t in source.items():
+        assert_bit_equal(result[name], t, name)
