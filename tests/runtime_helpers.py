@@ -1,0 +1,136 @@
+"""Shared helpers of the runtime tests: tiny checkpoints (float, AWQ, packed), transformers
+reference models with the same (dequantised) weights, and an engine logit recorder."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from onecat.pack.awq_gemm import pack_awq_gemm
+from onecat.pack.volta_layout import dequantize_volta, fits_layout, pack_volta
+
+WRAPPER = "model.language_model."
+NOT_QUANTIZED = ("embed_tokens", "lm_head", "norm", ".mlp.gate.", "shared_expert_gate", "in_proj_a", "in_proj_b")
+
+
+def rtn_quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest asymmetric 4-bit: ``(q [N, K] uint8, zeros [N, K/g] uint8, scales fp16)``."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scales = ((hi - lo).clamp(min=1e-5) / 15).to(torch.float16)
+    s = scales.float()
+    zeros = torch.round(-lo / s).clamp(0, 15)
+    q = (torch.round(g / s[..., None]) + zeros[..., None]).clamp(0, 15)
+    return q.reshape(n, k).to(torch.uint8), zeros.to(torch.uint8), scales
+
+
+def _quantizable(name: str, tensor: torch.Tensor) -> bool:
+    return (
+        name.startswith(WRAPPER + "layers.")
+        and name.endswith(".weight")
+        and tensor.dim() == 2
+        and not any(tag in name for tag in NOT_QUANTIZED)
+        and fits_layout(tensor.shape[0], tensor.shape[1], 32)
+    )
+
+
+def write_awq_checkpoint(src: Path, out: Path, group: int = 32) -> dict[str, torch.Tensor]:
+    """Quantize the tiny float checkpoint ``src`` (RTN, group ``group``) into an AutoAWQ GEMM
+    checkpoint at ``out`` (experts per expert, as AWQ checkpoints store them). Returns the
+    dequantised weights (the kernels' dequant contract) by text-model name, for transformers."""
+    out.mkdir(parents=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    for fused in [n for n in tensors if n.endswith("mlp.experts.gate_up_proj")]:
+        prefix = fused[: -len(".gate_up_proj")]
+        gate_up, down = tensors.pop(fused), tensors.pop(f"{prefix}.down_proj")
+        half = gate_up.shape[1] // 2
+        for e in range(gate_up.shape[0]):
+            tensors[f"{prefix}.{e}.gate_proj.weight"] = gate_up[e, :half]
+            tensors[f"{prefix}.{e}.up_proj.weight"] = gate_up[e, half:]
+            tensors[f"{prefix}.{e}.down_proj.weight"] = down[e]
+    written: dict[str, torch.Tensor] = {}
+    dequantized: dict[str, torch.Tensor] = {}
+    for name, w in tensors.items():
+        if not _quantizable(name, w):
+            written[name] = w
+            continue
+        q, zeros, scales = rtn_quantize(w, group)
+        prefix = name[: -len(".weight")]
+        for part, t in pack_awq_gemm(q, zeros, scales).items():
+            written[f"{prefix}.{part}"] = t
+        qweight, scales_zeros = pack_volta(q, zeros, scales)
+        dequantized["model." + name[len(WRAPPER) :]] = dequantize_volta(qweight, scales_zeros, group)
+    save_file({k: v.contiguous() for k, v in written.items()}, out / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+        "version": "gemm", "modules_to_not_convert": ["lm_head", "mlp.gate", "shared_expert_gate"],
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for side in src.iterdir():
+        if side.is_file() and not side.name.endswith((".safetensors", ".index.json", "config.json")):
+            shutil.copy2(side, out / side.name)
+    shutil.copy2(src / "generation_config.json", out / "generation_config.json")
+    return dequantized
+
+
+def reference_model(src: Path, dequantized: dict[str, torch.Tensor] | None = None):
+    """transformers' fp32 model of the float checkpoint ``src``, with quantized linears
+    replaced by their dequantised weights."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, w in (dequantized or {}).items():
+            expert = name.split(".mlp.experts.")
+            if len(expert) == 2 and expert[1].split(".")[0].isdigit():
+                e, which = int(expert[1].split(".")[0]), expert[1].split(".")[1]
+                base = expert[0] + ".mlp.experts."
+                if which == "down_proj":
+                    params[base + "down_proj"][e].copy_(w)
+                else:
+                    half = params[base + "gate_up_proj"].shape[1] // 2
+                    rows = slice(0, half) if which == "gate_proj" else slice(half, 2 * half)
+                    params[base + "gate_up_proj"][e, rows].copy_(w)
+            else:
+                params[name].copy_(w)
+    return model
+
+
+@torch.no_grad()
+def reference_logits(model, token_ids: list[int]) -> torch.Tensor:
+    """Logits ``[T, vocab]`` of transformers' model over ``token_ids`` in one forward pass."""
+    return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def record_logits(engine) -> dict[str, list[torch.Tensor]]:
+    """Make ``engine`` record, per request id, the logits row of every token it samples."""
+    records: dict[str, list[torch.Tensor]] = defaultdict(list)
+    run = engine.runner.run
+
+    def spy(scheduled):
+        seqs, logits = run(scheduled)
+        for seq, row in zip(seqs, logits, strict=True):
+            records[seq.request_id].append(row.float().clone())
+        return seqs, logits
+
+    engine.runner.run = spy
+    return records
+
+
+def drain(engine) -> dict[str, list]:
+    """Step ``engine`` until idle; returns every output per request id."""
+    outputs: dict[str, list] = defaultdict(list)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+    return outputs
