@@ -117,6 +117,37 @@ def _layer_prefix(recipe: Recipe, reader: CheckpointReader) -> str:
     )
 
 
+def check_group_divisibility(rcp: Recipe, reader: CheckpointReader, prefix: str,
+                             num_layers: int, group: int) -> None:
+    """Under ``indivisible: fail``, refuse before any work a quantized linear whose in-features
+    do not divide by the group size (or out-features by 8), naming it."""
+    if rcp.indivisible != "fail":
+        return
+    for i in range(num_layers):
+        where = f"{prefix}{i}."
+        for name in reader.names():
+            if not name.startswith(where):
+                continue
+            rel, shape = name[len(where):], reader.shapes[name]
+            linears = []
+            if rel.endswith(".weight") and len(shape) == 2:
+                linears.append((rel[: -len(".weight")], shape[0], shape[1]))
+            elif rcp.experts is not None and len(shape) == 3:
+                base = rcp.experts.module
+                if rel == f"{base}.{rcp.experts.gate_up_proj}":
+                    linears += [(f"{base}.0.gate_proj", shape[1] // 2, shape[2]),
+                                (f"{base}.0.up_proj", shape[1] // 2, shape[2])]
+                elif rel == f"{base}.{rcp.experts.down_proj}":
+                    linears.append((f"{base}.0.down_proj", shape[1], shape[2]))
+            for module, n, k in linears:
+                if rcp.is_quantized(module) and (k % group or n % 8):
+                    raise OnecatError(
+                        f"{where}{module}: in-features {k} (out-features {n}) do not fit group "
+                        f"size {group}; recipe {rcp.path} says quantization.indivisible: fail. "
+                        f"Pick another --group-size or set indivisible: keep_fp16"
+                    )
+
+
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -223,29 +254,7 @@ def _run(model, out, *, awq, recipe, calib, samples, seqlen, group_size, device,
     rest_groups = plan_rest_shards(reader, [n for n in reader.names() if n not in in_layers])
     total_shards = len(rest_groups) + num_layers
 
-    fingerprint = {
-        "method": "awq" if awq else "rtn",
-        "recipe_sha256": _sha256(rcp.path.read_bytes()),
-        "config_sha256": _sha256((model_dir / "config.json").read_bytes()),
-        "tensors_sha256": _sha256(json.dumps([[n, reader.shapes[n], reader.dtypes[n]] for n in reader.names()]).encode()),
-        "group_size": group,
-        "calibration": {"source": calib, "samples": samples, "seqlen": seqlen} if awq else None,
-        "device_type": dev.type,
-        "dtype": str(dtype),
-    }
-    work.mkdir(parents=True, exist_ok=True)
-    progress_path = work / PROGRESS_NAME
-    if progress_path.is_file():
-        progress = json.loads(progress_path.read_text())
-        if progress.get("fingerprint") != fingerprint:
-            raise OnecatError(
-                f"{work} was started with other settings (model, recipe, calibration, group size "
-                f"or device); pass --overwrite to start over"
-            )
-    else:
-        progress = {"fingerprint": fingerprint, "layers": {}}
-        write_json(progress_path, progress)
-
+    check_group_divisibility(rcp, reader, prefix, num_layers, group)
     hidden = None
     if awq:
         from transformers import AutoTokenizer
@@ -260,35 +269,40 @@ def _run(model, out, *, awq, recipe, calib, samples, seqlen, group_size, device,
         hidden = embed[tokens].to(device=dev, dtype=dtype)
         del embed
 
+    fingerprint = {
+        "method": "awq" if awq else "rtn",
+        "recipe_sha256": _sha256(rcp.path.read_bytes()),
+        "config_sha256": _sha256((model_dir / "config.json").read_bytes()),
+        "tensors_sha256": _sha256(json.dumps([[n, reader.shapes[n], reader.dtypes[n]] for n in reader.names()]).encode()),
+        "group_size": group,
+        "calibration": {"source": calib, "samples": samples, "seqlen": seqlen} if awq else None,
+        "device_type": dev.type,
+        "dtype": str(dtype),
+    }
+    created = not work.exists()
+    work.mkdir(parents=True, exist_ok=True)
+    progress_path = work / PROGRESS_NAME
+    if progress_path.is_file():
+        progress = json.loads(progress_path.read_text())
+        if progress.get("fingerprint") != fingerprint:
+            raise OnecatError(
+                f"{work} was started with other settings (model, recipe, calibration, group size "
+                f"or device); pass --overwrite to start over"
+            )
+    else:
+        progress = {"fingerprint": fingerprint, "layers": {}}
+        write_json(progress_path, progress)
+
     quantizer = LayerQuantizer(factory, rcp, group, awq=awq)
-    weight_map: dict[str, str] = {}
-    bar = _progress_bar(num_layers, show_progress, "AWQ" if awq else "RTN")
-    for i in range(num_layers):
-        where = f"{prefix}{i}."
-        shard = shard_name(len(rest_groups) + 1 + i, total_shards)
-        done = progress["layers"].get(str(i))
-        tensors = {n[len(where):]: reader.get(n) for n in layer_names[i]}
-        if done is not None and (work / shard).is_file():
-            if hidden is not None and i + 1 < num_layers:
-                layer = factory.build(i, tensors, where)
-                hidden = quantizer.propagate(layer, hidden, rcp.loss_tokens)
-                del layer
-            names = done["tensors"]
-        else:
-            outcome = quantizer.quantize_layer(i, tensors, hidden, where)
-            write_shard(work / shard, {where + k: v for k, v in outcome.tensors.items()})
-            names = sorted(where + k for k in outcome.tensors)
-            progress["layers"][str(i)] = {"report": outcome.report, "tensors": names,
-                                          "fp16_kept": [where + n for n in outcome.fp16_kept]}
-            write_json(progress_path, progress)
-            hidden = outcome.next_hidden
-            del outcome
-        del tensors
-        weight_map.update({n: shard for n in names})
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
+    try:
+        weight_map = _quantize_layers(
+            quantizer, reader, layer_names, prefix, hidden, work, progress,
+            first_shard=len(rest_groups) + 1, total_shards=total_shards, show_progress=show_progress,
+        )
+    except OnecatError:
+        if created and not progress["layers"]:
+            shutil.rmtree(work, ignore_errors=True)  # bad input, nothing worth resuming
+        raise
     del hidden
 
     for number, names in enumerate(rest_groups, 1):
@@ -323,6 +337,43 @@ def _run(model, out, *, awq, recipe, calib, samples, seqlen, group_size, device,
     if show_progress:
         print_summary(report, out)
     return out
+
+
+def _quantize_layers(quantizer: LayerQuantizer, reader: CheckpointReader, layer_names: dict,
+                     prefix: str, hidden: torch.Tensor | None, work: Path, progress: dict, *,
+                     first_shard: int, total_shards: int, show_progress: bool) -> dict[str, str]:
+    """Quantize (or, when resuming, replay) every decoder layer; returns the weight map."""
+    num_layers = len(layer_names)
+    progress_path = work / PROGRESS_NAME
+    weight_map: dict[str, str] = {}
+    bar = _progress_bar(num_layers, show_progress, "AWQ" if quantizer.awq else "RTN")
+    for i in range(num_layers):
+        where = f"{prefix}{i}."
+        shard = shard_name(first_shard + i, total_shards)
+        done = progress["layers"].get(str(i))
+        tensors = {n[len(where):]: reader.get(n) for n in layer_names[i]}
+        if done is not None and (work / shard).is_file():
+            if hidden is not None and i + 1 < num_layers:
+                layer = quantizer.factory.build(i, tensors, where)
+                hidden = quantizer.propagate(layer, hidden, quantizer.recipe.loss_tokens)
+                del layer
+            names = done["tensors"]
+        else:
+            outcome = quantizer.quantize_layer(i, tensors, hidden, where)
+            write_shard(work / shard, {where + k: v for k, v in outcome.tensors.items()})
+            names = sorted(where + k for k in outcome.tensors)
+            progress["layers"][str(i)] = {"report": outcome.report, "tensors": names,
+                                          "fp16_kept": [where + n for n in outcome.fp16_kept]}
+            write_json(progress_path, progress)
+            hidden = outcome.next_hidden
+            del outcome
+        del tensors
+        weight_map.update({n: shard for n in names})
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return weight_map
 
 
 def _progress_bar(total: int, show: bool, label: str):
