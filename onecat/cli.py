@@ -39,6 +39,39 @@ def main() -> None:
 # --- quantize / eval (onecat.quantize) -----------------------------------------------
 
 
+@main.command("quantize")
+@click.argument("model")
+@click.option("--out", "out", required=True, type=click.Path(), help="Output directory (AutoAWQ GEMM).")
+@click.option("--recipe", type=click.Path(), default=None,
+              help="Recipe YAML (default: chosen by config.json's model_type).")
+@click.option("--calib", default=None,
+              help="Calibration text: builtin:pydoc (default), a text file or directory, "
+                   "FILE.jsonl[:FIELD], FILE.parquet[:FIELD] or hf:NAME[,CONFIG][@SPLIT][:FIELD].")
+@click.option("--samples", type=int, default=None, help="Calibration samples (recipe default 128).")
+@click.option("--seqlen", type=int, default=None, help="Tokens per sample (recipe default 512).")
+@click.option("--group-size", type=int, default=None, help="Quantization group size (recipe default 128).")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+@click.option("--resume", is_flag=True, help="Finish an interrupted run into the same OUT.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing OUT (and any interrupted run).")
+@click.option("--rtn", is_flag=True, help="Plain round-to-nearest, no calibration (for comparisons).")
+@_friendly
+def quantize_command(model: str, out: str, recipe: str | None, calib: str | None,
+                     samples: int | None, seqlen: int | None, group_size: int | None,
+                     device: str, resume: bool, overwrite: bool, rtn: bool) -> None:
+    """AWQ-quantize MODEL (a local checkpoint directory or a hub id) to 4 bits, streaming one
+    decoder layer at a time, into an AutoAWQ GEMM checkpoint in OUT."""
+    from onecat.quantize.pipeline import quantize_model, quantize_rtn
+
+    if rtn:
+        if calib or samples or seqlen:
+            raise OnecatError("--rtn uses no calibration: drop --calib / --samples / --seqlen")
+        quantize_rtn(model, out, group_size=group_size, recipe=recipe, device=device,
+                     resume=resume, overwrite=overwrite)
+    else:
+        quantize_model(model, out, recipe=recipe, calib=calib, samples=samples, seqlen=seqlen,
+                       group_size=group_size, device=device, resume=resume, overwrite=overwrite)
+
+
 @main.command("eval")
 @click.argument("model", metavar="MODEL_OR_ARTIFACT")
 @click.option(
