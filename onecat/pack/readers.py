@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from onecat.errors import OnecatError
-from onecat.pack.awq_gemm import unpack_awq_gemm
+from onecat.pack.awq_gemm import AWQ_ORDER
 from onecat.pack.checkpoint import Checkpoint
 from onecat.pack.volta_layout import pack_volta
 
@@ -166,8 +166,19 @@ def decode_awq_gemm(
             f"{tuple(qzeros.shape)}, scales {tuple(scales.shape)} (expected [K, N/8], "
             "[K/g, N/8], [K/g, N])"
         )
-    q, z, s = unpack_awq_gemm(qweight, qzeros, scales)
-    return q, z, scales_to_fp16(s, f"{where}.scales")
+    q = _unpack_awq_words(qweight).t().contiguous()
+    z = _unpack_awq_words(qzeros).t().contiguous()
+    return q, z, scales_to_fp16(scales.t().contiguous(), f"{where}.scales")
+
+
+_AWQ_CHANNEL_NIBBLE = torch.argsort(torch.tensor(AWQ_ORDER))  # channel offset -> nibble
+
+
+def _unpack_awq_words(words: torch.Tensor) -> torch.Tensor:
+    """int32 [R, C] -> uint8 [R, 8C] in AutoAWQ's order (nibble i holds 8c + AWQ_ORDER[i]);
+    the same result as :func:`onecat.pack.awq_gemm.unpack_int4_columns`, vectorised."""
+    nibbles = _unpack_sequential_nibbles(words).reshape(words.shape[0], -1, 8)
+    return nibbles.index_select(-1, _AWQ_CHANNEL_NIBBLE).reshape(words.shape[0], -1)
 
 
 def _unpack_sequential_nibbles(words: torch.Tensor) -> torch.Tensor:
