@@ -1,0 +1,314 @@
+"""End-to-end decode / prefill speed of onecat's runtime on Qwen3.5-shaped models (GPU).
+
+Builds Qwen3.5-27B- and 35B-A3B-shaped models at full depth with random weights generated
+directly on the GPU in the packed 4-bit layout (random integers q and zero points, fp16
+scales, group 128; embeddings, lm_head, router, shared-expert gate and the tiny GDN b/a
+projections in fp16 as in AWQ checkpoints) -- no checkpoint, no download. Measures, through
+the engine (scheduler, paged KV, GDN state slots, CUDA graphs, sampling):
+
+- batch-1 decode tokens/s, batch-8 and batch-32 decode throughput (128-token prompts),
+- prefill tokens/s of one 2048-token prompt,
+- the batch-1 roofline: bytes read per decoded token (weights touched, GDN state read and
+  written, KV read) over the device copy bandwidth measured in the same run,
+- transformers' fp16 model of the same shape (random init on the same GPU): batch-1 decode
+  through ``generate`` and the same 2048-token prefill.
+
+    ONECAT_KERNEL_DIR=.ptx ONECAT_KERNEL_ARCH=70 python bench/e2e.py --out results.json
+
+``--hf-layers N`` builds transformers' model with N layers (same layer-type pattern) and
+scales its per-token time to full depth linearly (said in the output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import time
+
+import torch
+
+from onecat.runtime.config import EngineConfig
+from onecat.runtime.engine import LLMEngine
+from onecat.runtime.layers.linear import Linear
+from onecat.runtime.layers.moe import FusedExperts
+from onecat.runtime.models.config import ModelConfig
+from onecat.runtime.models.qwen3_5 import GatedDeltaNet, Qwen3_5ForCausalLM
+from onecat.runtime.quant_plan import QuantPlan
+from onecat.runtime.sampling_params import SamplingParams
+
+GROUP = 128
+DEVICE = "cuda"
+
+COMMON = dict(
+    vocab_size=248320, head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4, rms_norm_eps=1e-6, max_position_embeddings=8192,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+    tie_word_embeddings=False, hidden_act="silu",
+)
+SHAPES = {
+    "27b": dict(
+        model_type="qwen3_5_text", hidden_size=5120, num_hidden_layers=64, intermediate_size=17408,
+        num_attention_heads=24, num_key_value_heads=4, linear_num_key_heads=16,
+        linear_num_value_heads=48, **COMMON,
+    ),
+    "35b-a3b": dict(
+        model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+        num_key_value_heads=2, linear_num_key_heads=16, linear_num_value_heads=32, num_experts=256,
+        num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        **COMMON,
+    ),
+}
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def layer_types(n: int) -> list[str]:
+    return ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
+
+
+def text_config(name: str, layers: int | None = None) -> dict:
+    raw = dict(SHAPES[name])
+    if layers:
+        raw["num_hidden_layers"] = layers
+    raw["layer_types"] = layer_types(raw["num_hidden_layers"])
+    return raw
+
+
+@torch.no_grad()
+def fill_random(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights in place: packed integers and fp16 scales with the dequant contract's
+    ``(s, fp16(-z*s))`` pairs, small fp16 weights, zero-centred norms, GDN decays."""
+    torch.manual_seed(seed)
+    for name, param in model.named_parameters():
+        data = param.data
+        if data.dtype == torch.int32:
+            data.random_(-(2**31), 2**31 - 1)
+        elif name.endswith("scales_zeros"):
+            s = torch.empty(data.shape[:-1], device=data.device).uniform_(0.002, 0.004)
+            z = torch.randint(0, 16, s.shape, device=data.device).float()
+            data[..., 0] = s.half()
+            data[..., 1] = (-z * s.half().float()).half()
+        elif name.endswith("A_log"):
+            data.copy_(torch.empty_like(data).uniform_(1, 16).log())
+        elif name.endswith("dt_bias"):
+            data.fill_(1.0)
+        elif "norm" in name:
+            data.zero_() if not name.endswith("linear_attn.norm.weight") else data.fill_(1.0)
+        else:
+            data.normal_(0, 0.02)
+
+
+def bytes_per_decoded_token(model: Qwen3_5ForCausalLM, context: int) -> int:
+    """Bytes one batch-1 decode step must move: every weight it reads (MoE: the top-k
+    experts), the embedding row, GDN states read and written, KV read over ``context``."""
+    cfg = model.config
+    total = 0
+    for module in model.modules():
+        if isinstance(module, Linear):
+            total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+        elif isinstance(module, FusedExperts):
+            params = sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+            total += params * cfg.num_experts_per_tok // cfg.num_experts
+        elif isinstance(module, GatedDeltaNet):
+            per_seq = module.num_v_heads * module.head_k_dim * module.head_v_dim * 4
+            per_seq += module.conv_dim * 3 * 2
+            total += 2 * per_seq + module.conv1d.weight.numel() * 2
+    total += cfg.hidden_size * 2  # embedding row
+    total += cfg.num_full_attention_layers * context * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    return total
+
+
+def copy_bandwidth(gib: float = 4.0) -> float:
+    """Device copy bandwidth in bytes/s (read + write), best of 10."""
+    src = torch.empty(int(gib * 2**30) // 2, dtype=torch.float16, device=DEVICE)
+    dst = torch.empty_like(src)
+    best = math.inf
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        sync()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * gib * 2**30 / best
+
+
+def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def timed_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: int, seed: int) -> float:
+    """Decode tokens/s of ``batch`` sequences over ``steps`` steps after their prefill."""
+    params = SamplingParams(max_tokens=steps + 3, temperature=0.0, ignore_eos=True)
+    vocab = engine.runner.model_config.vocab_size
+    for i in range(batch):
+        engine.add_request(f"d{batch}-{seed}-{i}", random_prompt(prompt_len, vocab, seed + i), params)
+    while engine.num_waiting() or any(s.num_pending_tokens > 1 for s in engine.scheduler.running):
+        engine.step()
+    engine.step()  # first decode step of the bucket may capture its graph
+    engine.step()
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    elapsed = time.perf_counter() - start
+    while engine.has_unfinished_requests():
+        engine.step()
+    return batch * steps / elapsed
+
+
+def timed_prefill(engine: LLMEngine, length: int, repeats: int = 3) -> float:
+    """Prefill tokens/s of one ``length``-token prompt (best of ``repeats``)."""
+    vocab = engine.runner.model_config.vocab_size
+    best = math.inf
+    for r in range(repeats + 1):
+        engine.add_request(f"p{r}", random_prompt(length, vocab, 100 + r), SamplingParams(max_tokens=1, temperature=0.0))
+        sync()
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        sync()
+        if r:  # the first run warms up (kernel tuning for this M)
+            best = min(best, time.perf_counter() - start)
+    return length / best
+
+
+def bench_onecat(name: str, args, bandwidth: float) -> dict:
+    cfg = ModelConfig.from_dict(text_config(name, args.layers))
+    t0 = time.perf_counter()
+    with torch.device(DEVICE):
+        model = Qwen3_5ForCausalLM(cfg, QuantPlan(default=GROUP), torch.float16)
+    fill_random(model)
+    sync()
+    build_s = time.perf_counter() - t0
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    engine_cfg = EngineConfig(
+        model=f"random-{name}", max_num_seqs=args.max_num_seqs, max_model_len=4096,
+        max_num_batched_tokens=args.prefill_len, num_kv_blocks=args.kv_blocks,
+        enforce_eager=args.eager, device=DEVICE,
+    )
+    t0 = time.perf_counter()
+    engine = LLMEngine.from_model(engine_cfg, model)
+    setup_s = time.perf_counter() - t0
+    result = {
+        "model": name, "layers": cfg.num_hidden_layers, "weight_gib": weight_bytes / 2**30,
+        "build_s": build_s, "engine_setup_s": setup_s,
+    }
+    context = args.prompt_len + args.decode_steps
+    result["bytes_per_token"] = bytes_per_decoded_token(model, context)
+    result["roofline_tok_s"] = bandwidth / result["bytes_per_token"]
+    for batch in args.batches:
+        t0 = time.perf_counter()
+        result[f"decode_b{batch}_tok_s"] = timed_decode(engine, batch, args.prompt_len, args.decode_steps, 1000 * batch)
+        result[f"decode_b{batch}_wall_s"] = time.perf_counter() - t0
+        print(f"  {name} batch {batch}: {result[f'decode_b{batch}_tok_s']:.1f} tok/s", flush=True)
+    result["prefill_tok_s"] = timed_prefill(engine, args.prefill_len)
+    result["roofline_fraction_b1"] = result["decode_b1_tok_s"] / result["roofline_tok_s"]
+    result["graphs"] = sorted(engine.runner.graphs)
+    del engine, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+@torch.no_grad()
+def bench_transformers(name: str, args) -> dict:
+    import transformers
+
+    layers = args.hf_layers or SHAPES[name]["num_hidden_layers"]
+    raw = text_config(name, layers)
+    config_cls = transformers.Qwen3_5MoeTextConfig if name == "35b-a3b" else transformers.Qwen3_5TextConfig
+    config = config_cls(**{k: v for k, v in raw.items() if k != "model_type"})
+    t0 = time.perf_counter()
+    with torch.device(DEVICE):
+        model_cls = transformers.Qwen3_5MoeForCausalLM if name == "35b-a3b" else transformers.Qwen3_5ForCausalLM
+        model = model_cls(config).to(torch.float16).eval()
+    sync()
+    build_s = time.perf_counter() - t0
+    scale = SHAPES[name]["num_hidden_layers"] / layers
+    ids = torch.tensor([random_prompt(args.prompt_len, raw["vocab_size"], 7)], device=DEVICE)
+
+    def generate(new_tokens: int) -> float:
+        sync()
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        sync()
+        return time.perf_counter() - start
+
+    generate(2)  # warm-up
+    steps = args.hf_decode_steps
+    per_token = (generate(steps + 1) - generate(1)) / steps
+    long_ids = torch.tensor([random_prompt(args.prefill_len, raw["vocab_size"], 8)], device=DEVICE)
+    model(long_ids)
+    sync()
+    start = time.perf_counter()
+    model(long_ids)
+    sync()
+    prefill_s = time.perf_counter() - start
+    result = {
+        "model": name, "hf_layers": layers, "scaled_to_full_depth": scale != 1, "build_s": build_s,
+        "decode_b1_tok_s": 1 / (per_token * scale), "prefill_tok_s": args.prefill_len / (prefill_s * scale),
+        "transformers": transformers.__version__,
+    }
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="27b,35b-a3b")
+    parser.add_argument("--layers", type=int, default=None, help="fewer layers (smoke runs)")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--prefill-len", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--kv-blocks", type=int, default=2048)
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--hf-layers", type=int, default=None, help="transformers depth (scaled)")
+    parser.add_argument("--hf-decode-steps", type=int, default=8)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",")]
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/e2e.py needs a CUDA GPU")
+    from onecat.kernels import loader
+
+    bandwidth = copy_bandwidth()
+    report = {
+        "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+        "kernel_target": loader.choose_target(0), "copy_bandwidth_gb_s": bandwidth / 1e9, "runs": [],
+    }
+    print(json.dumps({k: v for k, v in report.items() if k != "runs"}), flush=True)
+    for name in args.models.split(","):
+        t0 = time.perf_counter()
+        ours = bench_onecat(name, args, bandwidth)
+        ours["wall_s"] = time.perf_counter() - t0
+        print(json.dumps(ours), flush=True)
+        entry = {"onecat": ours}
+        if not args.skip_hf:
+            t0 = time.perf_counter()
+            theirs = bench_transformers(name, args)
+            gc.collect()
+            torch.cuda.empty_cache()
+            theirs["wall_s"] = time.perf_counter() - t0
+            print(json.dumps(theirs), flush=True)
+            entry["transformers"] = theirs
+            entry["speedup_decode_b1"] = ours["decode_b1_tok_s"] / theirs["decode_b1_tok_s"]
+            entry["speedup_prefill"] = ours["prefill_tok_s"] / theirs["prefill_tok_s"]
+        report["runs"].append(entry)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=2)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
