@@ -388,6 +388,10 @@ def test_unsupported_sources_are_clear_errors(tiny_moe, tmp_path):
         pack_checkpoint(src, tmp_path / "x", show_progress=False)
     with pytest.raises(OnecatError, match="must not be"):
         pack_checkpoint(src, src / "inside", show_progress=False)
+    config["quantization_config"] = {"quant_method": "onecat", "format": "volta-w4"}
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(OnecatError, match="already a onecat packed artifact"):
+        pack_checkpoint(src, tmp_path / "x", show_progress=False)
     assert not (tmp_path / "x").exists()
 
 

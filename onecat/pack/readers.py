@@ -102,6 +102,8 @@ def detect_source_format(config: dict[str, Any], where: str = "config.json") -> 
                 )
         skip = [s for s in qc.get("ignore") or [] if not str(s).startswith("re:")]
         return SourceFormat(COMPRESSED_TENSORS, qc, skip)
+    if method == "onecat":
+        raise OnecatError(f"{where}: this checkpoint is already a onecat packed artifact")
     raise OnecatError(
         f"{where}: quant_method {method!r} is not supported; onecat packs AutoAWQ GEMM ('awq') "
         "and compressed-tensors pack-quantized checkpoints"
