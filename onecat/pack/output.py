@@ -37,6 +37,15 @@ SAFETENSORS_DTYPES = {
 }
 
 
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _current_umask()
+
+
 def tensor_sha256(tensor: torch.Tensor) -> str:
     """sha256 of a tensor's bytes as safetensors stores them (row-major, little-endian)."""
     data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -113,8 +122,9 @@ class ShardWriter:
 
     def _flush(self) -> None:
         index = len(self._shards) + 1
-        save_file(self._pending, self.directory / f"shard-{index:05d}.safetensors",
-                  metadata={"format": "pt"})
+        path = self.directory / f"shard-{index:05d}.safetensors"
+        save_file(self._pending, path, metadata={"format": "pt"})
+        path.chmod(0o666 & ~_UMASK)  # safetensors creates 0600 files; honour the umask
         self._shards.append(list(self._pending))
         self._pending = {}
         self._pending_bytes = 0
