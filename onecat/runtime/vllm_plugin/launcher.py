@@ -94,7 +94,8 @@ def vllm_environment(base: dict[str, str] | None = None) -> dict[str, str]:
 def check_vllm_in(python: str | None = None) -> str:
     """The vLLM version importable by ``python`` (default: this interpreter), checked against
     the supported range together with the plugin itself; raises OnecatError otherwise."""
-    if python is None or os.path.realpath(python) == os.path.realpath(sys.executable):
+    # abspath, not realpath: a virtual environment's python is a symlink to the base one.
+    if python is None or os.path.abspath(python) == os.path.abspath(sys.executable):
         return check_vllm_version()
     try:
         probe = subprocess.run(

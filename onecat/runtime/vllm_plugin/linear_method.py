@@ -33,33 +33,12 @@ from onecat.errors import OnecatError
 from onecat.pack.volta_layout import TILE, fits_layout
 from onecat.runtime.vllm_plugin.awq_repack import awq_to_volta, dequantize_awq
 from onecat.runtime.vllm_plugin.linear_ops import volta_linear
+from onecat.runtime.vllm_plugin.partition_checks import check_partition
 
 logger = logging.getLogger(__name__)
 
 AWQ_PACK_FACTOR = 8
 """4-bit values per int32 word in AutoAWQ's format."""
-
-
-def check_partition(
-    prefix: str, output_partition_sizes: list[int], input_size_per_partition: int, group_size: int
-) -> None:
-    """Raise OnecatError unless this rank's slice of a layer fits the Volta layout."""
-    problems = [
-        f"output part {size} is not a multiple of {TILE}"
-        for size in output_partition_sizes
-        if size % TILE
-    ]
-    if input_size_per_partition % group_size:
-        problems.append(
-            f"input slice {input_size_per_partition} is not a multiple of the group size "
-            f"{group_size}"
-        )
-    if problems:
-        raise OnecatError(
-            f"{prefix or 'a linear layer'}: this tensor-parallel slice cannot be cut from the "
-            f"Volta layout ({'; '.join(problems)}). Use a smaller --tensor-parallel-size "
-            "(docs/VLLM.md lists the sizes each model allows)."
-        )
 
 
 def _replace(layer: torch.nn.Module, name: str, value: torch.Tensor) -> None:

@@ -31,31 +31,10 @@ from onecat.errors import OnecatError
 from onecat.pack.volta_layout import TILE
 from onecat.runtime.vllm_plugin.awq_repack import awq_to_volta
 from onecat.runtime.vllm_plugin.linear_ops import volta_linear
+from onecat.runtime.vllm_plugin.partition_checks import check_expert_partition
 from onecat.runtime.vllm_plugin.tp_slicing import slice_volta_part
 
 AWQ_PACK_FACTOR = 8
-
-
-def check_expert_partition(
-    prefix: str, hidden_size: int, intermediate_size_per_partition: int, group_size: int
-) -> None:
-    """Raise OnecatError unless this rank's expert slices fit the Volta layout."""
-    i_p = intermediate_size_per_partition
-    problems = []
-    if i_p % TILE:
-        problems.append(f"the intermediate slice {i_p} is not a multiple of {TILE}")
-    if i_p % group_size:
-        problems.append(
-            f"the intermediate slice {i_p} is not a multiple of the group size {group_size}"
-        )
-    if hidden_size % group_size or hidden_size % TILE:
-        problems.append(f"the hidden size {hidden_size} does not fit group size {group_size}")
-    if problems:
-        raise OnecatError(
-            f"{prefix or 'an MoE layer'}: experts cannot be split this way "
-            f"({'; '.join(problems)}). Use a smaller --tensor-parallel-size, or "
-            "--enable-expert-parallel, which keeps experts whole (docs/VLLM.md)."
-        )
 
 
 def _replace(layer: torch.nn.Module, name: str, value: torch.Tensor) -> None:
