@@ -6,6 +6,8 @@ that (and a reserve for sampling and graphs) holds the GDN state slots (``max_nu
 of them, fewer with a warning if they would take more than half) and the paged KV cache of
 the full-attention layers. On CPU the KV cache gets a fixed byte budget.
 
+Inside decode graphs the small elementwise steps run fused (``layers/fusion.py``).
+
 CUDA graphs: a batch of decode tokens only runs as a replayed graph, captured on first use
 for its (batch-size bucket, KV-length bucket): batch sizes 1, 2, 4, 8, 16, 32, ... up to
 ``max_num_seqs``, KV lengths in powers of two of blocks. Padding rows write their key/value
@@ -25,6 +27,7 @@ from onecat.errors import OnecatError
 from onecat.runtime.config import EngineConfig
 from onecat.runtime.context import ForwardContext, PrefillChunk, set_context
 from onecat.runtime.engine.sequence import Sequence
+from onecat.runtime.layers import fusion
 from onecat.runtime.layers.attention import PagedAttention
 from onecat.runtime.models.qwen3_5 import GatedDeltaNet, Qwen3_5ForCausalLM
 
@@ -84,6 +87,7 @@ class ModelRunner:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.attention = [m for m in model.modules() if isinstance(m, PagedAttention)]
         self.gdn = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+        self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
         wanted_len = config.max_model_len or self.model_config.max_position_embeddings
         self.num_blocks, self.num_slots = self._plan_memory(config, wanted_len)
         capacity = self.num_blocks * self.block_size
@@ -95,7 +99,6 @@ class ModelRunner:
             )
         self.max_model_len = min(wanted_len, capacity)
         self._allocate()
-        self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
         self.graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self.graph_pool = None
         self.graph_batch_sizes = [1 << i for i in range(int(math.log2(self.num_slots)) + 1)]
@@ -286,11 +289,12 @@ class ModelRunner:
         try:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):  # warm-up: kernel selection and loading happen here
+            with torch.cuda.stream(side), fusion.compiling():
+                # warm-up: kernel tuning, loading and compilation happen here, not in capture
                 for _ in range(2):
                     self.model.compute_logits(self.model(graph.input_ids, graph.positions))
             torch.cuda.current_stream(self.device).wait_stream(side)
-            with torch.cuda.graph(graph.graph, pool=self.graph_pool):
+            with torch.cuda.graph(graph.graph, pool=self.graph_pool), fusion.compiling():
                 graph.logits = self.model.compute_logits(self.model(graph.input_ids, graph.positions))
             self.graph_pool = graph.graph.pool()
         finally:

@@ -30,11 +30,17 @@ import torch.nn.functional as F
 CHUNK_SIZE = 64
 
 
-def _prepare(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32, l2-normalised, q scaled; key heads repeated to the value heads (head dim -2)."""
+def _normalise(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32, l2-normalised (eps inside the root), q scaled by ``d_k ** -0.5``."""
     q, k = q.float(), k.float()
     q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
     k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    return q, k
+
+
+def _prepare(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_normalise`, then key heads repeated to the value heads (head dim -2)."""
+    q, k = _normalise(q, k)
     repeat = num_v_heads // q.shape[-2]
     if repeat > 1:
         q = q.repeat_interleave(repeat, dim=-2)
@@ -51,14 +57,26 @@ def gated_delta_rule_step(
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of ``B`` sequences: ``q, k [B, Hk, dk]``, ``v [B, Hv, dv]``, ``g, beta [B, Hv]``,
-    ``state [B, Hv, dk, dv]`` fp32 -> (``o [B, Hv, dv]`` in v's dtype, new state)."""
-    q, k = _prepare(q, k, v.shape[-2])
-    state = state * g.float().exp()[..., None, None]
-    predicted = torch.einsum("bhkv,bhk->bhv", state, k)
-    delta = (v.float() - predicted) * beta.float()[..., None]
-    state = state + k[..., :, None] * delta[..., None, :]
-    out = torch.einsum("bhkv,bhk->bhv", state, q)
-    return out.to(v.dtype), state
+    ``state [B, Hv, dk, dv]`` fp32 -> (``o [B, Hv, dv]`` in v's dtype, new state).
+
+    Written as broadcasts and sums (no matmul) so that a compiler fuses it into a pass over
+    the state; value heads are viewed as ``[Hk, Hv/Hk]`` instead of repeating q and k.
+    """
+    batch, num_k_heads, d_k = q.shape
+    num_v_heads, d_v = v.shape[-2:]
+    group = num_v_heads // num_k_heads
+    dtype = v.dtype
+    q, k = _normalise(q, k)
+    q = q[:, :, None, :, None]  # [B, Hk, 1, dk, 1]
+    k = k[:, :, None, :, None]
+    state = state.view(batch, num_k_heads, group, d_k, d_v)
+    state = state * g.float().exp().view(batch, num_k_heads, group, 1, 1)
+    predicted = (state * k).sum(-2)  # [B, Hk, G, dv]
+    v = v.float().view(batch, num_k_heads, group, d_v)
+    delta = (v - predicted) * beta.float().view(batch, num_k_heads, group, 1)
+    state = state + k * delta[:, :, :, None, :]
+    out = (state * q).sum(-2)
+    return out.reshape(batch, num_v_heads, d_v).to(dtype), state.reshape(batch, num_v_heads, d_k, d_v)
 
 
 def gated_delta_rule_chunked(

@@ -22,10 +22,18 @@ from torch import nn
 
 from onecat.pack.volta_layout import TILE
 from onecat.runtime.context import get_context
+from onecat.runtime.layers.fusion import fused
 from onecat.runtime.layers.linear import LinearWeights
 from onecat.runtime.layers.quant_ops import w4a16_linear
 
 GATE, UP, DOWN = "gate_proj", "up_proj", "down_proj"
+
+
+@fused
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a merged ``[..., 2I]`` gate/up projection."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class FusedExperts(nn.Module):
@@ -96,8 +104,7 @@ class FusedExperts(nn.Module):
 
     def _expert(self, x: torch.Tensor, params: dict[str, torch.Tensor], index: int) -> torch.Tensor:
         """SwiGLU of expert ``index`` of the stacked ``params`` on ``x [M, H]``."""
-        gate, up = self._project(x, params, "w13", index).chunk(2, dim=-1)
-        return self._project(F.silu(gate) * up, params, "w2", index)
+        return self._project(silu_and_mul(self._project(x, params, "w13", index)), params, "w2", index)
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x [T, H]``, routing ``expert_ids``/``weights`` ``[T, k]`` -> weighted sum ``[T, H]``."""

@@ -6,11 +6,37 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from onecat.runtime.layers.fusion import fused
+
 
 def _rms_normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / rms(x)`` over the last dimension, computed in fp32."""
     x = x.float()
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rms_norm_math(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x_hat * (1 + weight)`` in ``x.dtype`` (plain torch, for use inside fused functions)."""
+    return (_rms_normalise(x, eps) * (1.0 + weight.float())).to(x.dtype)
+
+
+def gated_rms_norm_math(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x_hat * silu(z)`` in ``x.dtype`` (plain torch)."""
+    x_hat = _rms_normalise(x, eps).to(x.dtype)
+    return (weight * x_hat * F.silu(z.float())).to(x.dtype)
+
+
+rms_norm = fused(rms_norm_math)
+gated_rms_norm = fused(gated_rms_norm_math)
+
+
+@fused
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)``: the residual add fused with the next norm."""
+    summed = x + residual
+    return rms_norm_math(summed, weight, eps), summed
 
 
 class RMSNorm(nn.Module):
@@ -23,7 +49,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise ``x [..., dim]``; returns ``x.dtype``."""
-        return (_rms_normalise(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -36,5 +62,4 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Normalise ``x [..., dim]`` and gate it with ``z`` of the same shape."""
-        x_hat = _rms_normalise(x, self.eps).to(x.dtype)
-        return (self.weight * x_hat * F.silu(z.float())).to(x.dtype)
+        return gated_rms_norm(x, z, self.weight, self.eps)

@@ -11,6 +11,19 @@ import torch
 from torch import nn
 
 
+def apply_partial_rope(
+    positions: torch.Tensor, x: torch.Tensor, inv_freq: torch.Tensor, rotary_dim: int
+) -> torch.Tensor:
+    """Rotate the first ``rotary_dim`` features of ``x [T, heads, D]`` by ``positions [T]``."""
+    angles = positions.float()[:, None] * inv_freq[None, :]  # [T, rotary_dim / 2]
+    cos, sin = angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
+    half = rotary_dim // 2
+    x1 = x[..., :half].float()
+    x2 = x[..., half:rotary_dim].float()
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
+
+
 class PartialRotaryEmbedding(nn.Module):
     """Rotate the first ``rotary_dim`` features of q and k by position."""
 
@@ -20,17 +33,11 @@ class PartialRotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = self.rotary_dim // 2
-        x1 = x[..., :half].float()
-        x2 = x[..., half : self.rotary_dim].float()
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-        return torch.cat((rotated, x[..., self.rotary_dim :]), dim=-1)
-
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``q [T, Hq, D]``, ``k [T, Hk, D]`` at ``positions [T]`` -> rotated (q, k)."""
-        angles = positions.float()[:, None] * self.inv_freq[None, :]  # [T, rotary_dim / 2]
-        cos, sin = angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        return (
+            apply_partial_rope(positions, q, self.inv_freq, self.rotary_dim),
+            apply_partial_rope(positions, k, self.inv_freq, self.rotary_dim),
+        )

@@ -19,10 +19,17 @@ from onecat.runtime.context import get_context
 from onecat.runtime.layers.attention import PagedAttention
 from onecat.runtime.layers.causal_conv import causal_conv1d_chunk, causal_conv1d_step
 from onecat.runtime.layers.delta_rule import gated_delta_rule_chunked, gated_delta_rule_step
+from onecat.runtime.layers.fusion import fused
 from onecat.runtime.layers.linear import Linear
-from onecat.runtime.layers.moe import FusedExperts
-from onecat.runtime.layers.norm import GatedRMSNorm, RMSNorm
-from onecat.runtime.layers.rotary import PartialRotaryEmbedding
+from onecat.runtime.layers.moe import FusedExperts, silu_and_mul
+from onecat.runtime.layers.norm import (
+    GatedRMSNorm,
+    RMSNorm,
+    add_rms_norm,
+    gated_rms_norm_math,
+    rms_norm_math,
+)
+from onecat.runtime.layers.rotary import PartialRotaryEmbedding, apply_partial_rope
 from onecat.runtime.models.config import ModelConfig
 from onecat.runtime.quant_plan import QuantPlan
 
@@ -78,17 +85,45 @@ class GatedAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]`` at ``positions [T]`` -> ``[T, hidden]``."""
-        tokens = x.shape[0]
-        q_gate, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
-        q_gate = q_gate.view(tokens, self.num_heads, 2 * self.head_dim)
-        q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]
-        q = self.q_norm(q)
-        k = self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim))
-        q, k = self.rotary(positions, q, k)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        out = self.attn(q, k, v).reshape(tokens, -1)
-        out = out * torch.sigmoid(gate.reshape(tokens, -1))
-        return self.o_proj(out)
+        q, k, v, gate = attention_inputs(
+            self.qkv_proj(x), positions, self.q_norm.weight, self.k_norm.weight,
+            self.rotary.inv_freq, self.q_norm.eps, self.num_heads, self.num_kv_heads,
+            self.head_dim, self.rotary.rotary_dim,
+        )
+        out = self.attn(q, k, v)
+        return self.o_proj(sigmoid_gate(out.reshape(x.shape[0], -1), gate))
+
+
+@fused
+def attention_inputs(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    q_norm: torch.Tensor,
+    k_norm: torch.Tensor,
+    inv_freq: torch.Tensor,
+    eps: float,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split the merged projection into per-head q (normed, rotated), gate, k (normed,
+    rotated) and v: ``[T, H, D]``, ``[T, H*D]``, ``[T, KVH, D]``, ``[T, KVH, D]``."""
+    tokens = qkv.shape[0]
+    q_size, kv_size = 2 * num_heads * head_dim, num_kv_heads * head_dim
+    q_gate, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q_gate = q_gate.reshape(tokens, num_heads, 2 * head_dim)
+    q, gate = q_gate[..., :head_dim], q_gate[..., head_dim:]
+    q = apply_partial_rope(positions, rms_norm_math(q, q_norm, eps), inv_freq, rotary_dim)
+    k = k.reshape(tokens, num_kv_heads, head_dim)
+    k = apply_partial_rope(positions, rms_norm_math(k, k_norm, eps), inv_freq, rotary_dim)
+    return q, k, v.reshape(tokens, num_kv_heads, head_dim), gate.reshape(tokens, -1)
+
+
+@fused
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(gate)``."""
+    return x * torch.sigmoid(gate)
 
 
 class DepthwiseConv(nn.Module):
@@ -174,31 +209,79 @@ class GatedDeltaNet(nn.Module):
         ctx = get_context()
         mixed, z = self.in_proj_qkvz(x).split(self.in_proj_qkvz.output_sizes, dim=-1)
         b, a = self.in_proj_ba(x).split(self.num_v_heads, dim=-1)
-        beta = torch.sigmoid(b)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        weight = self.conv1d.weight
+        dims = (self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim)
         outputs = []
         if ctx.num_decodes:
             n = ctx.num_decodes
             slots = ctx.decode_state_slots
             conv_state, rec_state = self._states(slots)
-            mixed_d, conv_state = causal_conv1d_step(mixed[:n], conv_state, weight)
-            q, k, v = self._split_heads(mixed_d)
-            out, rec_state = gated_delta_rule_step(q, k, v, g[:n], beta[:n], rec_state)
+            out, conv_state, rec_state = gated_deltanet_decode(
+                mixed[:n], z[:n], b[:n], a[:n], conv_state, rec_state, self.conv1d.weight,
+                self.A_log, self.dt_bias, self.norm.weight, self.norm.eps, *dims,
+            )
             self._save_states(slots, conv_state, rec_state)
             outputs.append(out)
         for chunk in ctx.prefills:
             part = slice(chunk.start, chunk.start + chunk.length)
             slot = torch.tensor([chunk.state_slot], device=x.device)
             conv_state, rec_state = self._states(slot)
-            mixed_c, conv_state = causal_conv1d_chunk(mixed[part], conv_state[0], weight)
-            q, k, v = self._split_heads(mixed_c)
-            out, rec_state = gated_delta_rule_chunked(q, k, v, g[part], beta[part], rec_state[0])
+            mixed_c, conv_state = causal_conv1d_chunk(mixed[part], conv_state[0], self.conv1d.weight)
+            q, k, v = split_heads(mixed_c, *dims)
+            g, beta = decay_and_rate(a[part], b[part], self.A_log, self.dt_bias)
+            out, rec_state = gated_delta_rule_chunked(q, k, v, g, beta, rec_state[0])
             self._save_states(slot, conv_state[None], rec_state[None])
-            outputs.append(out)
+            outputs.append(self.norm(out, z[part].reshape(out.shape)).reshape(chunk.length, -1))
         core = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-        core = self.norm(core, z.reshape(core.shape))
-        return self.out_proj(core.reshape(x.shape[0], self.value_dim))
+        return self.out_proj(core)
+
+
+def split_heads(
+    mixed: torch.Tensor, num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The conv output ``[T, 2*Hk*dk + Hv*dv]`` as q, k ``[T, Hk, dk]`` and v ``[T, Hv, dv]``."""
+    key_dim = num_k_heads * head_k_dim
+    q, k, v = mixed.split([key_dim, key_dim, num_v_heads * head_v_dim], dim=-1)
+    tokens = mixed.shape[0]
+    return (
+        q.reshape(tokens, num_k_heads, head_k_dim),
+        k.reshape(tokens, num_k_heads, head_k_dim),
+        v.reshape(tokens, num_v_heads, head_v_dim),
+    )
+
+
+def decay_and_rate(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``g = -exp(A_log) * softplus(a + dt_bias)`` (fp32) and ``beta = sigmoid(b)``."""
+    return -A_log.float().exp() * F.softplus(a.float() + dt_bias), torch.sigmoid(b)
+
+
+@fused
+def gated_deltanet_decode(
+    mixed: torch.Tensor,
+    z: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    conv_state: torch.Tensor,
+    rec_state: torch.Tensor,
+    conv_weight: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    num_k_heads: int,
+    head_k_dim: int,
+    num_v_heads: int,
+    head_v_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token of ``B`` sequences through the GDN core: conv step, delta-rule step, gated
+    norm. Returns the output ``[B, Hv*dv]`` and the new conv and recurrent states."""
+    conv_out, conv_state = causal_conv1d_step(mixed, conv_state, conv_weight)
+    q, k, v = split_heads(conv_out, num_k_heads, head_k_dim, num_v_heads, head_v_dim)
+    g, beta = decay_and_rate(a, b, A_log, dt_bias)
+    out, rec_state = gated_delta_rule_step(q, k, v, g, beta, rec_state)
+    out = gated_rms_norm_math(out, z.reshape(out.shape), norm_weight, eps)
+    return out.reshape(out.shape[0], -1), conv_state, rec_state
 
 
 class MLP(nn.Module):
@@ -213,8 +296,21 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+@fused
+def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over experts (fp32), the top ``top_k``, weights renormalised to sum to 1."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, expert_ids = torch.topk(probs, top_k, dim=-1)
+    return weights / weights.sum(dim=-1, keepdim=True), expert_ids
+
+
+@fused
+def add_gated(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x + sigmoid(gate) * y``."""
+    return x + torch.sigmoid(gate) * y
 
 
 class SparseMoE(nn.Module):
@@ -245,11 +341,9 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``."""
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
-        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, expert_ids = route(self.gate(x), self.top_k)
         routed = self.experts(x, expert_ids, weights.to(x.dtype))
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return add_gated(routed, self.shared_expert_gate(x), self.shared_expert(x))
 
 
 class DecoderLayer(nn.Module):
@@ -270,11 +364,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """One layer on the flat batch ``x [T, hidden]``."""
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer on the flat batch. ``x`` is the previous layer's output before its
+        residual add (fused with this layer's first norm); returns (output, residual)."""
         mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
-        x = x + mixer(positions, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        h = mixer(positions, h)
+        norm = self.post_attention_layernorm
+        h, residual = add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self.mlp(h), residual
 
 
 class Qwen3_5Model(nn.Module):
@@ -289,10 +392,10 @@ class Qwen3_5Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Token ids ``[T]`` -> final hidden states ``[T, hidden]``."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(positions, x)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual)
+        return add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
 
 class Qwen3_5ForCausalLM(nn.Module):

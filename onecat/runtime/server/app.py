@@ -143,7 +143,7 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
             "object": "model",
             "created": created,
             "owned_by": "onecat",
-            "root": str(getattr(engine.engine, "model_path", engine.model_name)),
+            "root": str(getattr(getattr(engine.engine, "config", None), "model", engine.model_name)),
             "max_model_len": engine.max_model_len,
         }
         return {"object": "list", "data": [card]}
