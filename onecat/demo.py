@@ -81,10 +81,8 @@ def run_demo(out_dir: str | Path = "demo-out", console: Console | None = None) -
         build_tiny_model("qwen3_5", model_dir)
         console.print(f"checkpoint: {model_dir}")
 
-    with _step(console, timings, "2/4 quantize (AWQ, 4 bits, group 32, pydoc calibration)"):
-        quantize_model(
-            model_dir, awq_dir, calib="builtin:pydoc", samples=8, seqlen=128, group_size=32
-        )
+    with _step(console, timings, "2/4 quantize (AWQ, 4 bits, group 32, 4 pydoc samples of 64 tokens)"):
+        quantize_model(model_dir, awq_dir, calib="builtin:pydoc", samples=4, seqlen=64, group_size=32)
         console.print(f"AutoAWQ GEMM checkpoint: {awq_dir}")
 
     with _step(console, timings, "3/4 pack into the Volta layout"):

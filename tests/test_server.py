@@ -291,7 +291,7 @@ def test_full_queue_answers_429(tiny_model):
 
 
 def test_64_concurrent_streaming_clients(server):
-    num_clients, max_tokens = 64, 8
+    num_clients, max_tokens = 64, 16
 
     async def one(client: httpx.AsyncClient, i: int) -> dict:
         body = {
@@ -328,3 +328,25 @@ def test_64_concurrent_streaming_clients(server):
     assert_all_free(stats)
     generated = stats["generation_tokens_total"] - before["generation_tokens_total"]
     assert generated == sum(r["usage"]["completion_tokens"] for r in results)
+
+
+def test_engine_failure_is_reported_not_hung(tiny_model):
+    engine = make_engine(tiny_model)
+    real_step, calls = engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) > 3:
+            raise RuntimeError("injected engine fault")
+        return real_step()
+
+    engine.step = failing_step
+    with BackgroundServer(engine) as srv, httpx.Client(base_url=srv.url, timeout=30) as client:
+        body = {"messages": HELLO, "max_tokens": 32, "ignore_eos": True, "stream": True}
+        payloads = sse_payloads(stream_lines(client, "/v1/chat/completions", body))
+        error = json.loads(payloads[-1])["error"]
+        assert error["type"] == "server_error" and "injected engine fault" in error["message"]
+        assert client.get("/health").status_code == 503
+        refused = client.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 2})
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "engine_unavailable"

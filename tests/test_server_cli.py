@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from click.testing import CliRunner
 
 from onecat.cli import main
@@ -12,8 +13,12 @@ from onecat.runtime.server.prompts import chat_token_ids
 from onecat.tiny import build_tiny_model
 
 
-def test_generate_matches_the_engine(tmp_path):
-    model = build_tiny_model("qwen3_5", tmp_path / "tiny")
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_tiny_model("qwen3_5", tmp_path_factory.mktemp("cli") / "tiny-qwen3_5")
+
+
+def test_generate_matches_the_engine(model):
     engine = LLMEngine(EngineConfig(model=str(model), device="cpu", max_model_len=128))
     params = SamplingParams(max_tokens=6, temperature=0.0)
     expected_plain = engine.generate(["def main():"], params)[0]
@@ -30,8 +35,7 @@ def test_generate_matches_the_engine(tmp_path):
     assert chat.stdout == expected_chat + "\n"
 
 
-def test_generate_rejects_a_bad_request(tmp_path):
-    model = build_tiny_model("qwen3_5", tmp_path / "tiny")
+def test_generate_rejects_a_bad_request(model):
     runner = CliRunner()
     result = runner.invoke(
         main,

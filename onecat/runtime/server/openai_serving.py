@@ -156,7 +156,7 @@ class OpenAIServing:
     async def collect(
         self, sub: Submitted, is_disconnected: Callable[[], Awaitable[bool]] | None = None
     ) -> tuple[str, Any]:
-        """Gather a request's text and final output. Polls ``is_disconnected`` every second
+        """Gather a request's text and final output. Polls ``is_disconnected`` twice a second
         and aborts the request when the client has gone."""
         parts: list[str] = []
         final = None
@@ -170,7 +170,7 @@ class OpenAIServing:
         task = asyncio.ensure_future(gather())
         try:
             while not task.done():
-                await asyncio.wait({task}, timeout=1.0)
+                await asyncio.wait({task}, timeout=0.5)
                 if not task.done() and is_disconnected is not None and await is_disconnected():
                     raise APIError(499, "the client closed the request", type="client_closed")
             task.result()
