@@ -85,10 +85,14 @@ def test_every_variant_and_split(n, k, g):
     from onecat.kernels.variants import Variant, all_variants, run_variant
 
     qweight, scales_zeros, w = make_weight(n, k, g, seed=7)
+    ktiles = k // 32
     for base in all_variants():
-        splits_options = [0] if base.kind == "dequant" else [0, 1, 3]
-        for splits in splits_options:
-            variant = Variant(base.kind, base.rows, base.warps, splits)
+        if base.kind == "gemv":  # automatic, odd (ranges cut tiles), whole tiles, two tiles
+            split_options = [0, 5, ktiles, 2 * ktiles]
+        else:
+            split_options = [0] if base.kind == "dequant" else [0, 1, 3]
+        for split in split_options:
+            variant = Variant(base.kind, base.rows, base.width, split, base.chunk)
             ms = [1, 2, 3, 4] if base.kind == "gemv" else [1, 5, 8, 9, 16, 33, 64, 70]
             for m in ms:
                 if not variant.supports(m):

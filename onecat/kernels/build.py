@@ -127,11 +127,12 @@ def sources_hash() -> str:
 def kernel_names(program: str) -> list[str]:
     """The ``extern "C"`` kernel names a program defines (read from its source)."""
     text = source_text(program)
-    names = re.findall(r"^ONECAT_\w+\((\d+), (\d+)\)$", text, flags=re.M)
     if program == "w4a16_gemv":
-        return [f"w4a16_gemv_m{a}_w{b}" for a, b in names]
+        found = re.findall(r"^ONECAT_GEMV\((\d+), (\d+), (\d+), \d+\)$", text, flags=re.M)
+        return [f"w4a16_gemv_m{m}_w{w}_u{u}" for m, w, u in found]
     if program == "w4a16_wmma":
-        return [f"w4a16_wmma_mt{a}_w{b}" for a, b in names]
+        found = re.findall(r"^ONECAT_WMMA\((\d+), (\d+), (\d+)\)$", text, flags=re.M)
+        return [f"w4a16_wmma_mt{t}_w{w}_c{c}" for t, w, c in found]
     return [program]
 
 

@@ -34,14 +34,11 @@ def _torch_arch_finding(major: int, minor: int) -> Finding:
     cuda = torch.version.cuda or "none"
     fix = ""
     if not ok:
-        fix = (
-            f"this torch {torch.__version__} (CUDA {cuda}) has no {arch} kernels; "
-            + (
-                "install a +cu126 build: pip install torch --index-url "
-                "https://download.pytorch.org/whl/cu126"
-                if (major, minor) == (7, 0)
-                else "install a torch build whose arch list contains it"
-            )
+        fix = f"this torch {torch.__version__} (CUDA {cuda}) has no {arch} kernels; " + (
+            "install a +cu126 build: pip install torch --index-url "
+            "https://download.pytorch.org/whl/cu126"
+            if (major, minor) == (7, 0)
+            else "install a torch build whose arch list contains it"
         )
     return Finding("torch arch list", ok, f"torch {torch.__version__} CUDA {cuda}: {archs}", fix)
 
@@ -59,7 +56,9 @@ def _nvrtc_finding() -> Finding:
     detail = f"{major}.{minor}" + (f"; prebuilt kernels from {prebuilt}" if prebuilt else "")
     if major != 12 and not prebuilt:
         return Finding(
-            "NVRTC", False, detail,
+            "NVRTC",
+            False,
+            detail,
             "onecat compiles with NVRTC 12 (NVRTC 13 cannot target sm_70): "
             "pip install 'nvidia-cuda-nvrtc-cu12<13' 'cuda-bindings<13'",
         )
@@ -76,7 +75,11 @@ def self_test(device_index: int = 0) -> list[Finding]:
     device = torch.device("cuda", device_index)
     gen = torch.Generator(device=device).manual_seed(0)
     qweight = torch.randint(
-        -(2**31), 2**31 - 1, (n // 32, k // 32, 32, 4), dtype=torch.int32, device=device,
+        -(2**31),
+        2**31 - 1,
+        (n // 32, k // 32, 32, 4),
+        dtype=torch.int32,
+        device=device,
         generator=gen,
     )
     s = (torch.rand(n // 32, k // g, 32, 1, device=device, generator=gen) * 0.02 + 0.001).half()
@@ -99,7 +102,9 @@ def self_test(device_index: int = 0) -> list[Finding]:
         ok = err < 2e-3
         findings.append(
             Finding(
-                f"kernel {variant.name}", ok, f"M={m} {n}x{k}: relative error {err:.1e}",
+                f"kernel {variant.name}",
+                ok,
+                f"M={m} {n}x{k}: relative error {err:.1e}",
                 "" if ok else "wrong results: report this GPU/driver at onecat's issue tracker",
             )
         )
@@ -121,7 +126,9 @@ def diagnose() -> list[Finding]:
     if not torch.cuda.is_available():
         findings.append(
             Finding(
-                "GPU", False, "no GPU: torch sees no CUDA device",
+                "GPU",
+                False,
+                "no GPU: torch sees no CUDA device",
                 "check `nvidia-smi` and CUDA_VISIBLE_DEVICES; on a GPU machine install a CUDA "
                 "build of torch (+cu126 for a V100)",
             )
@@ -130,7 +137,9 @@ def diagnose() -> list[Finding]:
     for index in range(torch.cuda.device_count()):
         major, minor = torch.cuda.get_device_capability(index)
         name = torch.cuda.get_device_name(index)
-        findings.append(Finding(f"GPU {index}", True, f"{name}, compute capability {major}.{minor}"))
+        findings.append(
+            Finding(f"GPU {index}", True, f"{name}, compute capability {major}.{minor}")
+        )
     try:
         dmaj, dmin = driver.driver_version()
         findings.append(Finding("driver", True, f"CUDA {dmaj}.{dmin}"))

@@ -128,6 +128,24 @@ class Kernel:
         self.name = name
         self.handle = handle
         self.device_index = device_index
+        self._occupancy: dict[int, int] = {}
+
+    def max_active_blocks(self, block: int) -> int:
+        """Resident blocks of ``block`` threads per SM (the occupancy calculator's answer)."""
+        cached = self._occupancy.get(block)
+        if cached is None:
+            lib = _libcuda()
+            make_current(self.device_index)
+            count = ctypes.c_int()
+            _check(
+                lib,
+                lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                    ctypes.byref(count), self.handle, block, ctypes.c_size_t(0)
+                ),
+                f"cuOccupancyMaxActiveBlocksPerMultiprocessor({self.name})",
+            )
+            cached = self._occupancy[block] = max(1, count.value)
+        return cached
 
     def launch(
         self,

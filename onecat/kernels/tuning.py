@@ -22,14 +22,16 @@ from pathlib import Path
 import torch
 
 from onecat.kernels import build, loader
+from onecat.kernels.loader import get_kernel
 from onecat.kernels.timing import copies_for, graph_time_us
 from onecat.kernels.variants import (
-    GEMV_WARPS,
-    WMMA_TILES,
+    GEMV_BUILT,
+    WMMA_BUILT,
     Variant,
-    auto_splits,
     default_variant,
+    gemv_tiles_per_warp,
     run_variant,
+    wmma_splits,
 )
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -87,20 +89,26 @@ def _save(device_index: int) -> None:
 def candidates(m: int, n: int, k: int, device_index: int) -> list[Variant]:
     """The variants worth timing for ``m`` rows of an ``[n, k]`` weight."""
     found: list[Variant] = []
-    gemv_rows = next((r for r in GEMV_WARPS if r >= m), None)
+    gemv_rows = next((r for r in GEMV_BUILT if r >= m), None)
     if gemv_rows is not None:
-        for warps in GEMV_WARPS[gemv_rows]:
-            base = auto_splits(Variant("gemv", gemv_rows, warps), m, n, k, device_index)
-            for splits in sorted({base, max(1, base // 2), base * 2}):
-                found.append(Variant("gemv", gemv_rows, warps, splits))
-    tiles = [t for t in WMMA_TILES if t >= min(m, 64)][:2]
+        for unroll in GEMV_BUILT[gemv_rows]:
+            variant = Variant("gemv", gemv_rows, unroll, 0)
+            kernel = get_kernel(variant.kernel_name(), device_index)
+            base = gemv_tiles_per_warp(kernel, n, k, device_index)
+            for per in sorted({base, 2 * base}):
+                found.append(Variant("gemv", gemv_rows, unroll, per))
+    tiles = [t for t in WMMA_BUILT if t >= min(m, 64)][:2]
     if m > 64:
         tiles = [64] if m <= 256 else []  # beyond that cuBLAS wins by far
     for tile in tiles:
-        for warps in WMMA_TILES[tile]:
-            base = auto_splits(Variant("wmma", tile, warps), m, n, k, device_index)
+        for warps, chunk in WMMA_BUILT[tile]:
+            if chunk != 2 and tile >= 16:  # never faster in measurements (BENCHMARKS.md)
+                continue
+            variant = Variant("wmma", tile, warps, 0, chunk)
+            kernel = get_kernel(variant.kernel_name(), device_index)
+            base = wmma_splits(kernel, variant, m, n, k, device_index)
             for splits in sorted({base, max(1, base // 2), base * 2}):
-                found.append(Variant("wmma", tile, warps, splits))
+                found.append(Variant("wmma", tile, warps, splits, chunk))
     if m >= 16:
         found.append(Variant("dequant"))
     return found

@@ -1,11 +1,13 @@
-"""The three W4A16 kernel variants, their launch parameters and default choice.
+"""The three W4A16 kernel variants, their launch parameters and the default choice.
 
 A variant is named by a short string, stored as is in the tuner's cache:
 
-- ``gemv-m{R}-w{W}-s{S}``: CUDA-core GEMV (w4a16_gemv.cu) for up to R in {1, 2, 4} rows,
-  W warps per block, S splits of K (S = 0: chosen from the shape and the GPU);
-- ``wmma-mt{T}-w{W}-s{S}``: tensor-core kernel (w4a16_wmma.cu), row tiles of T in
-  {8, 16, 32, 64}, W warps (32*W columns) per block, S splits of K (0: automatic);
+- ``gemv-m{R}-u{U}-p{P}``: CUDA-core GEMV (w4a16_gemv.cu) for up to R in {1, 2, 4} rows,
+  U k tiles loaded ahead per warp step, P k tiles per warp (0: spread the weight evenly over
+  one wave of resident warps);
+- ``wmma-mt{T}-w{W}-c{C}-s{S}``: tensor-core kernel (w4a16_wmma.cu), row tiles of T in
+  {8, 16, 32, 64}, W warps (32*W columns) per block, chunks of C k tiles, S splits of K
+  (0: chosen by a wave model from the GPU's occupancy);
 - ``dequant``: dequantise to an fp16 workspace (w4a16_dequant.cu), then cuBLAS.
 """
 
@@ -20,15 +22,21 @@ from dataclasses import dataclass
 import torch
 
 from onecat.errors import OnecatError
+from onecat.kernels.driver import Kernel
 from onecat.kernels.loader import get_kernel
 
-GEMV_ROWS = (1, 2, 4)
-GEMV_WARPS = {1: (4, 8), 2: (4, 8), 4: (4,)}
-WMMA_TILES = {8: (4, 8), 16: (4, 8), 32: (4,), 64: (4,)}
-"""Instantiated kernels: rows -> warps (keep in sync with the ONECAT_* lines of the sources)."""
+GEMV_BUILT = {1: (2, 4), 2: (2,), 4: (2,)}
+"""GEMV rows -> unroll depths instantiated in w4a16_gemv.cu (4 warps per block)."""
+WMMA_BUILT = {
+    8: ((4, 2), (4, 4), (8, 2)),
+    16: ((4, 2), (4, 4), (8, 2)),
+    32: ((4, 2), (4, 4)),
+    64: ((4, 2),),
+}
+"""wmma row tile -> (warps per block, k tiles per chunk) instantiated in w4a16_wmma.cu."""
 
-_UNROLL = 4  # k tiles per warp step in the GEMV (w4a16_gemv.cu)
-_CHUNK = 2  # k tiles per chunk in the wmma kernel (w4a16_wmma.cu)
+_GEMV_WARPS = 4
+_DEQUANT_THREADS = 128
 
 
 @dataclass(frozen=True)
@@ -37,35 +45,48 @@ class Variant:
 
     kind: str  # "gemv", "wmma" or "dequant"
     rows: int = 0  # GEMV: rows of the kernel; wmma: row tile
-    warps: int = 0
-    splits: int = 0  # 0: automatic
+    width: int = 0  # GEMV: unroll depth; wmma: warps per block
+    split: int = 0  # GEMV: k tiles per warp; wmma: splits of K; 0 = automatic
+    chunk: int = 2  # wmma: k tiles per chunk
 
     @property
     def name(self) -> str:
-        """The variant's name, e.g. ``gemv-m1-w4-s0``."""
-        if self.kind == "dequant":
-            return "dequant"
-        tag = "m" if self.kind == "gemv" else "mt"
-        return f"{self.kind}-{tag}{self.rows}-w{self.warps}-s{self.splits}"
+        """The variant's name, e.g. ``gemv-m1-u4-p0``."""
+        if self.kind == "gemv":
+            return f"gemv-m{self.rows}-u{self.width}-p{self.split}"
+        if self.kind == "wmma":
+            return f"wmma-mt{self.rows}-w{self.width}-c{self.chunk}-s{self.split}"
+        return "dequant"
 
     @staticmethod
     def parse(name: str) -> Variant:
-        """Inverse of :attr:`name`; raises OnecatError on an unknown name."""
+        """Inverse of :attr:`name`; raises OnecatError on an unknown or unbuilt variant."""
         if name == "dequant":
             return Variant("dequant")
-        m = re.fullmatch(r"(gemv)-m(\d+)-w(\d+)-s(\d+)|(wmma)-mt(\d+)-w(\d+)-s(\d+)", name)
-        if not m:
+        if m := re.fullmatch(r"gemv-m(\d+)-u(\d+)-p(\d+)", name):
+            variant = Variant("gemv", *map(int, m.groups()))
+            built = variant.width in GEMV_BUILT.get(variant.rows, ())
+        elif m := re.fullmatch(r"wmma-mt(\d+)-w(\d+)-c(\d+)-s(\d+)", name):
+            rows, width, chunk, split = map(int, m.groups())
+            variant = Variant("wmma", rows, width, split, chunk)
+            built = (width, chunk) in WMMA_BUILT.get(rows, ())
+        else:
             raise OnecatError(f"unknown kernel variant {name!r}")
-        kind, rows, warps, splits = m.groups()[:4] if m.group(1) else m.groups()[4:]
-        variant = Variant(kind, int(rows), int(warps), int(splits))
-        table = GEMV_WARPS if kind == "gemv" else WMMA_TILES
-        if variant.warps not in table.get(variant.rows, ()):
+        if not built:
             raise OnecatError(f"kernel variant {name!r} is not built (see {__name__})")
         return variant
 
     def supports(self, m: int) -> bool:
         """Whether this variant can run ``m`` rows (the GEMV has a fixed row limit)."""
         return self.kind != "gemv" or m <= self.rows
+
+    def kernel_name(self) -> str:
+        """The ``extern "C"`` name of the kernel this variant launches."""
+        if self.kind == "gemv":
+            return f"w4a16_gemv_m{self.rows}_w{_GEMV_WARPS}_u{self.width}"
+        if self.kind == "wmma":
+            return f"w4a16_wmma_mt{self.rows}_w{self.width}_c{self.chunk}"
+        return "w4a16_dequant"
 
 
 @functools.cache
@@ -76,27 +97,32 @@ def _sm_count(device_index: int) -> int:
 def default_variant(m: int) -> Variant:
     """The untuned choice for ``m`` rows: GEMV up to 2, wmma up to 64, dequant + cuBLAS above."""
     if m <= 2:
-        return Variant("gemv", 1 if m == 1 else 2, 4, 0)
+        return Variant("gemv", m, 2, 0)
     if m <= 64:
-        tile = next(t for t in (8, 16, 32, 64) if t >= m)
-        return Variant("wmma", tile, 4, 0)
+        return Variant("wmma", next(t for t in (8, 16, 32, 64) if t >= m), 4, 0)
     return Variant("dequant")
 
 
-def auto_splits(variant: Variant, m: int, n: int, k: int, device_index: int) -> int:
-    """Splits of K that fill the GPU: enough blocks for about one full wave, at least one
-    warp step (GEMV) or two chunks (wmma) of k tiles per split."""
+def gemv_tiles_per_warp(kernel: Kernel, n: int, k: int, device_index: int) -> int:
+    """k tiles per warp that spread the weight over exactly one wave of resident warps."""
+    warps = _sm_count(device_index) * kernel.max_active_blocks(32 * _GEMV_WARPS) * _GEMV_WARPS
+    return max(4, math.ceil((n // 32) * (k // 32) / warps))
+
+
+def wmma_splits(kernel: Kernel, variant: Variant, m: int, n: int, k: int, device_index: int) -> int:
+    """Splits of K minimising a wave model: rounds of resident blocks x (k tiles per block +
+    an epilogue worth about 2 k tiles)."""
     ktiles = k // 32
-    sms = _sm_count(device_index)
-    if variant.kind == "gemv":
-        blocks = n // 32
-        target = sms * (32 // variant.warps)  # 32 resident warps per SM
-        limit = max(1, ktiles // (variant.warps * _UNROLL))
-    else:
-        blocks = math.ceil(n // 32 / variant.warps) * math.ceil(m / variant.rows)
-        target = sms * 4
-        limit = max(1, ktiles // (2 * _CHUNK))
-    return max(1, min(limit, round(target / blocks)))
+    units = math.ceil(n // 32 / variant.width) * math.ceil(m / variant.rows)
+    slots = _sm_count(device_index) * kernel.max_active_blocks(32 * variant.width)
+    best, best_cost = 1, float("inf")
+    for splits in range(1, max(1, ktiles // (2 * variant.chunk)) + 1):
+        per = math.ceil(math.ceil(ktiles / splits) / variant.chunk) * variant.chunk
+        actual = math.ceil(ktiles / per)
+        cost = math.ceil(units * actual / slots) * (per + 2) + (0.5 if actual > 1 else 0)
+        if cost < best_cost:
+            best, best_cost = actual, cost
+    return best
 
 
 def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
@@ -124,72 +150,54 @@ def run_variant(
         out = torch.empty((m, n), dtype=torch.float16, device=x.device)
     if m == 0:
         return out
+    if not variant.supports(m):
+        raise OnecatError(f"kernel variant {variant.name} cannot run {m} rows")
     stream = torch.cuda.current_stream(x.device).cuda_stream
+    kernel = get_kernel(variant.kernel_name(), device_index)
+    ints = [ctypes.c_int(v) for v in (n, k, group_size)]
     if variant.kind == "dequant":
         weight = torch.empty((n, k), dtype=torch.float16, device=x.device)
-        kernel = get_kernel("w4a16_dequant", device_index)
-        pairs = (n // 32) * (k // 32)
+        items = (n // 32) * math.ceil(k // 32 / 4)
+        slots = _sm_count(device_index) * kernel.max_active_blocks(_DEQUANT_THREADS)
+        blocks = min(math.ceil(items / (_DEQUANT_THREADS // 32)), 4 * slots)
         kernel.launch(
-            (math.ceil(pairs / 8), 1, 1),
-            256,
-            stream,
-            [
-                _ptr(qweight),
-                _ptr(scales_zeros),
-                _ptr(weight),
-                ctypes.c_int(n),
-                ctypes.c_int(k),
-                ctypes.c_int(group_size),
-            ],
-        )
+            (blocks, 1, 1), _DEQUANT_THREADS, stream,
+            [_ptr(qweight), _ptr(scales_zeros), _ptr(weight), *ints],
+        )  # fmt: skip
         if bias is not None:
             return torch.addmm(bias, x, weight.t(), out=out)
         return torch.mm(x, weight.t(), out=out)
-    if not variant.supports(m):
-        raise OnecatError(f"kernel variant {variant.name} cannot run {m} rows")
+
     ktiles = k // 32
-    splits = variant.splits or auto_splits(variant, m, n, k, device_index)
-    step = _CHUNK if variant.kind == "wmma" else 1
-    per_split = math.ceil(math.ceil(ktiles / splits) / step) * step
-    splits = math.ceil(ktiles / per_split)
     if variant.kind == "gemv":
-        grid = (n // 32, splits, 1)
+        per = variant.split or gemv_tiles_per_warp(kernel, n, k, device_index)
+        warps = math.ceil((n // 32) * ktiles / per)
+        grid, block = (math.ceil(warps / _GEMV_WARPS), 1, 1), 32 * _GEMV_WARPS
         counters_count = n // 32
+        needs_workspace = per % ktiles != 0  # some warp ranges cut a column tile
     else:
-        grid = (math.ceil(n // 32 / variant.warps), splits, math.ceil(m / variant.rows))
+        splits = variant.split or wmma_splits(kernel, variant, m, n, k, device_index)
+        per = math.ceil(math.ceil(ktiles / splits) / variant.chunk) * variant.chunk
+        splits = math.ceil(ktiles / per)
+        grid = (math.ceil(n // 32 / variant.width), splits, math.ceil(m / variant.rows))
+        block = 32 * variant.width
         counters_count = grid[0] * grid[2]
+        needs_workspace = splits > 1
     workspace = counters = None
-    if splits > 1:
+    if needs_workspace:
         # fp32 partial sums [M, N] followed by one int counter per output tile, all zero.
         scratch = torch.zeros(m * n + counters_count, dtype=torch.float32, device=x.device)
         workspace, counters = scratch, scratch[m * n :]
-    name = (
-        f"w4a16_gemv_m{variant.rows}_w{variant.warps}"
-        if variant.kind == "gemv"
-        else f"w4a16_wmma_mt{variant.rows}_w{variant.warps}"
-    )
-    kernel = get_kernel(name, device_index)
-    dims = [ctypes.c_int(v) for v in (m, n, k, group_size, per_split)]
     kernel.launch(
-        grid,
-        32 * variant.warps,
-        stream,
-        [
-            _ptr(x),
-            _ptr(qweight),
-            _ptr(scales_zeros),
-            _ptr(bias),
-            _ptr(out),
-            _ptr(workspace),
-            _ptr(counters),
-            *dims,
-        ],
-    )
+        grid, block, stream,
+        [_ptr(x), _ptr(qweight), _ptr(scales_zeros), _ptr(bias), _ptr(out), _ptr(workspace),
+         _ptr(counters), ctypes.c_int(m), *ints, ctypes.c_int(per)],
+    )  # fmt: skip
     return out
 
 
 def all_variants() -> list[Variant]:
-    """Every built variant with automatic splits (what the doctor self-tests)."""
-    found = [Variant("gemv", r, w, 0) for r, ws in GEMV_WARPS.items() for w in ws]
-    found += [Variant("wmma", t, w, 0) for t, ws in WMMA_TILES.items() for w in ws]
+    """Every built variant with automatic parameters (what the doctor self-tests)."""
+    found = [Variant("gemv", r, u, 0) for r, us in GEMV_BUILT.items() for u in us]
+    found += [Variant("wmma", t, w, 0, c) for t, wcs in WMMA_BUILT.items() for w, c in wcs]
     return found + [Variant("dequant")]

@@ -45,17 +45,25 @@ __device__ __forceinline__ half2 as_half2(unsigned u) {
 }
 
 // One packed word (8 nibbles) -> 4 fp16 pairs (k0,k1) (k2,k3) (k4,k5) (k6,k7), dequantised.
-// Magic-number trick: 0x6400 | q is the fp16 1024 + q exactly, so q = that - 1024 exactly;
-// then one fma.rn.f16x2 per pair applies the contract w = fp16(q*s + nzs).
+// Magic-number trick: OR-ing a nibble into the mantissa of the fp16 1024 (0x6400) gives
+// exactly 1024 + q (nibble at bits 0-3) or 1024 + 16q (nibble at bits 4-7), so
+// q = h - 1024 or q = h/16 - 64, both exact.  Masks 0x000F000F and 0x00F000F0 pick nibbles
+// j and j+4 of the low or high byte pair without a shift; one shift by 8 serves the other two
+// pairs.  Then one fma.rn.f16x2 per pair applies the contract w = fp16(q*s + nzs).
 __device__ __forceinline__ void dequant_word(unsigned word, half2 s2, half2 nzs2, half2 out[4]) {
-  const unsigned kMask = 0x000F000Fu;
   const unsigned kMagic = 0x64006400u;  // fp16 1024.0 in both halves
   const half2 k1024 = as_half2(kMagic);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    half2 q = __hsub2(as_half2(and_or(word >> (4 * j), kMask, kMagic)), k1024);
-    out[j] = __hfma2(q, s2, nzs2);
-  }
+  const half2 k16th = as_half2(0x2C002C00u);   // 1/16
+  const half2 kMinus64 = as_half2(0xD400D400u);  // -64
+  const unsigned hi = word >> 8;
+  const half2 q0 = __hsub2(as_half2(and_or(word, 0x000F000Fu, kMagic)), k1024);
+  const half2 q1 = __hfma2(as_half2(and_or(word, 0x00F000F0u, kMagic)), k16th, kMinus64);
+  const half2 q2 = __hsub2(as_half2(and_or(hi, 0x000F000Fu, kMagic)), k1024);
+  const half2 q3 = __hfma2(as_half2(and_or(hi, 0x00F000F0u, kMagic)), k16th, kMinus64);
+  out[0] = __hfma2(q0, s2, nzs2);
+  out[1] = __hfma2(q1, s2, nzs2);
+  out[2] = __hfma2(q2, s2, nzs2);
+  out[3] = __hfma2(q3, s2, nzs2);
 }
 
 // A whole lane fragment (one uint4 = 32 k of one column) -> 16 dequantised fp16 pairs.
@@ -67,6 +75,30 @@ __device__ __forceinline__ void dequant_tile(uint4 v, half2 sz, half2 out[16]) {
   dequant_word(v.z, s2, nzs2, out + 8);
   dequant_word(v.w, s2, nzs2, out + 12);
 }
+
+// Walks the (s, nzs) pairs of one lane along k tiles in increasing order without an integer
+// division per tile: `next()` returns the pair of the current k tile and advances.
+struct ScaleCursor {
+  const half2* p;    // current group's pair for this lane
+  int rem;           // k tiles already used from the current group
+  int tiles_per_group;
+
+  // Start at k tile `kt` of a column tile whose pairs (for this lane) begin at `base`.
+  __device__ __forceinline__ ScaleCursor(const half2* base, int kt, int tiles_per_group_)
+      : tiles_per_group(tiles_per_group_) {
+    const int group = kt / tiles_per_group;
+    p = base + (size_t)group * 32;
+    rem = kt - group * tiles_per_group;
+  }
+  __device__ __forceinline__ half2 next() {
+    const half2 v = __ldg(p);
+    if (++rem == tiles_per_group) {
+      rem = 0;
+      p += 32;
+    }
+    return v;
+  }
+};
 
 // Split-K finish, called by every thread of a block after its partial sums were added to the
 // fp32 workspace with atomicAdd.  The last block to arrive for `counter` (a zeroed int per

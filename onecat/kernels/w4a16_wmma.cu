@@ -13,18 +13,19 @@
 // Thread mapping:
 //   grid  = (ceil(N/32 / WARPS), S splits of K, ceil(M / MT))     block = WARPS warps
 //   warp w of block (bx, s, bz) owns column tile t = bx*WARPS + w (32 output columns) and rows
-//   bz*MT .. bz*MT+MT-1, over k tiles [s*kps, (s+1)*kps), in chunks of KC = 64 k.
+//   bz*MT .. bz*MT+MT-1, over k tiles [s*kps, (s+1)*kps), in chunks of KC = 32*CT k
+//   (CT = 2 or 4 k tiles: CT uint4 per lane in flight).
 //   Per chunk:
-//     1. every warp dequantises its two uint4 fragments (loaded one chunk earlier) into its
-//        own slice of shared memory, sB[w][column 0..31][k 0..63] (k contiguous, i.e. the
+//     1. every warp dequantises its CT uint4 fragments (loaded one chunk earlier) into its
+//        own slice of shared memory, sB[w][column 0..31][k 0..KC-1] (k contiguous, i.e. the
 //        col-major B operand of wmma), one row per lane, 128-bit stores;
-//        all threads store the x chunk they loaded into sA[row 0..MT-1][k 0..63];
+//        all threads store the x chunk they loaded into sA[row 0..MT-1][k 0..KC-1];
 //     2. __syncthreads, then the loads of the NEXT chunk are issued into registers
 //        (register double buffering: their latency overlaps this chunk's MMAs);
 //     3. the warp runs KC/16 wmma steps: m8n32k16 for MT = 8 (one fragment covers the tile's
 //        32 columns), otherwise m16n16k16 with (MT/16) x 2 fragments.
-//   Rows are padded to 72 halves (144 bytes): fragment addresses stay 32-byte aligned and
-//   consecutive rows start 4 banks apart.
+//   Rows are padded by 8 halves (to 144 or 272 bytes): fragment addresses stay 32-byte
+//   aligned and consecutive rows start 4 banks apart.
 //   Epilogue: accumulators go through shared memory (fp32, row stride 36) so that each warp
 //   writes full 64-byte rows of y; with S > 1 they are added to a zeroed fp32 workspace and
 //   the last block of the (column group, row tile) writes y (see arrive_last).
@@ -32,10 +33,7 @@
 
 namespace onecat {
 
-constexpr int kChunkTiles = 2;                 // k tiles per chunk
-constexpr int kChunk = kChunkTiles * kTile;    // 64 k per chunk
-constexpr int kLds = kChunk + 8;               // shared row stride in halves (144 bytes)
-constexpr int kLdc = 36;                       // epilogue row stride in floats (144 bytes)
+constexpr int kLdc = 36;  // epilogue row stride in floats (144 bytes)
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -82,20 +80,25 @@ struct FragC { float r[8]; };
 ONECAT_WMMA_FUNCS(m16n16k16)
 ONECAT_WMMA_FUNCS(m8n32k16)
 
-template <int MT, int WARPS>
+template <int MT, int WARPS, int CT>
 struct WmmaSmem {
+  static constexpr int kLds = CT * kTile + 8;           // shared row stride in halves
   static constexpr int kA = MT * kLds * 2;              // bytes of sA
   static constexpr int kB = WARPS * kTile * kLds * 2;   // bytes of sB
   static constexpr int kC = WARPS * MT * kLdc * 4;      // bytes of the epilogue
   static constexpr int kBytes = (kA + kB) > kC ? (kA + kB) : kC;
 };
 
-template <int MT, int WARPS>
+template <int MT, int WARPS, int CT>
 __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint4* __restrict__ qweight,
                                           const half2* __restrict__ scales_zeros,
                                           const half* __restrict__ bias, half* __restrict__ y,
                                           float* __restrict__ workspace, int* __restrict__ counters,
                                           int M, int N, int K, int group_size, int ktiles_per_split) {
+  using Smem = WmmaSmem<MT, WARPS, CT>;
+  constexpr int kChunkTiles = CT;               // k tiles per chunk
+  constexpr int kChunk = CT * kTile;            // k per chunk
+  constexpr int kLds = Smem::kLds;
   constexpr bool kM8 = MT == 8;
   constexpr int kMFrags = kM8 ? 1 : MT / 16;
   constexpr int kNFrags = kM8 ? 1 : 2;
@@ -103,9 +106,9 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
   constexpr int kXVecs = MT * kChunk / 8;                          // uint4 per x chunk
   constexpr int kXPerThread = (kXVecs + kThreads - 1) / kThreads;
 
-  __shared__ __align__(128) unsigned char smem[WmmaSmem<MT, WARPS>::kBytes];
+  __shared__ __align__(128) unsigned char smem[Smem::kBytes];
   half* sA = reinterpret_cast<half*>(smem);
-  half* sB = reinterpret_cast<half*>(smem + WmmaSmem<MT, WARPS>::kA);
+  half* sB = reinterpret_cast<half*>(smem + Smem::kA);
   float* sC = reinterpret_cast<float*>(smem);
 
   const int lane = threadIdx.x & 31;
@@ -121,7 +124,8 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
   const int k_end = min(ktiles, k_begin + ktiles_per_split);
 
   const uint4* w_tile = qweight + (size_t)(tile_ok ? tile : 0) * ktiles * 32 + lane;
-  const half2* sz_tile = scales_zeros + (size_t)(tile_ok ? tile : 0) * groups * 32 + lane;
+  ScaleCursor scales(scales_zeros + (size_t)(tile_ok ? tile : 0) * groups * 32 + lane, k_begin,
+                     tiles_per_group);
   half* sB_warp = sB + warp * kTile * kLds;
 
   uint4 wv[kChunkTiles];
@@ -134,7 +138,7 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
       const int kt = kc + u;
       if (tile_ok && kt < k_end) {
         wv[u] = load_weights_streaming(w_tile + (size_t)kt * 32);
-        sz[u] = __ldg(sz_tile + (size_t)(kt / tiles_per_group) * 32);
+        sz[u] = scales.next();
       }
     }
 #pragma unroll
@@ -242,18 +246,21 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
 
 }  // namespace onecat
 
-#define ONECAT_WMMA(MT, WARPS)                                                                 \
-  extern "C" __global__ void __launch_bounds__(32 * WARPS) w4a16_wmma_mt##MT##_w##WARPS(     \
+#define ONECAT_WMMA(MT, WARPS, CT)                                                             \
+  extern "C" __global__ void __launch_bounds__(32 * WARPS) w4a16_wmma_mt##MT##_w##WARPS##_c##CT( \
       const half* x, const uint4* qweight, const half2* scales_zeros, const half* bias,       \
       half* y, float* workspace, int* counters, int M, int N, int K, int group_size,          \
       int ktiles_per_split) {                                                                  \
-    onecat::wmma_body<MT, WARPS>(x, qweight, scales_zeros, bias, y, workspace, counters, M, N, \
+    onecat::wmma_body<MT, WARPS, CT>(x, qweight, scales_zeros, bias, y, workspace, counters, M, N, \
                                  K, group_size, ktiles_per_split);                             \
   }
 
-ONECAT_WMMA(8, 4)
-ONECAT_WMMA(8, 8)
-ONECAT_WMMA(16, 4)
-ONECAT_WMMA(16, 8)
-ONECAT_WMMA(32, 4)
-ONECAT_WMMA(64, 4)
+ONECAT_WMMA(8, 4, 2)
+ONECAT_WMMA(8, 4, 4)
+ONECAT_WMMA(8, 8, 2)
+ONECAT_WMMA(16, 4, 2)
+ONECAT_WMMA(16, 4, 4)
+ONECAT_WMMA(16, 8, 2)
+ONECAT_WMMA(32, 4, 2)
+ONECAT_WMMA(32, 4, 4)
+ONECAT_WMMA(64, 4, 2)
