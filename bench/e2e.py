@@ -164,6 +164,37 @@ def timed_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: int, see
     return batch * steps / elapsed
 
 
+def graph_matches_eager(engine: LLMEngine, prompt_len: int, tokens: int = 8) -> dict:
+    """Greedy tokens and first-step logits of one request decoded under CUDA graphs and
+    eagerly: a correctness check of the graph path on the benchmarked model."""
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    prompt = random_prompt(prompt_len, engine.runner.model_config.vocab_size, 4242)
+    runs = []
+    graphs_on = engine.runner.use_graphs
+    for use_graphs in (True, False):
+        engine.runner.use_graphs = use_graphs
+        logits = []
+        run = engine.runner.run
+
+        def spy(scheduled, run=run, logits=logits):
+            seqs, out = run(scheduled)
+            logits.append(out[0].float().clone())
+            return seqs, out
+
+        engine.runner.run = spy
+        engine.add_request(f"check-{use_graphs}", prompt, params)
+        ids = []
+        while engine.has_unfinished_requests():
+            ids += [t for o in engine.step() for t in o.new_token_ids]
+        engine.runner.run = run
+        runs.append((ids, logits[1]))
+    engine.runner.use_graphs = graphs_on
+    return {
+        "graph_eager_same_tokens": runs[0][0] == runs[1][0],
+        "graph_eager_max_logit_diff": (runs[0][1] - runs[1][1]).abs().max().item(),
+    }
+
+
 def timed_prefill(engine: LLMEngine, length: int, repeats: int = 3) -> float:
     """Prefill tokens/s of one ``length``-token prompt (best of ``repeats``)."""
     vocab = engine.runner.model_config.vocab_size
@@ -209,6 +240,8 @@ def bench_onecat(name: str, args, bandwidth: float) -> dict:
         result[f"decode_b{batch}_tok_s"] = timed_decode(engine, batch, args.prompt_len, args.decode_steps, 1000 * batch)
         result[f"decode_b{batch}_wall_s"] = time.perf_counter() - t0
         print(f"  {name} batch {batch}: {result[f'decode_b{batch}_tok_s']:.1f} tok/s", flush=True)
+    if not args.eager:
+        result.update(graph_matches_eager(engine, args.prompt_len))
     result["prefill_tok_s"] = timed_prefill(engine, args.prefill_len)
     result["roofline_fraction_b1"] = result["decode_b1_tok_s"] / result["roofline_tok_s"]
     result["graphs"] = sorted(engine.runner.graphs)
@@ -227,9 +260,14 @@ def bench_transformers(name: str, args) -> dict:
     config_cls = transformers.Qwen3_5MoeTextConfig if name == "35b-a3b" else transformers.Qwen3_5TextConfig
     config = config_cls(**{k: v for k, v in raw.items() if k != "model_type"})
     t0 = time.perf_counter()
-    with torch.device(DEVICE):
-        model_cls = transformers.Qwen3_5MoeForCausalLM if name == "35b-a3b" else transformers.Qwen3_5ForCausalLM
-        model = model_cls(config).to(torch.float16).eval()
+    model_cls = transformers.Qwen3_5MoeForCausalLM if name == "35b-a3b" else transformers.Qwen3_5ForCausalLM
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float16)  # built in fp16 directly (a 27B fp32 model is 108 GB)
+    try:
+        with torch.device(DEVICE):
+            model = model_cls(config).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
     sync()
     build_s = time.perf_counter() - t0
     scale = SHAPES[name]["num_hidden_layers"] / layers

@@ -134,3 +134,24 @@ def drain(engine) -> dict[str, list]:
         for out in engine.step():
             outputs[out.request_id].append(out)
     return outputs
+
+
+def write_text_only_checkpoint(src: Path, out: Path) -> None:
+    """Rewrite the wrapper checkpoint ``src`` in the text-only layout: keys ``model.layers...``,
+    a flat ``qwen3_5*_text`` config, no vision or MTP tensors."""
+    out.mkdir(parents=True)
+    tensors = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        for name, t in load_file(shard).items():
+            if name.startswith(WRAPPER):
+                tensors["model." + name[len(WRAPPER) :]] = t
+            elif name == "lm_head.weight":
+                tensors[name] = t
+    save_file(tensors, out / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    text = dict(config["text_config"])
+    (out / "config.json").write_text(json.dumps(text, indent=2))
+    for side in src.iterdir():
+        if side.is_file() and not side.name.endswith((".safetensors", ".index.json", "config.json")):
+            shutil.copy2(side, out / side.name)
+    shutil.copy2(src / "generation_config.json", out / "generation_config.json")

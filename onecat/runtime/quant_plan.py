@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 from onecat.pack.volta_layout import TILE, fits_layout
 
-ALWAYS_FLOAT = ("lm_head", ".mlp.gate", "shared_expert_gate")
-"""Source linears a default plan keeps in floating point (as AWQ checkpoints do)."""
+ALWAYS_FLOAT = ("lm_head", ".mlp.gate", ".shared_expert_gate")
+"""Name endings of the source linears a default plan keeps in floating point (as AWQ
+checkpoints do): the output head, the MoE router and the shared-expert gate."""
 
 
 @dataclass
@@ -30,7 +31,7 @@ class QuantPlan:
         """Group size of one source linear, None when it is float."""
         if source in self.group_sizes:
             return self.group_sizes[source]
-        if self.default is not None and not any(tag in source for tag in ALWAYS_FLOAT):
+        if self.default is not None and not source.endswith(ALWAYS_FLOAT):
             return self.default
         return None
 

@@ -217,10 +217,11 @@ class ModelRunner:
         seqs = [seq for seq, _ in scheduled]
         self._reset_fresh_slots(seqs)
         decodes = [seq for seq, count in scheduled if count == 1]
+        logits = None
         if self.use_graphs and len(decodes) == len(scheduled) and self._graph_fits(len(decodes)):
             logits = self._run_graph(decodes)
             sampled = decodes
-        else:
+        if logits is None:
             sampled, logits = self._run_eager(scheduled)
         if self.dtype == torch.float16 and not self._overflow_warned and not bool(torch.isfinite(logits).all()):
             self._overflow_warned = True
@@ -269,13 +270,18 @@ class ModelRunner:
             set_context(None)
         return sampled, logits
 
-    def _graph_for(self, batch: int, blocks: int) -> _DecodeGraph:
+    def _graph_for(self, batch: int, blocks: int) -> _DecodeGraph | None:
         bucket = next(b for b in self.graph_batch_sizes if b >= batch)
         max_width = -(-self.max_model_len // self.block_size)
         width = min(_next_power_of_two(max(blocks, MIN_GRAPH_BLOCKS)), _next_power_of_two(max_width))
         key = (bucket, width)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(bucket, width)
+            try:
+                self.graphs[key] = self._capture(bucket, width)
+            except RuntimeError as exc:  # stay correct: decode eagerly from now on
+                logger.warning("CUDA graph capture failed (%s); decoding without graphs", exc)
+                self.use_graphs = False
+                return None
         return self.graphs[key]
 
     def _capture(self, batch: int, width: int) -> _DecodeGraph:
@@ -301,9 +307,11 @@ class ModelRunner:
             set_context(None)
         return graph
 
-    def _run_graph(self, decodes: list[Sequence]) -> torch.Tensor:
+    def _run_graph(self, decodes: list[Sequence]) -> torch.Tensor | None:
         batch = len(decodes)
         graph = self._graph_for(batch, max(len(s.block_table) for s in decodes))
+        if graph is None:
+            return None
         pad = graph.batch - batch  # padding rows point at the scratch block and slot
         positions = [s.num_computed_tokens for s in decodes]
         table = torch.full((graph.batch, graph.width), self.num_blocks, dtype=torch.int64)
