@@ -15,6 +15,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
+pytestmark = pytest.mark.timeout(180)  # a hung server must fail the test, not CI
 
 from onecat.runtime.config import EngineConfig  # noqa: E402
 from onecat.runtime.engine import LLMEngine  # noqa: E402
@@ -196,6 +197,7 @@ def test_completions_text_and_token_prompt(client, server):
 LONG = "word " * (MAX_MODEL_LEN * 2)
 BAD_REQUESTS = {
     "malformed json": (b'{"model": "tiny-qwen3_5", "messages": [', None),
+    "not an object": (b"[1, 2, 3]", None),
     "messages not a list": (json.dumps({"messages": "hello"}), "messages"),
     "max_tokens not an int": (json.dumps({"messages": HELLO, "max_tokens": "many"}), "max_tokens"),
     "temperature negative": (json.dumps({"messages": HELLO, "temperature": -1}), "temperature"),

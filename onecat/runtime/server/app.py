@@ -77,6 +77,8 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return f"the request body is not valid JSON: {detail}".rstrip(": "), None
+    if tuple(first.get("loc", ())) == ("body",):
+        return "the request body must be a JSON object (send Content-Type: application/json)", None
     parts = []
     for err in errors[:3]:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
