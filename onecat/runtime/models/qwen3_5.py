@@ -214,10 +214,9 @@ class GatedDeltaNet(nn.Module):
         if ctx.num_decodes:
             n = ctx.num_decodes
             slots = ctx.decode_state_slots
-            conv_state, rec_state = self._states(slots)
             out, conv_state, rec_state = gated_deltanet_decode(
-                mixed[:n], z[:n], b[:n], a[:n], conv_state, rec_state, self.conv1d.weight,
-                self.A_log, self.dt_bias, self.norm.weight, self.norm.eps, *dims,
+                mixed[:n], z[:n], b[:n], a[:n], self.conv_state, self.recurrent_state, slots,
+                self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps, *dims,
             )
             self._save_states(slots, conv_state, rec_state)
             outputs.append(out)
@@ -262,8 +261,9 @@ def gated_deltanet_decode(
     z: torch.Tensor,
     b: torch.Tensor,
     a: torch.Tensor,
-    conv_state: torch.Tensor,
-    rec_state: torch.Tensor,
+    conv_states: torch.Tensor,
+    rec_states: torch.Tensor,
+    slots: torch.Tensor,
     conv_weight: torch.Tensor,
     A_log: torch.Tensor,
     dt_bias: torch.Tensor,
@@ -275,11 +275,13 @@ def gated_deltanet_decode(
     head_v_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token of ``B`` sequences through the GDN core: conv step, delta-rule step, gated
-    norm. Returns the output ``[B, Hv*dv]`` and the new conv and recurrent states."""
-    conv_out, conv_state = causal_conv1d_step(mixed, conv_state, conv_weight)
+    norm, reading the sequences' states from their ``slots`` of the state buffers. Returns
+    the output ``[B, Hv*dv]`` and the new conv and recurrent states ``[B, ...]`` (the caller
+    writes them back)."""
+    conv_out, conv_state = causal_conv1d_step(mixed, conv_states[slots], conv_weight)
     q, k, v = split_heads(conv_out, num_k_heads, head_k_dim, num_v_heads, head_v_dim)
     g, beta = decay_and_rate(a, b, A_log, dt_bias)
-    out, rec_state = gated_delta_rule_step(q, k, v, g, beta, rec_state)
+    out, rec_state = gated_delta_rule_step(q, k, v, g, beta, rec_states[slots])
     out = gated_rms_norm_math(out, z.reshape(out.shape), norm_weight, eps)
     return out.reshape(out.shape[0], -1), conv_state, rec_state
 
