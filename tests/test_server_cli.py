@@ -57,3 +57,47 @@ def test_serve_flags_follow_vllm(tmp_path):
     assert "127.0.0.1" in help_text and "8000" in help_text and "0.92" in help_text
     missing = runner.invoke(main, ["serve", str(tmp_path / "nope")])
     assert missing.exit_code != 0 and "does not exist" in missing.output
+
+
+def test_serve_command_serves_and_stops_on_ctrl_c(model):
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [
+        sys.executable, "-m", "onecat.cli", "serve", str(model), "--port", str(port),
+        "--device", "cpu", "--max-model-len", "128", "--served-model-name", "tiny",
+        "--api-key", "k", "--log-level", "warning",
+    ]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "onecat serve did not come up"
+            time.sleep(0.2)
+        reply = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": "tiny", "prompt": "def", "max_tokens": 3},
+            headers={"Authorization": "Bearer k"},
+            timeout=30,
+        )
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        assert "serving tiny on http://127.0.0.1:" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
