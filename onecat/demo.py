@@ -54,6 +54,7 @@ def _step(console: Console, timings: dict[str, float], name: str) -> Iterator[No
 def run_demo(out_dir: str | Path = "demo-out", console: Console | None = None) -> DemoResult:
     """Build, quantize, pack, serve and query a tiny Qwen3.5 under ``out_dir``."""
     import openai
+    import transformers
 
     from onecat.pack.writer import pack_checkpoint
     from onecat.quantize.pipeline import quantize_model
@@ -62,6 +63,7 @@ def run_demo(out_dir: str | Path = "demo-out", console: Console | None = None) -
     from onecat.runtime.server.launcher import BackgroundServer
     from onecat.tiny import build_tiny_model
 
+    transformers.logging.set_verbosity_error()  # its "slow reference kernel" notes are noise here
     console = console or Console()
     out = Path(out_dir).resolve()
     model_dir, awq_dir, packed_dir = out / "tiny-qwen3_5", out / "tiny-qwen3_5-awq", out / "tiny-qwen3_5-onecat"
