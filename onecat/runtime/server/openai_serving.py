@@ -28,7 +28,7 @@ from onecat.runtime.server.async_engine import (
     RequestStream,
 )
 from onecat.runtime.server.metrics import ServerMetrics
-from onecat.runtime.server.prompts import chat_token_ids, check_token_ids, text_token_ids
+from onecat.runtime.server.prompts import chat_token_ids, text_token_ids
 from onecat.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 DONE_EVENT = "data: [DONE]\n\n"
@@ -101,8 +101,8 @@ class OpenAIServing:
     async def submit(
         self, prefix: str, req: SamplingFields, prompt_ids: list[int], max_tokens: int
     ) -> Submitted:
-        """Submit to the engine; engine refusals become 400, a full queue 429, a dead engine 503."""
-        model = self.check_model(req.model)
+        """Submit a request whose model was checked; engine refusals become 400, a full queue
+        429, a dead engine 503."""
         params = self.sampling_params(req, max_tokens)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         try:
@@ -113,24 +113,14 @@ class OpenAIServing:
             raise APIError(429, str(exc), type="rate_limit_error", code="queue_full") from exc
         except EngineDeadError as exc:
             raise APIError(503, str(exc), type="server_error", code="engine_unavailable") from exc
-        return Submitted(request_id, stream, int(time.time()), model, req.include_usage())
+        return Submitted(request_id, stream, int(time.time()), self.engine.model_name, req.include_usage())
 
     async def prepare_completion(self, req: CompletionRequest) -> Submitted:
         """Validate, tokenise and submit a /v1/completions request."""
         req.refuse_unsupported()
         self.check_model(req.model)
-        prompt = req.single_prompt()
-        tokenizer = self.engine.tokenizer
-        if isinstance(prompt, str):
-            prompt_ids = text_token_ids(tokenizer, prompt)
-        else:
-            prompt_ids = list(prompt)
-            try:
-                check_token_ids(prompt_ids, len(tokenizer))
-            except OnecatError as exc:
-                raise bad_request(str(exc), param="prompt") from exc
-        if not prompt_ids:
-            raise bad_request("the prompt is empty", param="prompt")
+        prompt = req.single_prompt()  # the engine checks token ids and empty prompts
+        prompt_ids = text_token_ids(self.engine.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
         return await self.submit("cmpl", req, prompt_ids, max_tokens)
 

@@ -48,9 +48,3 @@ def text_token_ids(tokenizer: Any, prompt: str) -> list[int]:
     """Token ids of a plain-text prompt, with the tokenizer's own special tokens (e.g. BOS)."""
     return list(tokenizer.encode(prompt))
 
-
-def check_token_ids(token_ids: list[int], vocab_size: int) -> None:
-    """Raise OnecatError when a token id given by the client is outside the vocabulary."""
-    for token in token_ids:
-        if not 0 <= token < vocab_size:
-            raise OnecatError(f"token id {token} is outside the vocabulary [0, {vocab_size})")
