@@ -1,10 +1,12 @@
 """GPU tests of the W4A16 kernels against an fp64 reference with the kernels' dequant contract.
 
 Run on a GPU (the H200 runs a V100's code with ``ONECAT_KERNEL_ARCH=70``, PTX from
-``ONECAT_KERNEL_DIR``).  Tolerance: every output finite and
-``|y - ref| <= 2e-3 * |ref| + 2e-3 * rms(ref)`` elementwise, where ``ref`` is the fp64 product
-of x with the contract weights ``fp16(q*s + fp16(-z*s))``: fp16 output rounding (<= 2^-11
-relative), fp32 accumulation and the GEMV's fp16 partial sums of 4 products stay well inside.
+``ONECAT_KERNEL_DIR``).  ``ref`` is the fp64 product of x with the contract weights
+``fp16(q*s + fp16(-z*s))``.  Tolerance: every output finite, ``||y - ref|| / ||ref|| <= 1e-3``
+and elementwise ``|y - ref| <= 4e-3 * |ref| + 4e-3 * rms(ref)``.  The budget: fp16 output
+rounding (<= 2^-11 relative) plus the GEMV's fp16 partial sums of 8 products (each hfma2
+rounds to fp16; on a K = 128 row they add up to about 2e-3 of the row's rms, measured on the
+H200); tensor-core and cuBLAS paths accumulate in fp32 and stay near 2e-4.
 Outputs are poisoned with NaN before each run, so an unwritten element fails.
 """
 
@@ -22,7 +24,8 @@ pytestmark = [
 ]
 
 M_VALUES = list(range(1, 18)) + [31, 64, 100, 257, 2048]
-RTOL = 2e-3
+RTOL = 4e-3  # elementwise, relative to |ref| and to rms(ref)
+NORM_RTOL = 1e-3  # whole output, relative norm
 
 
 @pytest.fixture(autouse=True)
@@ -48,9 +51,10 @@ def check_close(y: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     err = (y64 - ref).abs()
     bound = RTOL * ref.abs() + RTOL * rms
     worst = (err - bound).max()
-    assert worst <= 0, (
-        f"{what}: max error {err.max():.3e} exceeds bound; rel norm "
-        f"{(y64 - ref).norm() / ref.norm():.2e}"
+    rel_norm = float((y64 - ref).norm() / ref.norm())
+    assert worst <= 0 and rel_norm <= NORM_RTOL, (
+        f"{what}: max error {err.max():.3e} (bound exceeded by {float(worst):.1e}); "
+        f"rel norm {rel_norm:.2e}"
     )
 
 

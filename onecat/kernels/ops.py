@@ -140,7 +140,7 @@ def w4a16_linear(
 
     Returns:
         float16 ``[..., N]``.  Weights are dequantised as ``fp16(q*s + nzs)`` (one rounding)
-        and products are summed in fp32 (the GEMV forms fp16 partial sums of 4 products).
+        and products are summed in fp32 (the GEMV first forms fp16 partial sums of 8 products).
 
     Raises:
         OnecatError: on a wrong dtype, shape, device, or non-contiguous weights.
