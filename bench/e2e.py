@@ -228,6 +228,7 @@ def bench_onecat(name: str, args, bandwidth: float) -> dict:
     t0 = time.perf_counter()
     engine = LLMEngine.from_model(engine_cfg, model)
     setup_s = time.perf_counter() - t0
+    print(f"  {name}: built in {build_s:.1f} s, engine set up in {setup_s:.1f} s", flush=True)
     result = {
         "model": name, "layers": cfg.num_hidden_layers, "weight_gib": weight_bytes / 2**30,
         "build_s": build_s, "engine_setup_s": setup_s,
@@ -242,7 +243,8 @@ def bench_onecat(name: str, args, bandwidth: float) -> dict:
         print(f"  {name} batch {batch}: {result[f'decode_b{batch}_tok_s']:.1f} tok/s", flush=True)
     if not args.eager:
         result.update(graph_matches_eager(engine, args.prompt_len))
-    result["prefill_tok_s"] = timed_prefill(engine, args.prefill_len)
+    result["prefill_tok_s"] = timed_prefill(engine, args.prefill_len, args.prefill_repeats)
+    print(f"  {name} prefill: {result['prefill_tok_s']:.0f} tok/s", flush=True)
     result["roofline_fraction_b1"] = result["decode_b1_tok_s"] / result["roofline_tok_s"]
     result["graphs"] = sorted(engine.runner.graphs)
     del engine, model
@@ -304,8 +306,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="fewer layers (smoke runs)")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--decode-steps", type=int, default=24)
     parser.add_argument("--prefill-len", type=int, default=2048)
+    parser.add_argument("--prefill-repeats", type=int, default=2)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--kv-blocks", type=int, default=2048)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
@@ -325,12 +328,19 @@ def main() -> None:
         "kernel_target": loader.choose_target(0), "copy_bandwidth_gb_s": bandwidth / 1e9, "runs": [],
     }
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}), flush=True)
+    def save() -> None:
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=2)
+
     for name in args.models.split(","):
         t0 = time.perf_counter()
         ours = bench_onecat(name, args, bandwidth)
         ours["wall_s"] = time.perf_counter() - t0
         print(json.dumps(ours), flush=True)
         entry = {"onecat": ours}
+        report["runs"].append(entry)
+        save()
         if not args.skip_hf:
             t0 = time.perf_counter()
             theirs = bench_transformers(name, args)
@@ -341,10 +351,7 @@ def main() -> None:
             entry["transformers"] = theirs
             entry["speedup_decode_b1"] = ours["decode_b1_tok_s"] / theirs["decode_b1_tok_s"]
             entry["speedup_prefill"] = ours["prefill_tok_s"] / theirs["prefill_tok_s"]
-        report["runs"].append(entry)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(report, f, indent=2)
+            save()
     print(json.dumps(report, indent=2))
 
 
