@@ -37,6 +37,7 @@ class ForwardContext:
     decode_state_slots: torch.Tensor | None = None  # int64 [B]
     prefills: list[PrefillChunk] = field(default_factory=list)
     capturing_graph: bool = False  # CUDA-graph warm-up or capture: no reads of device data on the host
+    decode_kv_mask: torch.Tensor | None = None  # [B, blocks * block_size], filled by the first attention layer
 
 
 _CONTEXT: ForwardContext | None = None

@@ -291,15 +291,16 @@ class ModelRunner:
             scratch_block=self.num_blocks,
             scratch_state=self.num_slots,
         )
-        set_context(graph.context())
         try:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side), fusion.compiling():
                 # warm-up: kernel tuning, loading and compilation happen here, not in capture
                 for _ in range(2):
+                    set_context(graph.context())
                     self.model.compute_logits(self.model(graph.input_ids, graph.positions))
             torch.cuda.current_stream(self.device).wait_stream(side)
+            set_context(graph.context())  # fresh: nothing computed in the warm-up is reused
             with torch.cuda.graph(graph.graph, pool=self.graph_pool), fusion.compiling():
                 graph.logits = self.model.compute_logits(self.model(graph.input_ids, graph.positions))
             self.graph_pool = graph.graph.pool()

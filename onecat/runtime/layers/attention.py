@@ -53,8 +53,10 @@ class PagedAttention(nn.Module):
         batch = q.shape[0]
         group = self.num_heads // self.num_kv_heads
         k, v = self._gather(ctx.decode_block_tables)  # [B, L, kvh, d]
-        length = k.shape[1]
-        valid = torch.arange(length, device=q.device)[None, :] < ctx.decode_context_lens[:, None]
+        if ctx.decode_kv_mask is None:  # the same for every layer of this pass
+            positions = torch.arange(k.shape[1], device=q.device)
+            ctx.decode_kv_mask = positions[None, :] < ctx.decode_context_lens[:, None]
+        valid = ctx.decode_kv_mask
         qg = q.view(batch, self.num_kv_heads, group, self.head_dim)
         out = F.scaled_dot_product_attention(
             qg,
