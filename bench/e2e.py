@@ -31,6 +31,7 @@ import torch
 
 from onecat.runtime.config import EngineConfig
 from onecat.runtime.engine import LLMEngine
+from onecat.runtime.layers import fusion
 from onecat.runtime.layers.linear import Linear
 from onecat.runtime.layers.moe import FusedExperts
 from onecat.runtime.models.config import ModelConfig
@@ -247,6 +248,7 @@ def bench_onecat(name: str, args, bandwidth: float) -> dict:
     print(f"  {name} prefill: {result['prefill_tok_s']:.0f} tok/s", flush=True)
     result["roofline_fraction_b1"] = result["decode_b1_tok_s"] / result["roofline_tok_s"]
     result["graphs"] = sorted(engine.runner.graphs)
+    result["unfused_after_compile_failure"] = sorted(set(fusion.failures))
     del engine, model
     gc.collect()
     torch.cuda.empty_cache()

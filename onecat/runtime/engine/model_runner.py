@@ -278,7 +278,7 @@ class ModelRunner:
         if key not in self.graphs:
             try:
                 self.graphs[key] = self._capture(bucket, width)
-            except RuntimeError as exc:  # stay correct: decode eagerly from now on
+            except Exception as exc:  # stay correct: decode eagerly from now on
                 logger.warning("CUDA graph capture failed (%s); decoding without graphs", exc)
                 self.use_graphs = False
                 return None

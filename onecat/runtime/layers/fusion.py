@@ -22,6 +22,8 @@ import torch
 logger = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable)
 _enabled = False
+failures: list[str] = []
+"""Names of fused functions whose compilation failed (they run unfused)."""
 
 
 @contextlib.contextmanager
@@ -52,6 +54,7 @@ def fused(fn: F) -> F:
                 if torch.cuda.is_current_stream_capturing():
                     raise
                 failed = True
+                failures.append(fn.__name__)
                 logger.warning("torch.compile of %s failed (%s); running it unfused", fn.__name__, exc)
         return fn(*args, **kwargs)
 
