@@ -148,7 +148,12 @@ def tune_shape(
     rows = bucket(m)
     x = torch.randn(rows, k, dtype=torch.float16, device=device)
     options = candidates(rows, n, k, device_index)
-    copies = copies_for(qweight.numel() * 4 + scales_zeros.numel() * 2)
+    # Rotate over weight copies larger than L2, but never take more than a quarter of the free
+    # memory (first-use tuning runs inside a serving process that has filled the GPU).
+    free_bytes, _ = torch.cuda.mem_get_info(device)
+    copies = copies_for(
+        qweight.numel() * 4 + scales_zeros.numel() * 2, min(256 << 20, free_bytes // 4)
+    )
     weights = [(qweight, scales_zeros)] + [
         (qweight.clone(), scales_zeros.clone()) for _ in range(copies - 1)
     ]
