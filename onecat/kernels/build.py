@@ -67,14 +67,21 @@ def cache_dir() -> Path:
 def _nvrtc():
     try:
         from cuda.bindings import nvrtc
-    except ImportError as exc:
-        raise OnecatError(
-            "onecat.kernels needs NVRTC 12 to compile its kernels: install it with "
-            "`pip install 'onecat[cuda]'` (nvidia-cuda-nvrtc-cu12, nvidia-cuda-runtime-cu12, "
-            "cuda-bindings 12), or point ONECAT_KERNEL_DIR at kernels prebuilt by "
-            "`onecat build-kernels`"
-        ) from exc
+    except ImportError:
+        try:  # cuda-python < 12.6 exposed the same module as cuda.nvrtc
+            from cuda import nvrtc
+        except ImportError as exc:
+            raise _missing_nvrtc() from exc
     return nvrtc
+
+
+def _missing_nvrtc() -> OnecatError:
+    return OnecatError(
+        "onecat.kernels needs NVRTC 12 to compile its kernels: install it with "
+        "`pip install 'onecat[cuda]'` (nvidia-cuda-nvrtc-cu12, nvidia-cuda-runtime-cu12, "
+        "cuda-bindings 12), or point ONECAT_KERNEL_DIR at kernels prebuilt by "
+        "`onecat build-kernels`"
+    )
 
 
 def nvrtc_version() -> tuple[int, int]:

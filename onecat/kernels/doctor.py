@@ -111,6 +111,31 @@ def self_test(device_index: int = 0) -> list[Finding]:
     return findings
 
 
+def _ptx_driver_finding(target: str, driver_cuda: tuple[int, int]) -> Finding:
+    """PTX is JIT-compiled by the driver, which must know the PTX version NVRTC wrote."""
+    from onecat.kernels import build
+
+    detail = target + (
+        " (PTX, JIT-compiled by the driver)" if target.startswith("compute_") else ""
+    )
+    if not target.startswith("compute_") or os.environ.get("ONECAT_KERNEL_DIR"):
+        return Finding("kernel target", True, detail)
+    try:
+        nvrtc = build.nvrtc_version()
+    except OnecatError:
+        return Finding("kernel target", True, detail)
+    if driver_cuda < nvrtc:
+        return Finding(
+            "kernel target", False,
+            f"{detail}: NVRTC {nvrtc[0]}.{nvrtc[1]} writes PTX newer than this driver "
+            f"(CUDA {driver_cuda[0]}.{driver_cuda[1]}) can JIT",
+            "update the NVIDIA driver, install an NVRTC no newer than the driver "
+            "(pip install 'nvidia-cuda-nvrtc-cu12==<driver CUDA version>.*'), or unset "
+            "ONECAT_KERNEL_ARCH to load cubins",
+        )  # fmt: skip
+    return Finding("kernel target", True, detail)
+
+
 def _rebuild_fix() -> str:
     if os.environ.get("ONECAT_KERNEL_DIR"):
         return "rebuild the kernels: onecat build-kernels --arch sm_70 --out $ONECAT_KERNEL_DIR"
@@ -149,9 +174,11 @@ def diagnose() -> list[Finding]:
     major, minor = torch.cuda.get_device_capability(0)
     findings.append(_torch_arch_finding(major, minor))
     try:
-        findings.append(Finding("kernel target", True, loader.choose_target(0)))
+        target = loader.choose_target(0)
     except OnecatError as exc:
         findings.append(Finding("kernel target", False, str(exc), "unset ONECAT_KERNEL_ARCH"))
         return findings
+    findings.append(_ptx_driver_finding(target, (dmaj, dmin)))
+
     findings += self_test(0)
     return findings
