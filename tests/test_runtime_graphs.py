@@ -13,8 +13,9 @@ import dataclasses
 
 import pytest
 import torch
-from runtime_helpers import drain, record_logits
+from runtime_helpers import drain, record_logits, write_awq_checkpoint
 
+from onecat.pack.writer import pack_checkpoint
 from onecat.runtime.config import EngineConfig
 from onecat.runtime.engine import LLMEngine, model_runner
 from onecat.runtime.sampling_params import SamplingParams
@@ -64,10 +65,14 @@ def emulate_graphs(monkeypatch, engine: LLMEngine) -> None:
     runner.use_graphs = True
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
-def test_graph_decode_matches_eager(tmp_path, monkeypatch, family):
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe", "qwen3_5_moe-packed"])
+def test_graph_decode_matches_eager(tmp_path, monkeypatch, name):
     torch.set_num_threads(1)
+    family = name.removesuffix("-packed")
     path = build_tiny_model(family, tmp_path / family)
+    if name.endswith("-packed"):  # packed experts: the merged per-token linears of the graph path
+        write_awq_checkpoint(path, tmp_path / "awq")
+        path = pack_checkpoint(tmp_path / "awq", tmp_path / "packed", show_progress=False)
     params = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
     prompts = {f"r{i}": list(range(5 + i, 23 + 5 * i)) for i in range(3)}
     results = []

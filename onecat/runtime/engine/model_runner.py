@@ -12,7 +12,7 @@ CUDA graphs: a batch of decode tokens only runs as a replayed graph, captured on
 for its (batch-size bucket, KV-length bucket): batch sizes 1, 2, 4, 8, 16, 32, ... up to
 ``max_num_seqs``, KV lengths in powers of two of blocks. Padding rows write their key/value
 to a scratch block and their state to a scratch slot. MoE models capture graphs only while
-``batch x top_k <= 64`` (the captured expert path copies the chosen experts' weights); larger
+``batch x top_k <= 256`` (the captured expert path copies the chosen experts' weights); larger
 MoE decode batches run eagerly.
 """
 
@@ -37,7 +37,7 @@ CPU_KV_CACHE_BYTES = 64 << 20
 """KV cache size on CPU unless ``num_kv_blocks`` is given."""
 GRAPH_RESERVE_BYTES = 512 << 20
 """GPU memory kept free for CUDA graph pools and allocator slack."""
-MOE_GRAPH_MAX_PAIRS = 64
+MOE_GRAPH_MAX_PAIRS = 256
 """Largest ``batch x top_k`` a MoE decode graph is captured for."""
 MIN_GRAPH_BLOCKS = 16
 

@@ -8,10 +8,10 @@ Two ways to run them:
 
 - grouped (eager): sort the (token, expert) pairs by expert, read the expert ids on the host
   once, and run each chosen expert on its tokens; every expert's weights are read once;
-- gathered (for CUDA graph capture and its warm-up, where the host cannot see the routing): copy the
-  chosen experts' weights into a buffer with ``index_select`` and run one pair at a time.
-  It moves each chosen expert's bytes three times, so the runner only captures MoE decode
-  graphs for small batches.
+- gathered (for CUDA graph capture and its warm-up, where the host cannot see the routing):
+  copy each token's chosen experts' weights into one merged linear per projection and run
+  two matmuls per token. It moves each chosen expert's bytes three times but launches few
+  kernels, so the runner captures MoE decode graphs only for batches up to 32.
 """
 
 from __future__ import annotations
@@ -131,15 +131,39 @@ class FusedExperts(nn.Module):
             out.index_add_(0, tokens, y)
         return out
 
-    def _forward_gathered(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        num_tokens, top_k = expert_ids.shape
-        flat_ids = expert_ids.flatten()
-        gathered = {
-            name: param.index_select(0, flat_ids) for name, param in self.named_parameters(recurse=False)
+    def _token_weights(self, expert_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per token, its chosen experts' weights merged into one linear each (copies):
+        ``w13`` stacked along N (``[T, k*2I, H]``: all experts see the same input) and ``w2``
+        along K (``[T, H, k*I]``: fed the concatenated, routing-weighted expert activations,
+        it sums the experts' outputs). In the packed layout N is tile dimension 0 and K tile
+        dimension 1 (groups follow K), so both are plain gathers and permutes."""
+        tokens, top_k = expert_ids.shape
+        i, h = self.intermediate_size, self.hidden_size
+        flat = expert_ids.flatten()
+        if not self.is_packed:
+            return {
+                "w13": self.w13.index_select(0, flat).view(tokens, top_k * 2 * i, h),
+                "w2": self.w2[expert_ids].permute(0, 2, 1, 3).reshape(tokens, h, top_k * i),
+            }
+        g = self.group_size
+        w13_q = self.w13_qweight.index_select(0, flat)
+        w13_s = self.w13_scales_zeros.index_select(0, flat)
+        w2_q = self.w2_qweight[expert_ids].permute(0, 2, 1, 3, 4, 5)  # [T, H/32, k, I/32, 32, 4]
+        w2_s = self.w2_scales_zeros[expert_ids].permute(0, 2, 1, 3, 4, 5)
+        return {
+            "w13_qweight": w13_q.view(tokens, top_k * 2 * i // TILE, h // TILE, TILE, 4),
+            "w13_scales_zeros": w13_s.view(tokens, top_k * 2 * i // TILE, h // g, TILE, 2),
+            "w2_qweight": w2_q.reshape(tokens, h // TILE, top_k * i // TILE, TILE, 4),
+            "w2_scales_zeros": w2_s.reshape(tokens, h // TILE, top_k * i // g, TILE, 2),
         }
+
+    def _forward_gathered(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Two matmuls per token over its experts' merged weights (see :meth:`_token_weights`)."""
+        num_tokens, top_k = expert_ids.shape
+        merged = self._token_weights(expert_ids)
         rows = []
-        for pair in range(num_tokens * top_k):
-            token = pair // top_k
-            rows.append(self._expert(x[token : token + 1], gathered, pair))
-        y = torch.cat(rows).view(num_tokens, top_k, -1)
-        return (y * weights[..., None].to(x.dtype)).sum(1)
+        for token in range(num_tokens):
+            gate_up = self._project(x[token : token + 1], merged, "w13", token)  # [1, k*2I]
+            hidden = silu_and_mul(gate_up.view(top_k, -1)) * weights[token, :, None].to(x.dtype)
+            rows.append(self._project(hidden.reshape(1, -1), merged, "w2", token))
+        return torch.cat(rows)
