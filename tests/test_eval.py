@@ -170,10 +170,10 @@ def test_awq_moe_artifact_evaluates_as_its_dequantised_weights(
                 start = 0 if m[3] == "gate" else rows
                 params[f"{m[1]}.gate_up_proj"][int(m[2]), start : start + rows].copy_(weight)
     tokenizer = AutoTokenizer.from_pretrained(tiny_moe)
-    want = reference_ppl(model, tokenizer, text_file.read_text(), 256, 64)
+    want = reference_ppl(model, tokenizer, text_file.read_text(), 128, 64)
 
-    got = ev.evaluate(artifact, str(text_file), tokens=256, ctx=64, show_progress=False)
-    fp = ev.evaluate(tiny_moe, str(text_file), tokens=256, ctx=64, show_progress=False)
+    got = ev.evaluate(artifact, str(text_file), tokens=128, ctx=64, show_progress=False)
+    fp = ev.evaluate(tiny_moe, str(text_file), tokens=128, ctx=64, show_progress=False)
     assert got.ppl == pytest.approx(want, rel=1e-5)
     assert got.ppl != pytest.approx(fp.ppl, rel=1e-4), "quantization changed nothing"
 
@@ -243,3 +243,14 @@ def test_artifact_with_missing_awq_part_is_rejected(tiny_moe: Path, tmp_path: Pa
     save_file(tensors, artifact / "model.safetensors")
     with pytest.raises(OnecatError, match="o_proj has a qweight but no scales"):
         read_awq_float_tensors(artifact)
+
+
+def test_quantizer_rtn_artifact_evaluates(tiny_moe: Path, text_file: Path, tmp_path: Path) -> None:
+    from onecat.quantize.pipeline import quantize_rtn
+
+    artifact = quantize_rtn(tiny_moe, tmp_path / "rtn", group_size=GROUP, show_progress=False)
+    got = ev.evaluate(artifact, str(text_file), tokens=128, ctx=64, show_progress=False)
+    fp = ev.evaluate(tiny_moe, str(text_file), tokens=128, ctx=64, show_progress=False)
+    assert math.isfinite(got.ppl)
+    assert got.ppl != pytest.approx(fp.ppl, rel=1e-4), "the artifact evaluated as the fp model"
+    assert got.ppl == pytest.approx(fp.ppl, rel=0.1)
