@@ -25,19 +25,10 @@ def apply_partial_rope(
 
 
 class PartialRotaryEmbedding(nn.Module):
-    """Rotate the first ``rotary_dim`` features of q and k by position."""
+    """Holds the inverse frequencies of the rotated features (see :func:`apply_partial_rope`)."""
 
     def __init__(self, rotary_dim: int, theta: float) -> None:
         super().__init__()
         self.rotary_dim = rotary_dim
         inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q [T, Hq, D]``, ``k [T, Hk, D]`` at ``positions [T]`` -> rotated (q, k)."""
-        return (
-            apply_partial_rope(positions, q, self.inv_freq, self.rotary_dim),
-            apply_partial_rope(positions, k, self.inv_freq, self.rotary_dim),
-        )
