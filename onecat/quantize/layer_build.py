@@ -68,8 +68,10 @@ class LayerFactory:
             tensors = split_fused_experts(
                 tensors, experts.module, experts.gate_up_proj, experts.down_proj
             )
+        # copy=True: the layer is modified in place (smoothing, clipping), and .to() alone
+        # would alias float32 CPU source tensors, corrupting the caller's originals
         state = {
-            k: (v.to(device=self.device, dtype=self.dtype) if v.is_floating_point() else v.to(self.device))
+            k: v.to(device=self.device, dtype=self.dtype if v.is_floating_point() else v.dtype, copy=True)
             for k, v in tensors.items()
         }
         expected = set(layer.state_dict())

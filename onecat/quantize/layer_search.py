@@ -171,11 +171,10 @@ class LayerQuantizer:
         calibration inputs (None for round-to-nearest without calibration)."""
         start = time.perf_counter()
         rcp = self.recipe
+        source = tensors
         if rcp.experts is not None:
-            src_dtypes = {k: v.dtype for k, v in split_fused_experts(
-                tensors, rcp.experts.module, rcp.experts.gate_up_proj, rcp.experts.down_proj).items()}
-        else:
-            src_dtypes = {k: v.dtype for k, v in tensors.items()}
+            source = split_fused_experts(
+                tensors, rcp.experts.module, rcp.experts.gate_up_proj, rcp.experts.down_proj)
         layer = self.factory.build(index, tensors, where)
         quantized, kept = self.quantized_linears(layer, where)
         modules = dict(layer.named_modules())
@@ -218,7 +217,7 @@ class LayerQuantizer:
         packed = self._quantize(quantized, modules, where)
         if self.awq and hidden is not None:
             report.update(self._layer_error(index, tensors, layer, quantized, hidden[loss_idx], where))
-        out = self._collect(layer, quantized, packed, modified, src_dtypes)
+        out = self._collect(layer, quantized, packed, modified, source)
         report["fp16_kept"] = kept
         report["time_s"] = round(time.perf_counter() - start, 3)
         return LayerOutcome(out, report, next_hidden, kept)
@@ -282,9 +281,9 @@ class LayerQuantizer:
             if self.recipe.skips_clip(name):
                 continue
             key = cap.key_of[name]
-            x = cap.sample(key, self.recipe.clip_tokens).to(self.device)
+            x = cap.sample(key, self.recipe.clip_tokens).to(self.device, torch.float32)
             if key in input_scale:
-                x = x / input_scale[key].to(x.dtype)
+                x = x / input_scale[key]
             w = modules[name].weight
             max_val = search_clip(
                 w.data, x, self.group_size, grid=self.recipe.clip_grid,
@@ -324,19 +323,20 @@ class LayerQuantizer:
         awq = float((self.factory.run(layer, loss_hidden).float() - reference).pow(2).mean())
         return {"output_mse_rtn": rtn, "output_mse_awq": awq}
 
-    def _collect(self, layer, quantized, packed, modified, src_dtypes) -> dict[str, torch.Tensor]:
-        """Output tensors of the layer: packed linears, everything else in its source dtype
-        (tensors changed by smoothing are stored in fp16 when the source was bf16)."""
+    def _collect(self, layer, quantized, packed, modified, source) -> dict[str, torch.Tensor]:
+        """Output tensors of the layer: packed linears; tensors changed by smoothing in their
+        source dtype (fp16 when the source was bf16); every other tensor exactly as in the source."""
         out: dict[str, torch.Tensor] = {}
         quantized_set = set(quantized)
         for name, tensor in layer.state_dict().items():
             module, _, leaf = name.rpartition(".")
             if module in quantized_set:
                 continue
-            dtype = src_dtypes.get(name, tensor.dtype)
-            if module in modified and dtype == torch.bfloat16:
-                dtype = torch.float16
-            out[name] = tensor.detach().to("cpu", dtype).contiguous()
+            if module not in modified:
+                out[name] = source[name].contiguous()
+                continue
+            dtype = source[name].dtype
+            out[name] = tensor.detach().to("cpu", torch.float16 if dtype == torch.bfloat16 else dtype).contiguous()
         for module, parts in packed.items():
             for leaf, t in parts.items():
                 out[f"{module}.{leaf}"] = t.contiguous()
