@@ -34,6 +34,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_PY) -m pip install -q "$(VLLM_SPEC)"
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchcodec torchaudio
 	$(VLLM_PY) -m pip install -q --no-deps -e .
+	$(VLLM_PY) -m pip install -q pytest
 	touch $@
 
 vllm-env: $(VLLM_VENV)/.installed
@@ -44,6 +45,7 @@ demo: venv
 test: venv vllm-env
 	$(PY) -m ruff check onecat tests bench
 	ONECAT_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest -m "not gpu" -q
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider --noconftest tests/test_vllm_layers.py
 
 test-fast: venv
 	$(PY) -m pytest -m "not slow and not gpu" -q
