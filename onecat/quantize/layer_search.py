@@ -8,9 +8,10 @@ Steps for layer i (built by :class:`~onecat.quantize.layer_build.LayerFactory`):
 2. One fp forward over all calibration sequences, in chunks. Hooks accumulate ``mean |x|``
    per input channel for each mapping, keep a strided token sample of every quantized
    linear's input, and keep the scored modules' inputs for the "loss chunk" (evenly spaced
-   whole sequences, about ``loss_tokens`` tokens, run first). MoE experts run on every token
-   (routed outputs only enter the result). The fp outputs feed the next layer (as AutoAWQ
-   does), so a resumed run can recompute them from the source weights bit for bit.
+   whole sequences, about ``loss_tokens`` tokens, run first). Every MoE expert also runs on a
+   token sample spread over all tokens, routed or not (only routed outputs enter the result).
+   The fp outputs feed the next layer (as AutoAWQ does), so a resumed run can recompute them
+   from the source weights bit for bit.
 3. Per mapping: :func:`~onecat.quantize.auto_scale.search_scale`, scored by the MSE of the
    scored module's output (a whole attention / GDN / MLP / MoE block, or a single linear on
    its token sample) against the fp output. Weights are snapshotted with a real clone.
@@ -147,20 +148,13 @@ class LayerQuantizer:
         return resolved, notes
 
     # ---- passes ------------------------------------------------------------------------
-    def _experts(self, layer: nn.Module) -> list[ExpertList]:
-        return [m for m in layer.modules() if isinstance(m, ExpertList)]
-
     @torch.no_grad()
     def propagate(self, layer: nn.Module, hidden: torch.Tensor, loss_tokens: int) -> torch.Tensor:
-        """The fp layer's outputs for all sequences (same chunks and expert mode as calibration)."""
-        for experts in self._experts(layer):
-            experts.all_tokens = True
+        """The fp layer's outputs for all sequences (same chunks as calibration: same bits)."""
         _, chunks = plan_chunks(hidden.shape[0], hidden.shape[1], loss_tokens)
         out = torch.empty_like(hidden)
         for chunk in chunks:
             out[chunk] = self.factory.run(layer, hidden[chunk])
-        for experts in self._experts(layer):
-            experts.all_tokens = False
         return out
 
     @torch.no_grad()
@@ -188,14 +182,10 @@ class LayerQuantizer:
             loss_idx, chunks = plan_chunks(seqs, seqlen, rcp.loss_tokens)
             cap = _Capture(self, layer, mappings, quantized, seqs * seqlen)
             next_hidden = torch.empty_like(hidden)
-            for experts in self._experts(layer):
-                experts.all_tokens = True
             for c, chunk in enumerate(chunks):
                 cap.begin_chunk(chunk, seqlen, loss=(c == 0))
                 next_hidden[chunk] = self.factory.run(layer, hidden[chunk])
             cap.remove()
-            for experts in self._experts(layer):
-                experts.all_tokens = False
             self._check_activations(where, cap, next_hidden, report)
 
             results = [self._search(m, modules, cap, where) for m in mappings]
@@ -364,10 +354,16 @@ class _Capture:
         for name in quantized:
             self.key_of.setdefault(name, name)
         scored_linears = {m.scored for m in mappings if isinstance(modules[m.scored], nn.Linear)}
+        # experts are only called on the sampled rows (ExpertList.calibration_rows): keep all
+        self.experts = [m for m in layer.modules() if isinstance(m, ExpertList)]
+        self.expert_stride = max(1, total_tokens // rcp.clip_tokens)
         self.stride: dict[str, int] = {}
         for key in set(self.key_of.values()):
+            if expert_prefix and key.startswith(expert_prefix):
+                self.stride[key] = 0
+                continue
             want = rcp.clip_tokens
-            if key in scored_linears and not (expert_prefix and key.startswith(expert_prefix)):
+            if key in scored_linears:
                 want = max(want, rcp.loss_tokens)
             self.stride[key] = max(1, total_tokens // want)
         self.scored_linears = scored_linears
@@ -390,6 +386,8 @@ class _Capture:
         seq = torch.tensor(seqs, dtype=torch.int64).unsqueeze(1)
         self.positions = (seq * seqlen + torch.arange(seqlen)).reshape(-1)
         self.loss = loss
+        for experts in self.experts:
+            experts.calibration_rows = (self.positions % self.expert_stride == 0).nonzero().squeeze(1)
 
     def _input_hook(self, key: str):
         def hook(module, args, kwargs):
@@ -404,8 +402,10 @@ class _Capture:
             if not peak == peak:
                 peak = float("inf")
             self.absmax[key] = max(self.absmax.get(key, 0.0), peak)
-            keep = (self.positions % self.stride[key] == 0).nonzero().squeeze(1)
-            self.samples[key].append(flat[keep.to(flat.device)].clone())
+            if self.stride[key]:
+                keep = (self.positions % self.stride[key] == 0).nonzero().squeeze(1)
+                flat = flat[keep.to(flat.device)]
+            self.samples[key].append(flat.clone())
 
         return hook
 
@@ -420,6 +420,8 @@ class _Capture:
         """Detach the hooks and join each token sample into one tensor."""
         for h in self.handles:
             h.remove()
+        for experts in self.experts:
+            experts.calibration_rows = None
         self.samples = {k: torch.cat(v) for k, v in self.samples.items() if v}
 
     def sample(self, key: str, tokens: int) -> torch.Tensor:
