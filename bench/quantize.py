@@ -96,11 +96,29 @@ def _config(family: str, layer_types: list[str]):
     return tf.Qwen3_5MoeConfig(text_config=text), tf.Qwen3_5MoeForConditionalGeneration
 
 
+_NOISE: torch.Tensor | None = None
+_NOISE_SIZE = 1 << 24
+
+
+def _normal_bf16(count: int, std: float, gen: torch.Generator) -> torch.Tensor:
+    """``count`` bf16 values ~ N(0, std^2). On a GPU machine they are drawn there; on a CPU
+    they are windows of one random block at random offsets (drawing billions of fresh
+    normals costs minutes on a small CPU, and the benchmark measures shapes, not values)."""
+    global _NOISE
+    if torch.cuda.is_available():
+        return (torch.randn(count, device="cuda") * std).to(torch.bfloat16).cpu()
+    if _NOISE is None:
+        _NOISE = torch.randn(2 * _NOISE_SIZE, generator=gen).to(torch.bfloat16)
+    out = torch.empty(count, dtype=torch.bfloat16)
+    for start in range(0, count, _NOISE_SIZE):
+        n = min(_NOISE_SIZE, count - start)
+        offset = int(torch.randint(0, _NOISE_SIZE, (1,), generator=gen))
+        out[start : start + n] = _NOISE[offset : offset + n]
+    return out.mul_(std)
+
+
 def _random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     """Random bf16 values of a plausible scale for the tensor ``name``."""
-    out = torch.empty(shape, dtype=torch.bfloat16)
-    flat = out.view(-1)
-    step = 1 << 26
     if name.endswith("A_log"):
         return torch.log(torch.empty(shape).uniform_(1, 16, generator=gen)).to(torch.bfloat16)
     if name.endswith("dt_bias"):
@@ -109,11 +127,10 @@ def _random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> t
         return (1 + 0.1 * torch.randn(shape, generator=gen)).to(torch.bfloat16)
     if "norm" in name:  # (1 + weight) norms
         return (0.1 * torch.randn(shape, generator=gen)).to(torch.bfloat16)
-    std = 0.1 if "conv1d" in name else 0.02
-    for start in range(0, flat.numel(), step):
-        chunk = flat[start : start + step]
-        chunk.copy_(torch.randn(chunk.numel(), generator=gen) * std)
-    return out
+    count = 1
+    for dim in shape:
+        count *= dim
+    return _normal_bf16(count, 0.1 if "conv1d" in name else 0.02, gen).view(shape)
 
 
 def write_synthetic(family: str, layer_types: list[str], out: Path, seed: int = 0) -> Path:
@@ -193,10 +210,18 @@ def truncate(src: Path, num_layers: int, out: Path) -> Path:
 
 
 class PeakRss:
-    """Samples this process's resident set size in a thread; ``peak`` in bytes."""
+    """Samples this process's resident set size (and allocated GPU memory) in a thread.
 
-    def __init__(self, interval: float = 0.02) -> None:
+    ``peak`` is the overall peak in bytes; when ``work_dir`` is given (the quantizer's
+    ``OUT.partial``), ``per_layer`` holds the peaks while layer 0, 1, ... was being
+    quantized (the layer whose shard is not yet written), so growth with depth shows.
+    """
+
+    def __init__(self, work_dir: Path | None = None, interval: float = 0.02) -> None:
         self.peak = 0
+        self.per_layer: dict[int, int] = {}
+        self.per_layer_gpu: dict[int, int] = {}
+        self._work_dir = work_dir
         self._interval = interval
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -209,9 +234,29 @@ class PeakRss:
                     return int(line.split()[1]) * 1024
         return 0
 
+    def _layer_in_progress(self) -> int | None:
+        progress = self._work_dir / "progress.json" if self._work_dir else None
+        if progress is None or not progress.is_file():
+            return None
+        try:
+            return len(json.loads(progress.read_text()).get("layers", {}))
+        except (OSError, ValueError):
+            return None
+
     def _run(self) -> None:
+        tick = 0
+        layer = None
         while not self._stop.is_set():
-            self.peak = max(self.peak, self.current())
+            rss = self.current()
+            self.peak = max(self.peak, rss)
+            if tick % 25 == 0:
+                layer = self._layer_in_progress()
+            if layer is not None:
+                self.per_layer[layer] = max(self.per_layer.get(layer, 0), rss)
+                if torch.cuda.is_initialized():
+                    gpu = torch.cuda.memory_allocated()
+                    self.per_layer_gpu[layer] = max(self.per_layer_gpu.get(layer, 0), gpu)
+            tick += 1
             time.sleep(self._interval)
 
     def __enter__(self) -> PeakRss:
@@ -222,6 +267,10 @@ class PeakRss:
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, self.current())
+
+
+def _gib_list(per_layer: dict[int, int], layers: int) -> list[float | None]:
+    return [round(per_layer[i] / 2**30, 2) if i in per_layer else None for i in range(layers)]
 
 
 def _cpu_seconds() -> float:
@@ -237,7 +286,7 @@ def measure_one(model: Path, out: Path, device: str, samples: int, seqlen: int) 
     cpu_start = _cpu_seconds()
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-    with PeakRss() as rss:
+    with PeakRss(out.with_name(out.name + ".partial")) as rss:
         started = time.perf_counter()
         quantize_model(
             model,
@@ -266,6 +315,10 @@ def measure_one(model: Path, out: Path, device: str, samples: int, seqlen: int) 
         "fixed_s": round(wall - sum(layer_s), 1),
         "rss_start_gib": round(start_rss / 2**30, 2),
         "peak_rss_gib": round(rss.peak / 2**30, 2),
+        "peak_rss_per_layer_gib": _gib_list(rss.per_layer, len(types)),
+        "peak_gpu_sampled_per_layer_gib": _gib_list(rss.per_layer_gpu, len(types))
+        if device.startswith("cuda")
+        else None,
         "ru_maxrss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
         "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
         if device.startswith("cuda")
