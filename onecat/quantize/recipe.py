@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -94,15 +93,15 @@ class Recipe:
 
 
 def recipes_dir() -> Path:
-    """The directory holding the shipped recipes (package data, or the repository's recipes/)."""
-    try:
-        root = resources.files("onecat.recipes")
-        path = Path(str(root))
-        if path.is_dir() and any(path.glob("*.yaml")):
-            return path
-    except (ModuleNotFoundError, TypeError):
-        pass
-    # Editable installs without the package-dir mapping: recipes/ beside the package.
+    """The directory holding the shipped recipes.
+
+    Installed, that is the package data directory ``onecat/recipes``; in the repository
+    ``onecat/recipes`` is a symlink to the top-level ``recipes/`` (used directly as a
+    fallback where symlinks are not checked out).
+    """
+    package_data = Path(__file__).resolve().parents[1] / "recipes"
+    if package_data.is_dir():
+        return package_data
     return Path(__file__).resolve().parents[2] / "recipes"
 
 
