@@ -234,11 +234,34 @@ def _engine_config(artifact: str, served_model_name: str | None = None, **flags:
               help="Requests allowed to wait; beyond it the server answers 429.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
+# --engine vllm: the vLLM plugin's options (onecat.runtime.vllm_plugin, docs/VLLM.md)
+@click.option("--engine", "engine_name", type=click.Choice(["onecat", "vllm"]), default="onecat",
+              show_default=True,
+              help="onecat: the embedded engine. vllm: vLLM's server with onecat's plugin "
+                   "(several GPUs or nodes; docs/VLLM.md).")
+@click.option("--tensor-parallel-size", "-tp", type=int, default=1, show_default=True,
+              help="GPUs per pipeline stage (--engine vllm).")
+@click.option("--pipeline-parallel-size", "-pp", type=int, default=1, show_default=True,
+              help="Pipeline stages (--engine vllm).")
+@click.option("--vllm-arg", "vllm_args", multiple=True, metavar="ARG",
+              help="A flag passed to vLLM verbatim, e.g. --vllm-arg=--enable-expert-parallel "
+                   "(repeatable; --engine vllm).")
 @_friendly
 def serve(artifact: str, host: str, port: int, api_key: str | None, served_model_name: str | None,
-          max_queue_len: int, log_level: str, **engine_flags: Any) -> None:
+          max_queue_len: int, log_level: str, engine_name: str, tensor_parallel_size: int,
+          pipeline_parallel_size: int, vllm_args: tuple[str, ...], **engine_flags: Any) -> None:
     """Serve ARTIFACT (packed, AWQ or fp16/bf16 checkpoint) with an OpenAI-compatible API:
     /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics, /version."""
+    if engine_name == "vllm":
+        from onecat.runtime.vllm_plugin.launcher import serve_from_onecat_flags
+
+        serve_from_onecat_flags(  # replaces this process with vLLM's server
+            artifact, host=host, port=port, api_key=api_key, served_model_name=served_model_name,
+            log_level=log_level, vllm_args=vllm_args, tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size, **engine_flags)
+    if tensor_parallel_size != 1 or pipeline_parallel_size != 1 or vllm_args:
+        raise OnecatError("--tensor-parallel-size, --pipeline-parallel-size and --vllm-arg need "
+                          "--engine vllm (the embedded engine runs on one GPU)")
     from onecat.runtime.engine import LLMEngine
     from onecat.runtime.server.launcher import serve as serve_http
 

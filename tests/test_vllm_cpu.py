@@ -6,7 +6,8 @@ interpreter, through the same launcher as ``onecat serve --engine vllm``. Three 
 the tiny Qwen3.5 dense and MoE models packed by ``onecat pack`` (``quant_method: onecat``),
 and the MoE model's plain AWQ checkpoint repacked while loading (``--quantization
 onecat_awq``, what V100 users get automatically). Greedy outputs are compared with onecat's
-embedded engine on the same weights.
+embedded engine on the same weights. The dense server is started by ``onecat serve
+--engine vllm`` itself, the others by the plugin's launcher function.
 
 vLLM's CPU build needs: Gated DeltaNet linear head dims of 128 (the tiny models here are
 built that way), bf16 activations (its GDN kernel; onecat's engine computes in fp32 on CPU,
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -153,24 +155,44 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@contextmanager
-def vllm_server(python: str, standin: Path, model: Path, log_path: Path, *extra: str):
-    """Run vLLM's OpenAI server on ``model``; yields its base URL once /health answers."""
-    import httpx
+def launcher_argv(python: str, model: Path, port: int, *extra: str) -> list[str]:
+    """vLLM's server through the plugin's launcher (what ``onecat serve --engine vllm`` runs)."""
+    from onecat.runtime.vllm_plugin.launcher import vllm_serve_command
 
-    from onecat.runtime.vllm_plugin.launcher import vllm_environment, vllm_serve_command
-
-    port = free_port()
-    argv = vllm_serve_command(
+    return vllm_serve_command(
         str(model), python=python, port=port, dtype="bfloat16", max_model_len=256,
         max_num_seqs=4, gpu_memory_utilization=0.2, enforce_eager=True,
         served_model_name="tiny", extra_args=["--language-model-only", *extra],
     )
+
+
+def cli_argv(python: str, model: Path, port: int) -> list[str]:
+    """``onecat serve --engine vllm`` itself, run by the vLLM environment's interpreter."""
+    return [
+        python, "-m", "onecat.cli", "serve", str(model), "--engine", "vllm", "--port", str(port),
+        "--max-model-len", "256", "--max-num-seqs", "4", "--gpu-memory-utilization", "0.2",
+        "--enforce-eager", "--served-model-name", "tiny", "--tensor-parallel-size", "1",
+        "--vllm-arg=--dtype=bfloat16", "--vllm-arg=--language-model-only",
+    ]
+
+
+@contextmanager
+def vllm_server(argv_for_port, standin: Path, model: Path, log_path: Path):
+    """Run ``argv_for_port(port)`` (vLLM's OpenAI server on ``model``); yields its base URL
+    once /health answers."""
+    import httpx
+
+    from onecat.runtime.vllm_plugin.launcher import vllm_environment
+
+    port = free_port()
+    argv = argv_for_port(port)
     env = vllm_environment()
     env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(standin))
     started = time.monotonic()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=model)
+        # Own process group: vLLM's engine and worker processes end with it.
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=model,
+                                start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         while True:
@@ -188,11 +210,11 @@ def vllm_server(python: str, standin: Path, model: Path, log_path: Path, *extra:
         print(f"vLLM served {model.name} after {time.monotonic() - started:.0f} s")
         yield base
     finally:
-        proc.terminate()
+        os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
 
 
@@ -269,8 +291,10 @@ def assert_same_greedy(base: str, model: Path) -> None:
 
 @pytest.fixture(scope="module")
 def dense_server(vllm_python, standin_path, artifacts, tmp_path_factory):
+    """The dense artifact served by ``onecat serve --engine vllm``."""
     log = tmp_path_factory.mktemp("logs") / "vllm-dense.log"
-    with vllm_server(vllm_python, standin_path, artifacts["qwen3_5"], log) as base:
+    model = artifacts["qwen3_5"]
+    with vllm_server(lambda port: cli_argv(vllm_python, model, port), standin_path, model, log) as base:
         yield base
 
 
@@ -302,8 +326,10 @@ def test_dense_streams_chat_completion(dense_server):
 
 
 def test_moe_greedy_equals_onecat_engine(vllm_python, standin_path, artifacts, tmp_path):
-    with vllm_server(vllm_python, standin_path, artifacts["qwen3_5_moe"], tmp_path / "moe.log") as base:
-        assert_same_greedy(base, artifacts["qwen3_5_moe"])
+    model = artifacts["qwen3_5_moe"]
+    argv = lambda port: launcher_argv(vllm_python, model, port)  # noqa: E731
+    with vllm_server(argv, standin_path, model, tmp_path / "moe.log") as base:
+        assert_same_greedy(base, model)
 
 
 def test_plain_awq_checkpoint_is_repacked_by_the_plugin(vllm_python, standin_path, artifacts, tmp_path):
@@ -311,6 +337,7 @@ def test_plain_awq_checkpoint_is_repacked_by_the_plugin(vllm_python, standin_pat
     ``onecat_awq`` method, computes what the packed artifact computes."""
     awq = artifacts["qwen3_5_moe-awq"]
     log = tmp_path / "awq.log"
-    with vllm_server(vllm_python, standin_path, awq, log, "--quantization", "onecat_awq") as base:
+    argv = lambda port: launcher_argv(vllm_python, awq, port, "--quantization", "onecat_awq")  # noqa: E731
+    with vllm_server(argv, standin_path, awq, log) as base:
         assert_same_greedy(base, artifacts["qwen3_5_moe"])
     assert "quantization=onecat_awq" in log.read_text()

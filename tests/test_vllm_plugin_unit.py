@@ -266,3 +266,21 @@ def test_launcher_refuses_python_without_vllm(monkeypatch, tmp_path):
         check_vllm_in(str(bare))
     with pytest.raises(OnecatError, match="cannot run /nonexistent/python"):
         check_vllm_in("/nonexistent/python")
+
+
+def test_serve_cli_engine_vllm_errors(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from onecat.cli import main
+
+    monkeypatch.setattr(vllm_version, "installed_vllm_version", lambda: None)
+    monkeypatch.setattr(
+        "onecat.runtime.vllm_plugin.launcher.check_vllm_version", vllm_version.check_vllm_version
+    )
+    runner = CliRunner()
+    result = runner.invoke(main, ["serve", str(tmp_path), "--engine", "vllm", "-tp", "2"])
+    assert result.exit_code == 1 and "vLLM is not installed" in result.output
+    result = runner.invoke(main, ["serve", str(tmp_path), "--engine", "vllm", "--device", "cpu"])
+    assert result.exit_code == 1 and "--device cpu does not apply to --engine vllm" in result.output
+    result = runner.invoke(main, ["serve", str(tmp_path), "--tensor-parallel-size", "2"])
+    assert result.exit_code == 1 and "need --engine vllm" in result.output

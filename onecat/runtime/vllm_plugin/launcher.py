@@ -113,13 +113,38 @@ def check_vllm_in(python: str | None = None) -> str:
     return probe.stdout.strip()
 
 
-def serve_with_vllm(model: str, *, python: str | None = None, **options) -> int:
-    """Check vLLM, then run its OpenAI server on ``model`` until it exits; returns its exit
-    status. ``options`` are :func:`vllm_serve_command`'s keyword arguments."""
+def serve_with_vllm(model: str, *, python: str | None = None, **options) -> None:
+    """Check vLLM, then replace this process with its OpenAI server on ``model`` (so signals
+    and the exit status are vLLM's own). ``options`` are :func:`vllm_serve_command`'s
+    keyword arguments. Returns only by raising OnecatError."""
     check_vllm_in(python)
     argv = vllm_serve_command(model, python=python, **options)
-    print("starting vLLM:", " ".join(argv), file=sys.stderr)
+    print("starting vLLM:", " ".join(argv), file=sys.stderr, flush=True)
     try:
-        return subprocess.call(argv, env=vllm_environment())
-    except KeyboardInterrupt:
-        return 130
+        os.execve(argv[0], argv, vllm_environment())
+    except OSError as exc:
+        raise OnecatError(f"cannot start {argv[0]}: {exc}") from exc
+
+
+def serve_from_onecat_flags(
+    artifact: str,
+    *,
+    device: str = "auto",
+    log_level: str = "info",
+    vllm_args: Sequence[str] = (),
+    **options,
+) -> None:
+    """``onecat serve --engine vllm``: map ``onecat serve``'s flags to vLLM's and run it.
+
+    ``device`` must be ``auto`` or ``cuda`` (vLLM picks GPUs through
+    ``CUDA_VISIBLE_DEVICES``); ``log_level`` becomes ``--uvicorn-log-level``; ``vllm_args``
+    are passed verbatim; ``options`` are :func:`vllm_serve_command`'s keyword arguments.
+    """
+    if device not in ("auto", "cuda"):
+        raise OnecatError(
+            f"--device {device} does not apply to --engine vllm: choose the GPUs with "
+            "CUDA_VISIBLE_DEVICES and their number with --tensor-parallel-size / "
+            "--pipeline-parallel-size"
+        )
+    extra = ["--uvicorn-log-level", log_level, *vllm_args]
+    serve_with_vllm(artifact, extra_args=extra, **options)
