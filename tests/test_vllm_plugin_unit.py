@@ -284,3 +284,13 @@ def test_serve_cli_engine_vllm_errors(tmp_path, monkeypatch):
     assert result.exit_code == 1 and "--device cpu does not apply to --engine vllm" in result.output
     result = runner.invoke(main, ["serve", str(tmp_path), "--tensor-parallel-size", "2"])
     assert result.exit_code == 1 and "need --engine vllm" in result.output
+
+
+def test_moe_checkpoints_are_detected(tmp_path):
+    from onecat.runtime.vllm_plugin.launcher import is_moe_checkpoint
+
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"num_experts": 256}}))
+    assert is_moe_checkpoint(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"hidden_size": 5120}}))
+    assert not is_moe_checkpoint(str(tmp_path))
+    assert not is_moe_checkpoint("Qwen/Qwen3.5-27B")

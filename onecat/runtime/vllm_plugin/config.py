@@ -14,6 +14,7 @@ Which modules are 4-bit is read from the checkpoint's tensors (``quantized_modul
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -82,11 +83,22 @@ class _OnecatConfigBase(QuantizationConfig):
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision=None) -> None:
         """Read which modules are 4-bit from the checkpoint's safetensors headers."""
-        self.quantized = quantized_module_keys(safetensors_tensor_names(model_name))
+        if Path(model_name).is_dir():
+            names = safetensors_tensor_names(model_name)
+        else:  # a hub id: vLLM reads the headers from its cache or the hub
+            from vllm.transformers_utils.config import get_safetensors_params_metadata
+
+            names = list(get_safetensors_params_metadata(model_name, revision=revision))
+        self.quantized = quantized_module_keys(names)
         if not self.quantized:
             raise OnecatError(
                 f"{model_name}: no '.qweight' tensors found, but config.json declares a "
                 f"{self.get_name()} checkpoint; re-run `onecat pack` / `onecat quantize`"
+            )
+        if "lm_head" in self.quantized:
+            raise OnecatError(
+                f"{model_name}: lm_head is 4-bit; the vLLM plugin serves fp16 lm_heads only "
+                "(quantize without lm_head, the recipes' default)"
             )
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):

@@ -11,10 +11,12 @@ unsupported vLLM gives one clear error instead of a traceback from vLLM.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from onecat.errors import OnecatError
 from onecat.runtime.vllm_plugin.version import check_vllm_version
@@ -146,5 +148,23 @@ def serve_from_onecat_flags(
             "CUDA_VISIBLE_DEVICES and their number with --tensor-parallel-size / "
             "--pipeline-parallel-size"
         )
+    if not options.get("enforce_eager") and is_moe_checkpoint(artifact):
+        print(
+            "onecat: MoE checkpoint: adding --enforce-eager (the plugin's MoE method has no "
+            "fast CUDA-graph path yet; docs/VLLM.md)",
+            file=sys.stderr,
+        )
+        options["enforce_eager"] = True
     extra = ["--uvicorn-log-level", log_level, *vllm_args]
     serve_with_vllm(artifact, extra_args=extra, **options)
+
+
+def is_moe_checkpoint(model: str) -> bool:
+    """Whether ``model``'s config.json describes a mixture-of-experts model (False when it
+    cannot be read, e.g. a hub id)."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    text = config.get("text_config", config)
+    return bool(text.get("num_experts") or config.get("num_experts"))
