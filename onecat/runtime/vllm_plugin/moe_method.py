@@ -87,18 +87,19 @@ class _OnecatExpertsBase(FusedMoEMethodBase):
         ids = topk_ids.to(torch.long)
         if layer.expert_map is not None:
             ids = layer.expert_map[ids]  # global -> local expert, -1 when not on this rank
+        weights = topk_weights.to(torch.float32)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self.routed_all_experts(layer, x, weights, ids)
+        return self.routed_by_expert(layer, x, weights, ids)
+
+    def routed_by_expert(self, layer, x, weights, ids) -> torch.Tensor:
+        """Run each expert that received tokens on exactly those tokens (needs the counts on
+        the host: not capturable)."""
         num_tokens, top_k = ids.shape
         flat_ids = ids.reshape(-1)
         token_of = torch.arange(num_tokens, device=x.device).repeat_interleave(top_k)
-        weight_of = topk_weights.reshape(-1).to(torch.float32)
+        weight_of = weights.reshape(-1)
         out = torch.zeros(num_tokens, x.shape[-1], dtype=torch.float32, device=x.device)
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        if capturing:
-            for e in range(layer.w13_qweight.shape[0]):
-                routed = torch.zeros(num_tokens, dtype=torch.float32, device=x.device)
-                routed.index_add_(0, token_of, weight_of * (flat_ids == e))
-                out += self._expert(layer, e, x).to(torch.float32) * routed[:, None]
-            return out.to(x.dtype)
         for e in torch.unique(flat_ids).tolist():
             if e < 0:
                 continue
@@ -106,6 +107,15 @@ class _OnecatExpertsBase(FusedMoEMethodBase):
             tokens = token_of[pairs]
             y = self._expert(layer, e, x.index_select(0, tokens)).to(torch.float32)
             out.index_add_(0, tokens, y * weight_of[pairs, None])
+        return out.to(x.dtype)
+
+    def routed_all_experts(self, layer, x, weights, ids) -> torch.Tensor:
+        """Run every local expert on all tokens, weighting unrouted ones by zero (fixed
+        shapes, so CUDA graphs can capture it; costs E_local expert passes)."""
+        out = torch.zeros(x.shape[0], x.shape[-1], dtype=torch.float32, device=x.device)
+        for e in range(layer.w13_qweight.shape[0]):
+            routed = (weights * (ids == e)).sum(dim=1, keepdim=True)  # [T, 1]
+            out += self._expert(layer, e, x).to(torch.float32) * routed
         return out.to(x.dtype)
 
 
