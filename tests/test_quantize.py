@@ -168,9 +168,16 @@ def test_awq_artifact_reproduces_the_model(tiny, tmp_path: Path, family: str) ->
     report = json.loads((out / REPORT_NAME).read_text())
     assert report["method"] == "awq" and len(report["layers"]) == 4
     assert report["calibration"] == {"source": "builtin:pydoc", "samples": 8, "seqlen": 64}
+    expected_mappings = {"qwen3_5": 3, "qwen3_5_moe": 11, "llama": 3, "qwen3": 3}[family]
     for layer in report["layers"]:
-        assert layer["mappings"] and layer["time_s"] >= 0
+        assert len(layer["mappings"]) == expected_mappings and layer["time_s"] >= 0
         assert all(m["loss_awq"] <= m["loss_rtn"] for m in layer["mappings"])
+        smooths = {m["smooth"]: m for m in layer["mappings"]}
+        if family == "qwen3_5_moe":  # every consumer of the norm, the router included
+            balance = smooths["post_attention_layernorm"]["balance"]
+            assert {"mlp.gate", "mlp.shared_expert_gate", "mlp.experts.7.up_proj"} <= set(balance)
+        if layer["kind"] == "linear_attention":
+            assert "linear_attn.in_proj_a" in smooths["input_layernorm"]["balance"]
 
     ids = eval_ids()
     reference = logits(src, ids)

@@ -80,14 +80,21 @@ def plan_chunks(num_seqs: int, seqlen: int, loss_tokens: int) -> tuple[list[int]
 
 
 def _expand(mapping: Mapping, names: set[str]) -> list[tuple[str, list[str], str, str | None]]:
+    """Bind ``*`` (an expert index): in ``smooth``, one mapping per expert; only in balance
+    names, every expert's module joins the one mapping (sorted by expert index)."""
+    def matches(pattern_name: str) -> list[tuple[int, str]]:
+        pattern = re.compile(re.escape(pattern_name).replace(r"\*", r"(\d+)"))
+        return sorted((int(m.group(1)), n) for n in names if (m := pattern.fullmatch(n)))
+
     if "*" not in mapping.smooth:
-        return [(mapping.smooth, list(mapping.balance), mapping.scored, mapping.gated_query)]
-    pattern = re.compile(re.escape(mapping.smooth).replace(r"\*", r"(\d+)"))
-    found = sorted((int(m.group(1)), n) for n in names if (m := pattern.fullmatch(n)))
+        balance = []
+        for b in mapping.balance:
+            balance += [n for _, n in matches(b)] if "*" in b else [b]
+        return [(mapping.smooth, balance, mapping.scored, mapping.gated_query)]
     return [
         (smooth, [b.replace("*", str(e)) for b in mapping.balance],
          mapping.scored.replace("*", str(e)), mapping.gated_query)
-        for e, smooth in found
+        for e, smooth in matches(mapping.smooth)
     ]
 
 
@@ -132,8 +139,17 @@ class LayerQuantizer:
         resolved, notes = [], []
         for mapping in self.recipe.mappings:
             for smooth, balance, scored, gated in _expand(mapping, set(modules)):
-                if any(n not in modules for n in (smooth, *balance, scored)):
+                missing = [n for n in (smooth, *balance, scored) if n not in modules]
+                if not missing:
+                    pass
+                elif all(b in missing for b in balance):
                     continue  # not this kind of layer (e.g. attention in a GDN layer)
+                else:
+                    raise OnecatError(
+                        f"recipe {self.recipe.path}: mapping {mapping.smooth} -> "
+                        f"{', '.join(mapping.balance)} names modules this layer lacks: "
+                        f"{', '.join(missing)}"
+                    )
                 ks = {modules[b].weight.shape[1] for b in balance}
                 sw = modules[smooth].weight
                 width = sw.shape[0]
