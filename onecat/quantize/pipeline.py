@@ -351,14 +351,14 @@ def _quantize_layers(quantizer: LayerQuantizer, reader: CheckpointReader, layer_
         where = f"{prefix}{i}."
         shard = shard_name(first_shard + i, total_shards)
         done = progress["layers"].get(str(i))
-        tensors = {n[len(where):]: reader.get(n) for n in layer_names[i]}
         if done is not None and (work / shard).is_file():
-            if hidden is not None and i + 1 < num_layers:
-                layer = quantizer.factory.build(i, tensors, where)
+            if hidden is not None and i + 1 < num_layers:  # replay: the next layer's inputs
+                layer = quantizer.factory.build(i, _load_layer(reader, layer_names[i], where), where)
                 hidden = quantizer.propagate(layer, hidden, quantizer.recipe.loss_tokens)
                 del layer
             names = done["tensors"]
         else:
+            tensors = _load_layer(reader, layer_names[i], where)
             outcome = quantizer.quantize_layer(i, tensors, hidden, where)
             write_shard(work / shard, {where + k: v for k, v in outcome.tensors.items()})
             names = sorted(where + k for k in outcome.tensors)
@@ -366,14 +366,18 @@ def _quantize_layers(quantizer: LayerQuantizer, reader: CheckpointReader, layer_
                                           "fp16_kept": [where + n for n in outcome.fp16_kept]}
             write_json(progress_path, progress)
             hidden = outcome.next_hidden
-            del outcome
-        del tensors
+            del outcome, tensors
         weight_map.update({n: shard for n in names})
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
     return weight_map
+
+
+def _load_layer(reader: CheckpointReader, names: list[str], where: str) -> dict[str, torch.Tensor]:
+    """The source tensors of one layer, keyed by layer-relative names."""
+    return {n[len(where):]: reader.get(n) for n in names}
 
 
 def _progress_bar(total: int, show: bool, label: str):
