@@ -11,7 +11,9 @@ for bit the same) and goes on; the artifact equals an uninterrupted run's (only 
 wall-clock times in the report differ). The work directory is renamed to OUT at the end.
 
 Choices: the next layer is fed the fp layer's outputs (as AutoAWQ does); calibration
-computes in float32 on CPU and float16 on CUDA; unquantized tensors keep their source
+computes in float32 on CPU and on CUDA alike (Qwen activations can exceed the fp16 range,
+which would turn a float16 calibration into inf; float32 on a GPU still takes seconds per
+layer, and values beyond fp16 are reported per layer); unquantized tensors keep their source
 dtype, except tensors changed by smoothing, which are stored as float16 when the source is
 bfloat16; :func:`quantize_rtn` is plain round-to-nearest (no calibration) for comparisons.
 """
@@ -239,7 +241,7 @@ def _run(model, out, *, awq, recipe, calib, samples, seqlen, group_size, device,
     calib = calib or rcp.calib_source
     samples = samples or rcp.calib_samples
     seqlen = seqlen or rcp.calib_seqlen
-    dtype = torch.float32 if dev.type == "cpu" else torch.float16
+    dtype = torch.float32  # see the module docstring
 
     from transformers import AutoConfig
 
