@@ -235,9 +235,8 @@ class LayerQuantizer:
         bad = [n for n, v in peak.items() if not v < float("inf")]
         if bad:
             raise OnecatError(
-                f"{where}: activations are not finite ({', '.join(bad[:4])}) in "
-                f"{self.dtype} on {self.device}; this layer overflows the compute dtype: "
-                f"quantize on --device cpu (float32)"
+                f"{where}: activations are not finite ({', '.join(bad[:4])}) in {self.dtype}; "
+                f"the checkpoint's weights (or the calibration text) drive this layer to inf/NaN"
             )
         over = {n: v for n, v in peak.items() if v > FP16_MAX}
         report["max_abs_activation"] = max(peak.values())
