@@ -363,3 +363,18 @@ def test_folding_scales_preserves_the_layer(tiny, family: str, norm_style: str) 
         fold_into_balance([layer.mlp.down_proj], s2)
         after = factory.run(layer, x)
     assert torch.allclose(before, after, rtol=1e-4, atol=1e-5)
+
+
+def test_non_finite_activations_are_named(tiny, tmp_path: Path) -> None:
+    from onecat.errors import OnecatError
+
+    src = tmp_path / "nan"
+    shutil.copytree(tiny("llama"), src)
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = src / index["model.layers.0.self_attn.o_proj.weight"]
+    tensors = load_file(shard)
+    tensors["model.layers.0.self_attn.o_proj.weight"][:] = float("nan")
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(OnecatError, match=r"model\.layers\.0\.: activations are not finite"):
+        quantize_model(src, tmp_path / "awq", **CALIB)
+    assert not (tmp_path / "awq").exists() and not (tmp_path / "awq.partial").exists()
