@@ -7,7 +7,8 @@ the tiny Qwen3.5 dense and MoE models packed by ``onecat pack`` (``quant_method:
 and the MoE model's plain AWQ checkpoint repacked while loading (``--quantization
 onecat_awq``, what V100 users get automatically). Greedy outputs are compared with onecat's
 embedded engine on the same weights. The dense server is started by ``onecat serve
---engine vllm`` itself, the others by the plugin's launcher function.
+--engine vllm`` itself, the others by the plugin's launcher function; the dense and the AWQ
+servers run tensor-parallel over two CPU workers (vLLM's real sharding and all-reduce).
 
 vLLM's CPU build needs: Gated DeltaNet linear head dims of 128 (the tiny models here are
 built that way), bf16 activations (its GDN kernel; onecat's engine computes in fp32 on CPU,
@@ -33,7 +34,11 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 420
-GROUP_SIZE = 64
+GROUP_SIZE = 32
+"""Small enough that the tiny MoE experts (intermediate 64) split over two ranks."""
+CPUS = sorted(os.sched_getaffinity(0))
+TP = 2 if len(CPUS) >= 2 else 1
+"""Tensor parallelism of the dense and the AWQ servers: vLLM's CPU workers, one core each."""
 MAX_TOKENS = 12
 NEAR_TIE_NATS = 0.1
 """Largest logprob gap (in vLLM's bf16 run) at which a differing greedy choice is accepted."""
@@ -155,12 +160,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launcher_argv(python: str, model: Path, port: int, *extra: str) -> list[str]:
+def launcher_argv(python: str, model: Path, port: int, *extra: str, tp: int = 1) -> list[str]:
     """vLLM's server through the plugin's launcher (what ``onecat serve --engine vllm`` runs)."""
     from onecat.runtime.vllm_plugin.launcher import vllm_serve_command
 
     return vllm_serve_command(
         str(model), python=python, port=port, dtype="bfloat16", max_model_len=256,
+        tensor_parallel_size=tp,
         max_num_seqs=4, gpu_memory_utilization=0.2, enforce_eager=True,
         served_model_name="tiny", extra_args=["--language-model-only", *extra],
     )
@@ -171,13 +177,13 @@ def cli_argv(python: str, model: Path, port: int) -> list[str]:
     return [
         python, "-m", "onecat.cli", "serve", str(model), "--engine", "vllm", "--port", str(port),
         "--max-model-len", "256", "--max-num-seqs", "4", "--gpu-memory-utilization", "0.2",
-        "--enforce-eager", "--served-model-name", "tiny", "--tensor-parallel-size", "1",
+        "--enforce-eager", "--served-model-name", "tiny", "--tensor-parallel-size", str(TP),
         "--vllm-arg=--dtype=bfloat16", "--vllm-arg=--language-model-only",
     ]
 
 
 @contextmanager
-def vllm_server(argv_for_port, standin: Path, model: Path, log_path: Path):
+def vllm_server(argv_for_port, standin: Path, model: Path, log_path: Path, tp: int = 1):
     """Run ``argv_for_port(port)`` (vLLM's OpenAI server on ``model``); yields its base URL
     once /health answers."""
     import httpx
@@ -188,6 +194,8 @@ def vllm_server(argv_for_port, standin: Path, model: Path, log_path: Path):
     argv = argv_for_port(port)
     env = vllm_environment()
     env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(standin))
+    if tp > 1:  # one core per CPU worker (vLLM refuses to guess with one NUMA node)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cpu) for cpu in CPUS[:tp])
     started = time.monotonic()
     with open(log_path, "w") as log:
         # Own process group: vLLM's engine and worker processes end with it.
@@ -291,10 +299,11 @@ def assert_same_greedy(base: str, model: Path) -> None:
 
 @pytest.fixture(scope="module")
 def dense_server(vllm_python, standin_path, artifacts, tmp_path_factory):
-    """The dense artifact served by ``onecat serve --engine vllm``."""
+    """The dense artifact served by ``onecat serve --engine vllm -tp 2``."""
     log = tmp_path_factory.mktemp("logs") / "vllm-dense.log"
     model = artifacts["qwen3_5"]
-    with vllm_server(lambda port: cli_argv(vllm_python, model, port), standin_path, model, log) as base:
+    argv = lambda port: cli_argv(vllm_python, model, port)  # noqa: E731
+    with vllm_server(argv, standin_path, model, log, tp=TP) as base:
         yield base
 
 
@@ -334,10 +343,12 @@ def test_moe_greedy_equals_onecat_engine(vllm_python, standin_path, artifacts, t
 
 def test_plain_awq_checkpoint_is_repacked_by_the_plugin(vllm_python, standin_path, artifacts, tmp_path):
     """The AWQ checkpoint ``onecat pack`` started from, loaded by vLLM with the plugin's
-    ``onecat_awq`` method, computes what the packed artifact computes."""
+    ``onecat_awq`` method (sharded as AWQ over two ranks, repacked per rank), computes what
+    the packed artifact computes."""
     awq = artifacts["qwen3_5_moe-awq"]
     log = tmp_path / "awq.log"
-    argv = lambda port: launcher_argv(vllm_python, awq, port, "--quantization", "onecat_awq")  # noqa: E731
-    with vllm_server(argv, standin_path, awq, log) as base:
+    argv = lambda port: launcher_argv(vllm_python, awq, port, "--quantization", "onecat_awq", tp=TP)  # noqa: E731
+    with vllm_server(argv, standin_path, awq, log, tp=TP) as base:
         assert_same_greedy(base, artifacts["qwen3_5_moe"])
-    assert "quantization=onecat_awq" in log.read_text()
+    text = log.read_text()
+    assert "quantization=onecat_awq" in text and f"tensor_parallel_size={TP}," in text
