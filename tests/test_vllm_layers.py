@@ -244,3 +244,46 @@ def test_moe_loader_and_experts(world):
             h = torch.nn.functional.silu(x[t].float() @ parts["gate_proj"].t()) * (x[t].float() @ parts["up_proj"].t())
             expected[t] += topk_weights[t, j] * (h @ parts["down_proj"].t())
     assert torch.allclose(total, expected, rtol=2e-2, atol=2e-2)
+
+
+def test_awq_slice_outside_the_layout_runs_dequantised(tensor_parallel):
+    """An AWQ linear whose N is not a multiple of 32 (e.g. a 48-head in_proj_b) stays usable."""
+    from onecat.runtime.vllm_plugin.awq_repack import dequantize_awq
+
+    tensor_parallel(0, 1)
+    ints = random_ints(48, 256, G, 9)
+    config = make_config("awq", ["linear_attn.in_proj_b"])
+    with set_current_vllm_config(VllmConfig()):
+        layer = vllm_linear.ColumnParallelLinear(256, 48, bias=False, quant_config=config,
+                                                 prefix="model.layers.0.linear_attn.in_proj_b")
+    awq = checkpoint_tensors("awq", ints)
+    load(layer, "in_proj_b", awq)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.onecat_dense and not hasattr(layer, "qweight")
+    x = torch.randn(2, 256)
+    expected = x @ dequantize_awq(awq["qweight"], awq["qzeros"], awq["scales"], torch.float32).t()
+    assert torch.allclose(layer.quant_method.apply(layer, x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_config_validation_and_awq_override(monkeypatch):
+    from onecat.runtime.vllm_plugin import config as plugin_config
+
+    good = {"quant_method": "onecat", "format": "volta-w4", "format_version": 1, "bits": 4,
+            "group_size": 128}
+    assert OnecatConfig.from_config(good).group_size == 128
+    for change, message in ((("format_version", 2), "re-pack"), (("bits", 8), "4-bit"),
+                            (("group_size", 100), "multiple of 32")):
+        with pytest.raises(OnecatError, match=message):
+            OnecatConfig.from_config({**good, change[0]: change[1]})
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+    assert OnecatAwqConfig.from_config(awq).group_size == 128
+    with pytest.raises(OnecatError, match="GEMM checkpoints with zero points"):
+        OnecatAwqConfig.from_config({**awq, "version": "gemv"})
+    # claimed on sm_70 (or by name), left to vLLM elsewhere
+    override = OnecatAwqConfig.override_quantization_method
+    assert override(awq, None) is None  # this CPU
+    assert override(awq, "onecat_awq") == "onecat_awq"
+    monkeypatch.setattr(plugin_config, "_is_sm70", lambda: True)
+    assert override(awq, None) == "onecat_awq" and override(awq, "awq") == "onecat_awq"
+    assert override(awq, "gptq") is None and override({"quant_method": "gptq"}, None) is None
+    assert OnecatConfig.get_min_capability() == 70
