@@ -20,7 +20,10 @@ from typing import Any
 import torch
 from vllm.model_executor.layers.fused_moe import RoutedExperts
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
-from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.layers.quantization.base_config import (
+    QuantizationConfig,
+    QuantizeMethodBase,
+)
 from vllm.platforms import current_platform
 
 from onecat.errors import OnecatError
@@ -101,7 +104,7 @@ class _OnecatConfigBase(QuantizationConfig):
                 "(quantize without lm_head, the recipes' default)"
             )
 
-    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         """The onecat method for 4-bit linears and experts, vLLM's fp16 one otherwise."""
         if self.quantized is None:
             raise OnecatError(

@@ -25,7 +25,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
+from vllm.model_executor.layers.fused_moe import FusedMoEConfig, FusedMoEMethodBase
 
 from onecat.errors import OnecatError
 from onecat.pack.volta_layout import TILE
@@ -53,18 +53,22 @@ def _register(layer: torch.nn.Module, name: str, data: torch.Tensor, attrs: dict
 class _OnecatExpertsBase(FusedMoEMethodBase):
     """Shared ``apply``: per-expert W4A16 calls on the Volta-layout expert weights."""
 
-    def __init__(self, moe, group_size: int, prefix: str = "") -> None:
+    def __init__(self, moe: FusedMoEConfig | None, group_size: int, prefix: str = "") -> None:
         super().__init__(moe)
         self.group_size = group_size
         self.prefix = prefix
 
     def maybe_roundup_sizes(
-        self, hidden_size, intermediate_size_per_partition, act_dtype, moe_parallel_config
-    ):
+        self,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        act_dtype: torch.dtype,
+        moe_parallel_config: object,
+    ) -> tuple[int, int]:
         """The Volta layout needs the true sizes: never pad them."""
         return hidden_size, intermediate_size_per_partition
 
-    def get_fused_moe_quant_config(self, layer):
+    def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> None:
         """No fused-MoE kernel is involved."""
         return None
 
@@ -76,13 +80,21 @@ class _OnecatExpertsBase(FusedMoEMethodBase):
                 f"weights applied to the output (Qwen3.5), got activation {activation!r}"
             )
 
-    def _expert(self, layer, e: int, x: torch.Tensor) -> torch.Tensor:
+    def _expert(self, layer: torch.nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
         g = self.group_size
         h = volta_linear(x, layer.w13_qweight[e], layer.w13_scales_zeros[e], g)
         gate, up = h.chunk(2, dim=-1)
         return volta_linear(F.silu(gate) * up, layer.w2_qweight[e], layer.w2_scales_zeros[e], g)
 
-    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+    def apply(
+        self,
+        layer: torch.nn.Module,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared_experts: torch.nn.Module | None,
+        shared_experts_input: torch.Tensor | None,
+    ) -> torch.Tensor:
         """Routed experts' output ``[T, H]`` (vLLM adds the shared expert and all-reduces)."""
         ids = topk_ids.to(torch.long)
         if layer.expert_map is not None:
@@ -92,7 +104,9 @@ class _OnecatExpertsBase(FusedMoEMethodBase):
             return self.routed_all_experts(layer, x, weights, ids)
         return self.routed_by_expert(layer, x, weights, ids)
 
-    def routed_by_expert(self, layer, x, weights, ids) -> torch.Tensor:
+    def routed_by_expert(
+        self, layer: torch.nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
         """Run each expert that received tokens on exactly those tokens (needs the counts on
         the host: not capturable)."""
         num_tokens, top_k = ids.shape
@@ -109,7 +123,9 @@ class _OnecatExpertsBase(FusedMoEMethodBase):
             out.index_add_(0, tokens, y * weight_of[pairs, None])
         return out.to(x.dtype)
 
-    def routed_all_experts(self, layer, x, weights, ids) -> torch.Tensor:
+    def routed_all_experts(
+        self, layer: torch.nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
         """Run every local expert on all tokens, weighting unrouted ones by zero (fixed
         shapes, so CUDA graphs can capture it; costs E_local expert passes)."""
         out = torch.zeros(x.shape[0], x.shape[-1], dtype=torch.float32, device=x.device)
@@ -124,7 +140,7 @@ class OnecatMoEMethod(_OnecatExpertsBase):
 
     def create_weights(
         self,
-        layer,
+        layer: torch.nn.Module,
         num_experts: int,
         hidden_size: int,
         intermediate_size_per_partition: int,
@@ -163,7 +179,7 @@ class OnecatMoEMethod(_OnecatExpertsBase):
 
     def _load_expert(
         self,
-        layer,
+        layer: torch.nn.Module,
         param: torch.nn.Parameter,
         loaded_weight: torch.Tensor,
         weight_name: str,
@@ -195,7 +211,7 @@ class OnecatMoEMethod(_OnecatExpertsBase):
         dest.copy_(part)
         return True if return_success else None
 
-    def process_weights_after_loading(self, layer) -> None:
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Check the activation; make the parameters plain and contiguous."""
         self._check_activation(layer)
         for name in ("w13_qweight", "w13_scales_zeros", "w2_qweight", "w2_scales_zeros"):
@@ -207,7 +223,7 @@ class OnecatAwqMoEMethod(_OnecatExpertsBase):
 
     def create_weights(
         self,
-        layer,
+        layer: torch.nn.Module,
         num_experts: int,
         hidden_size: int,
         intermediate_size_per_partition: int,
@@ -231,7 +247,7 @@ class OnecatAwqMoEMethod(_OnecatExpertsBase):
         _register(layer, "w2_qzeros", torch.empty(e, i_p // g, h // f, dtype=torch.int32), attrs)
         _register(layer, "w2_scales", torch.empty(e, i_p // g, h, dtype=torch.float16), attrs)
 
-    def process_weights_after_loading(self, layer) -> None:
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Repack every local expert's gate/up and down to the Volta layout."""
         self._check_activation(layer)
         for stem in ("w13", "w2"):
