@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import resource
 import time
 from pathlib import Path
 
@@ -78,6 +79,11 @@ def smollm2_fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def test_awq_closes_the_round_to_nearest_gap(
     jargon_text: str, smollm2_fp32: Path, tmp_path: Path
 ) -> None:
@@ -114,6 +120,7 @@ def test_awq_closes_the_round_to_nearest_gap(
         "gap_closed": round(closed, 4),
         "awq_quantize_seconds": round(awq_seconds, 1),
         "total_seconds": round(time.perf_counter() - started, 1),
+        "process_cpu_seconds": round(_cpu_seconds(), 1),
     }
     report = tmp_path / "quality_smollm2.json"
     report.write_text(json.dumps(numbers, indent=2))
