@@ -97,10 +97,13 @@ def _text_kwargs(family: str, vocab_size: int, num_layers: int) -> dict:
     return common
 
 
-def _build_model(family: str, vocab_size: int, num_layers: int, eos_id: int):
+def _build_model(
+    family: str, vocab_size: int, num_layers: int, eos_id: int, overrides: dict | None
+):
     import transformers as tf
 
     kwargs = _text_kwargs(family, vocab_size, num_layers)
+    kwargs.update(overrides or {})
     if family == "qwen3_5":
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=128)
         config = tf.Qwen3_5Config(text_config=kwargs, vision_config=vision)
@@ -202,12 +205,13 @@ def build_tiny_model(
     dtype: torch.dtype = torch.bfloat16,
     max_shard_size: str = "1MB",
     fused_experts: bool = True,
+    config_overrides: dict | None = None,
 ) -> Path:
     """Write a tiny random checkpoint of ``family`` (with tokenizer) to ``out_dir``.
 
     The checkpoint is sharded (several safetensors files and an index) like real ones; MoE
     experts are stored fused (3-D) like the official Qwen3.5-35B-A3B unless ``fused_experts``
-    is False.
+    is False. ``config_overrides`` replaces entries of the (text) config, e.g. wider heads.
     Returns the directory.
     """
     from transformers import AutoTokenizer
@@ -220,7 +224,9 @@ def build_tiny_model(
     tokenizer = AutoTokenizer.from_pretrained(out)
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
-    model = _build_model(family, len(tokenizer), num_layers, tokenizer.eos_token_id)
+    model = _build_model(
+        family, len(tokenizer), num_layers, tokenizer.eos_token_id, config_overrides
+    )
     _perturb_norms(model, generator)
     model = model.to(dtype)
     model.save_pretrained(out, max_shard_size=max_shard_size)

@@ -117,18 +117,15 @@ def standin_path(tmp_path_factory) -> Path:
 
 def build_vllm_cpu_tiny(family: str, out: Path) -> Path:
     """A tiny Qwen3.5 checkpoint whose GDN head dims (128) vLLM's CPU kernel accepts."""
-    import onecat.tiny as tiny
+    from onecat.tiny import build_tiny_model
 
-    original = tiny._text_kwargs
-
-    def with_cpu_gdn_head_dims(*args, **kwargs):
-        text = original(*args, **kwargs)
-        text.update(linear_key_head_dim=128, linear_value_head_dim=128)
-        return text
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(tiny, "_text_kwargs", with_cpu_gdn_head_dims)
-        return tiny.build_tiny_model(family, out, fused_experts=False, max_shard_size="2MB")
+    return build_tiny_model(
+        family,
+        out,
+        fused_experts=False,
+        max_shard_size="2MB",
+        config_overrides={"linear_key_head_dim": 128, "linear_value_head_dim": 128},
+    )
 
 
 @pytest.fixture(scope="module")
