@@ -14,7 +14,8 @@ class EngineConfig:
     means the model's ``max_position_embeddings`` limited by what the KV cache can hold.
     ``max_num_batched_tokens`` is the per-step token budget (prompts are prefilled in chunks
     of at most that many tokens). ``num_kv_blocks`` overrides the KV cache size (on CPU the
-    default is a fixed byte budget). ``enforce_eager`` turns CUDA graphs off.
+    default is a fixed byte budget). ``enforce_eager`` turns CUDA graphs off. ``tensor_parallel_size`` N > 1 splits the model
+    over N GPUs of this host (or N CPU processes), see ``onecat.runtime.distributed``.
     """
 
     model: str
@@ -27,3 +28,4 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     enforce_eager: bool = False
     served_model_name: str | None = None
+    tensor_parallel_size: int = 1

@@ -5,11 +5,12 @@ Single-threaded: one thread calls every method (the server runs it in a loop thr
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +25,9 @@ from onecat.runtime.errors import RequestError
 from onecat.runtime.layers.sampler import Sampler
 from onecat.runtime.models.qwen3_5 import Qwen3_5ForCausalLM
 from onecat.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from onecat.runtime.distributed.executor import ModelFactory, TensorParallelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -66,17 +70,19 @@ class LLMEngine:
         """Load ``config.model`` (fp16 on a GPU, fp32 on CPU) and its tokenizer."""
         from transformers import AutoTokenizer
 
-        from onecat.runtime.loader import load_model
+        from onecat.runtime.distributed.executor import create_runner
+        from onecat.runtime.distributed.sharding import check_shardable, load_model_shard
 
         device = resolve_device(config.device)
         dtype = torch.float16 if device.type == "cuda" else torch.float32
         path = Path(config.model)
-        model = load_model(path, device, dtype)
+        check_shardable(path, config.tensor_parallel_size)  # before any worker starts
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
         except Exception as exc:
             raise OnecatError(f"{path}: cannot load the tokenizer ({exc}); copy the tokenizer files next to config.json") from None
-        self._setup(config, model, tokenizer, _generation_eos(path))
+        runner = create_runner(config, functools.partial(load_model_shard, path), device, dtype)
+        self._setup(config, runner, tokenizer, _generation_eos(path))
 
     @classmethod
     def from_model(
@@ -85,14 +91,33 @@ class LLMEngine:
         """An engine over an already built model (benchmarks build random packed models);
         without a tokenizer outputs carry token ids and empty text."""
         engine = cls.__new__(cls)
-        engine._setup(config, model, tokenizer, [])
+        engine._setup(config, ModelRunner(config, model), tokenizer, [])
         return engine
 
-    def _setup(self, config: EngineConfig, model: Qwen3_5ForCausalLM, tokenizer: Any | None, eos: list[int]) -> None:
+    @classmethod
+    def from_factory(cls, config: EngineConfig, factory: ModelFactory, tokenizer: Any | None = None) -> LLMEngine:
+        """An engine whose model ``factory(device, dtype)`` builds (in every rank when
+        ``config.tensor_parallel_size`` > 1: a picklable callable returning that rank's
+        shard; benchmarks build random tensor-parallel models this way)."""
+        from onecat.runtime.distributed.executor import create_runner
+
+        device = resolve_device(config.device)
+        dtype = torch.float16 if device.type == "cuda" else torch.float32
+        engine = cls.__new__(cls)
+        engine._setup(config, create_runner(config, factory, device, dtype), tokenizer, [])
+        return engine
+
+    def close(self) -> None:
+        """Stop tensor-parallel worker processes (nothing to do on one device)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
+    def _setup(self, config: EngineConfig, runner: ModelRunner | TensorParallelRunner, tokenizer: Any | None, eos: list[int]) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.model_name = config.served_model_name or Path(config.model).name
-        self.runner = ModelRunner(config, model)
+        self.runner = runner
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, config.kv_block_size)
         self.slots = StateSlotPool(self.runner.num_slots)
@@ -100,7 +125,7 @@ class LLMEngine:
             self.block_manager, self.slots, self.runner.num_slots, config.max_num_batched_tokens
         )
         self.sampler = Sampler()
-        eos_ids = set(model.config.eos_token_ids) | set(eos)
+        eos_ids = set(runner.model_config.eos_token_ids) | set(eos)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos_ids.add(tokenizer.eos_token_id)
         self.eos_token_ids = eos_ids

@@ -26,6 +26,7 @@ import torch
 from onecat.errors import OnecatError
 from onecat.runtime.config import EngineConfig
 from onecat.runtime.context import ForwardContext, PrefillChunk, set_context
+from onecat.runtime.distributed.parallel_state import min_over_ranks
 from onecat.runtime.engine.sequence import Sequence
 from onecat.runtime.layers import fusion
 from onecat.runtime.layers.attention import PagedAttention
@@ -90,6 +91,7 @@ class ModelRunner:
         self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
         wanted_len = config.max_model_len or self.model_config.max_position_embeddings
         self.num_blocks, self.num_slots = self._plan_memory(config, wanted_len)
+        self.num_blocks, self.num_slots = min_over_ranks(self.num_blocks, self.num_slots)  # TP: all agree
         capacity = self.num_blocks * self.block_size
         if config.max_model_len and config.max_model_len > capacity:
             raise OnecatError(

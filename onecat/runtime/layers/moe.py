@@ -121,7 +121,7 @@ class FusedExperts(nn.Module):
         params = dict(self.named_parameters(recurse=False))
         out = torch.zeros_like(x)
         start = 0
-        for expert, count in enumerate(counts):
+        for expert, count in enumerate(counts[: self.num_experts]):  # ids beyond: other ranks' experts
             if count == 0:
                 continue
             pairs = order[start : start + count]

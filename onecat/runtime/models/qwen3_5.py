@@ -16,12 +16,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from onecat.runtime.context import get_context
+from onecat.runtime.distributed.parallel_state import all_reduce
 from onecat.runtime.layers.attention import PagedAttention
 from onecat.runtime.layers.causal_conv import causal_conv1d_chunk, causal_conv1d_step
 from onecat.runtime.layers.delta_rule import gated_delta_rule_chunked, gated_delta_rule_step
+from onecat.runtime.layers.expert_parallel import routed_experts
 from onecat.runtime.layers.fusion import fused
 from onecat.runtime.layers.linear import Linear
-from onecat.runtime.layers.moe import FusedExperts, silu_and_mul
+from onecat.runtime.layers.moe import silu_and_mul
 from onecat.runtime.layers.norm import (
     GatedRMSNorm,
     RMSNorm,
@@ -332,7 +334,7 @@ class SparseMoE(nn.Module):
         group = plan.group_size(expert_sources, [cfg.moe_intermediate_size], hidden)
         if group is not None and plan.group_size(expert_sources, [hidden], cfg.moe_intermediate_size) is None:
             group = None
-        self.experts = FusedExperts(
+        self.experts = routed_experts(
             cfg.num_experts, hidden, cfg.moe_intermediate_size, group_size=group, dtype=dtype
         )
         self.experts.prefix = f"{prefix}.experts"
@@ -376,10 +378,10 @@ class DecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
-        h = mixer(positions, h)
+        h = all_reduce(mixer(positions, h))  # tensor parallel: sum the ranks' row-parallel parts
         norm = self.post_attention_layernorm
         h, residual = add_rms_norm(h, residual, norm.weight, norm.eps)
-        return self.mlp(h), residual
+        return all_reduce(self.mlp(h)), residual
 
 
 class Qwen3_5Model(nn.Module):

@@ -1,0 +1,215 @@
+"""The processes of a tensor-parallel engine and the runner rank 0 drives them with.
+
+Rank 0 is the engine's own process: it owns the scheduler, runs its shard of the model and
+samples. Ranks 1..N-1 are worker processes (``torch.multiprocessing``, spawn) started by
+:class:`TensorParallelRunner`; each joins the process group, builds its shard with the
+same model factory, and then repeats what rank 0 does: for every
+:meth:`TensorParallelRunner.run` rank 0 pickles the step (the scheduled sequences, reduced
+to what the model runner reads: the pending token ids -- the tokens rank 0 sampled last
+step --, positions, block tables, state slots) once and writes it to each worker's pipe,
+then runs its own shard. Each rank's :class:`~onecat.runtime.engine.model_runner.ModelRunner`
+builds the same batch, captures the same CUDA graphs and joins the same all-reduces; the
+collectives keep the ranks in step. The workers' logits are dropped.
+
+Messages are ``(method, args)`` tuples; ``("exit", ())`` stops a worker. A worker that fails
+while loading sends its traceback back and rank 0 raises it as an OnecatError.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import pickle
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from onecat.errors import OnecatError
+from onecat.runtime.config import EngineConfig
+from onecat.runtime.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from onecat.runtime.engine.model_runner import ModelRunner
+from onecat.runtime.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+ModelFactory = Callable[[torch.device, torch.dtype], Any]
+"""Builds this rank's model shard on a device (called in every rank after the group is up)."""
+STARTUP_TIMEOUT_S = 1800.0
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank ``rank``'s device: ``cuda:rank`` on GPUs, the CPU otherwise."""
+    return torch.device("cuda", rank) if device.type == "cuda" else torch.device("cpu")
+
+
+class TokenWindow:
+    """The token ids of one sequence from position ``start`` on, indexed by position."""
+
+    __slots__ = ("start", "ids")
+
+    def __init__(self, start: int, ids: list[int]) -> None:
+        self.start, self.ids = start, ids
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            return self.ids[index.start - self.start : index.stop - self.start]
+        return self.ids[index - self.start]
+
+
+class ShippedSequence:
+    """What a worker's model runner reads of a scheduled :class:`Sequence`."""
+
+    __slots__ = ("num_computed_tokens", "num_tokens", "token_ids", "block_table", "state_slot", "fresh_slot")
+
+    def __init__(self, seq: Sequence, count: int) -> None:
+        start = seq.num_computed_tokens
+        self.num_computed_tokens, self.num_tokens = start, seq.num_tokens
+        self.token_ids = TokenWindow(start, seq.token_ids[start : start + count])
+        self.block_table, self.state_slot, self.fresh_slot = seq.block_table, seq.state_slot, seq.fresh_slot
+
+    def __getstate__(self) -> tuple:
+        window = self.token_ids
+        return (self.num_computed_tokens, self.num_tokens, window.start, window.ids,
+                self.block_table, self.state_slot, self.fresh_slot)
+
+    def __setstate__(self, state: tuple) -> None:
+        (self.num_computed_tokens, self.num_tokens, start, ids,
+         self.block_table, self.state_slot, self.fresh_slot) = state
+        self.token_ids = TokenWindow(start, ids)
+
+
+def _worker_main(
+    rank: int,
+    world_size: int,
+    init_method: str,
+    config: EngineConfig,
+    factory: ModelFactory,
+    device_type: str,
+    dtype: torch.dtype,
+    calls: Any,
+    replies: Any,
+) -> None:
+    """A worker rank: join the group, build the shard, then run what rank 0 sends."""
+    device = rank_device(torch.device(device_type), rank)
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        init_tensor_parallel(rank, world_size, init_method, device)
+        model = factory(device, dtype)
+    except BaseException as exc:  # report, not hang: rank 0 is waiting for this reply
+        replies.send(("error", f"rank {rank}: {exc}\n{traceback.format_exc()}"))
+        os._exit(1)
+    replies.send(("loaded", None))
+    try:
+        runner = ModelRunner(config, model)
+        while True:
+            method, args = pickle.loads(calls.recv_bytes())
+            if method == "exit":
+                break
+            getattr(runner, method)(*args)
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)  # no process-group teardown: NCCL teardown after graph capture can hang
+
+
+class TensorParallelRunner:
+    """Rank 0's model runner of a tensor-parallel engine (same interface as ModelRunner:
+    ``run``, ``num_blocks``, ``num_slots``, ``max_model_len``, ``model_config``, ...)."""
+
+    def __init__(self, config: EngineConfig, factory: ModelFactory, device: torch.device, dtype: torch.dtype) -> None:
+        world = config.tensor_parallel_size
+        if device.type == "cuda" and torch.cuda.device_count() < world:
+            raise OnecatError(
+                f"--tensor-parallel-size {world} needs {world} GPUs; torch sees "
+                f"{torch.cuda.device_count()} (check CUDA_VISIBLE_DEVICES)"
+            )
+        self._rendezvous = Path(tempfile.mkdtemp(prefix="onecat-tp-"))
+        init_method = f"file://{self._rendezvous / 'store'}"
+        ctx = mp.get_context("spawn")
+        self._calls, self._replies, self._workers = [], [], []
+        self._closed = False
+        for rank in range(1, world):
+            call_recv, call_send = ctx.Pipe(duplex=False)
+            reply_recv, reply_send = ctx.Pipe(duplex=False)
+            process = ctx.Process(
+                target=_worker_main,
+                args=(rank, world, init_method, config, factory, device.type, dtype, call_recv, reply_send),
+                name=f"onecat-tp-rank{rank}",
+            )
+            process.start()
+            self._calls.append(call_send)
+            self._replies.append(reply_recv)
+            self._workers.append(process)
+        atexit.register(self.close)
+        try:
+            init_tensor_parallel(0, world, init_method, rank_device(device, 0))
+            model = factory(rank_device(device, 0), dtype)
+            self._wait_loaded()
+            self.local = ModelRunner(config, model)
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_loaded(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        for rank, (reply, process) in enumerate(zip(self._replies, self._workers, strict=True), start=1):
+            while not reply.poll(0.1):
+                if not process.is_alive():
+                    raise OnecatError(f"tensor-parallel worker rank {rank} exited ({process.exitcode}) while loading")
+                if time.monotonic() > deadline:
+                    raise OnecatError(f"tensor-parallel worker rank {rank} did not load in {STARTUP_TIMEOUT_S:.0f} s")
+            status, message = reply.recv()
+            if status == "error":
+                raise OnecatError(f"tensor-parallel worker failed while loading the model: {message}")
+
+    def _send(self, method: str, *args: Any) -> None:
+        payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        for conn in self._calls:
+            conn.send_bytes(payload)
+
+    def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
+        """Ship the step to the workers, run rank 0's shard; returns what ModelRunner.run does."""
+        self._send("run", [(ShippedSequence(seq, count), count) for seq, count in scheduled])
+        return self.local.run(scheduled)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "local":  # not built (yet)
+            raise AttributeError(name)
+        return getattr(self.local, name)
+
+    def close(self) -> None:
+        """Stop the workers and leave the process group (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for conn in self._calls:
+            try:
+                conn.send_bytes(pickle.dumps(("exit", ())))
+            except OSError:
+                pass
+        for process in self._workers:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        destroy_tensor_parallel()
+        shutil.rmtree(self._rendezvous, ignore_errors=True)
+
+
+def create_runner(
+    config: EngineConfig, factory: ModelFactory, device: torch.device, dtype: torch.dtype
+) -> ModelRunner | TensorParallelRunner:
+    """A ModelRunner over ``factory(device, dtype)``, or, for ``tensor_parallel_size`` > 1,
+    a :class:`TensorParallelRunner` that starts the worker ranks."""
+    if config.tensor_parallel_size == 1:
+        return ModelRunner(config, factory(device, dtype))
+    return TensorParallelRunner(config, factory, device, dtype)

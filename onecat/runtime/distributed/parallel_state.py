@@ -1,0 +1,72 @@
+"""This process's tensor-parallel rank and the collectives the model calls.
+
+Rank 0 is the engine's process (scheduler, sampling); ranks 1..N-1 are worker processes
+(``executor``). At size 1 (the default, nothing initialised) every function here is a
+no-op, so single-GPU code pays nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_rank = 0
+_world_size = 1
+_device = torch.device("cpu")
+logger = logging.getLogger(__name__)
+
+
+def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: torch.device) -> None:
+    """Join the process group of ``world_size`` ranks (NCCL for CUDA devices, gloo on CPU)."""
+    global _rank, _world_size, _device
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(minutes=30)
+    )
+    _rank, _world_size, _device = rank, world_size, device
+
+
+def destroy_tensor_parallel() -> None:
+    """Leave the process group (back to size 1)."""
+    global _rank, _world_size
+    if dist.is_initialized():
+        # NCCL teardown after CUDA graph capture can hang (pytorch#115388): bounded wait
+        done = threading.Thread(target=dist.destroy_process_group, daemon=True)
+        done.start()
+        done.join(timeout=30)
+        if done.is_alive():
+            logger.warning("the tensor-parallel process group did not shut down within 30 s")
+    _rank, _world_size = 0, 1
+
+
+def tp_rank() -> int:
+    """This process's rank (0 without tensor parallelism)."""
+    return _rank
+
+
+def tp_size() -> int:
+    """Number of tensor-parallel ranks (1 without tensor parallelism)."""
+    return _world_size
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over the ranks in place (the one collective after each attention / GDN
+    mixer and each MLP / MoE block); returns ``x``. Capturable in CUDA graphs (NCCL)."""
+    if _world_size > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def min_over_ranks(*values: int) -> tuple[int, ...]:
+    """The element-wise minimum of ``values`` over all ranks (e.g. KV blocks every rank fits)."""
+    if _world_size == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.int64, device=_device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return tuple(int(v) for v in t.tolist())
