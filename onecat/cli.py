@@ -211,6 +211,9 @@ def _engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--gpu-memory-utilization", type=float, default=0.92, show_default=True,
                      help="Fraction of GPU memory for weights, activations and the KV cache."),
         click.option("--enforce-eager", is_flag=True, help="Do not capture CUDA graphs."),
+        click.option("--tensor-parallel-size", "-tp", type=int, default=1, show_default=True,
+                     help="GPUs of this host to split the model over (per pipeline stage with "
+                          "--engine vllm)."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -239,8 +242,6 @@ def _engine_config(artifact: str, served_model_name: str | None = None, **flags:
               show_default=True,
               help="onecat: the embedded engine. vllm: vLLM's server with onecat's plugin "
                    "(several GPUs or nodes; docs/VLLM.md).")
-@click.option("--tensor-parallel-size", "-tp", type=int, default=1, show_default=True,
-              help="GPUs per pipeline stage (--engine vllm).")
 @click.option("--pipeline-parallel-size", "-pp", type=int, default=1, show_default=True,
               help="Pipeline stages (--engine vllm).")
 @click.option("--vllm-arg", "vllm_args", multiple=True, metavar="ARG",
@@ -259,13 +260,14 @@ def serve(artifact: str, host: str, port: int, api_key: str | None, served_model
             artifact, host=host, port=port, api_key=api_key, served_model_name=served_model_name,
             log_level=log_level, vllm_args=vllm_args, tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size, **engine_flags)
-    if tensor_parallel_size != 1 or pipeline_parallel_size != 1 or vllm_args:
-        raise OnecatError("--tensor-parallel-size, --pipeline-parallel-size and --vllm-arg need "
-                          "--engine vllm (the embedded engine runs on one GPU)")
+    if pipeline_parallel_size != 1 or vllm_args:
+        raise OnecatError("--pipeline-parallel-size and --vllm-arg need --engine vllm (the "
+                          "embedded engine splits a model over the GPUs of one host only)")
     from onecat.runtime.engine import LLMEngine
     from onecat.runtime.server.launcher import serve as serve_http
 
-    engine = LLMEngine(_engine_config(artifact, served_model_name, **engine_flags))
+    engine = LLMEngine(_engine_config(artifact, served_model_name,
+                                      tensor_parallel_size=tensor_parallel_size, **engine_flags))
     click.secho(f"serving {engine.model_name} on http://{host}:{port}/v1 "
                 f"(max_model_len {engine.max_model_len})", fg="green", err=True)
     serve_http(engine, host=host, port=port, api_key=api_key, max_queue_len=max_queue_len,
