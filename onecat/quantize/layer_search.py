@@ -258,6 +258,8 @@ class LayerQuantizer:
         scored = modules[m.scored]
         args, kwargs = cap.scored_inputs(m.scored)
         reference = _first(scored(*args, **kwargs)).float()
+        if m.owner not in cap.abs_sum:
+            raise OnecatError(f"{where}{m.owner}: received no calibration tokens in the forward pass")
         x_mean = (cap.abs_sum[m.owner] / cap.count[m.owner]).to(self.device)
         w_mean = weight_mean(originals, g).to(self.device)
 
@@ -286,6 +288,8 @@ class LayerQuantizer:
             if self.recipe.skips_clip(name):
                 continue
             key = cap.key_of[name]
+            if key not in cap.samples:
+                continue  # never called during calibration: plain round-to-nearest
             x = cap.sample(key, self.recipe.clip_tokens).to(self.device, torch.float32)
             if key in input_scale:
                 x = x / input_scale[key]
