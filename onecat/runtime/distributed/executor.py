@@ -11,7 +11,8 @@ then runs its own shard. Each rank's :class:`~onecat.runtime.engine.model_runner
 builds the same batch, captures the same CUDA graphs and joins the same all-reduces; the
 collectives keep the ranks in step. The workers' logits are dropped.
 
-Messages are ``(method, args)`` tuples; ``("exit", ())`` stops a worker. A worker that fails
+Messages are ``(method, args)`` tuples: ``("run", (scheduled,))``, ``("call", (fn, *args))``
+(:meth:`TensorParallelRunner.call_all`), ``("exit", ())``. A worker that fails
 while loading sends its traceback back and rank 0 raises it as an OnecatError.
 """
 
@@ -114,7 +115,10 @@ def _worker_main(
             method, args = pickle.loads(calls.recv_bytes())
             if method == "exit":
                 break
-            getattr(runner, method)(*args)
+            if method == "call":
+                args[0](runner, *args[1:])
+            else:
+                getattr(runner, method)(*args)
     except BaseException:
         traceback.print_exc()
         os._exit(1)
@@ -180,6 +184,13 @@ class TensorParallelRunner:
         """Ship the step to the workers, run rank 0's shard; returns what ModelRunner.run does."""
         self._send("run", [(ShippedSequence(seq, count), count) for seq, count in scheduled])
         return self.local.run(scheduled)
+
+    def call_all(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(runner, *args)`` on every rank with that rank's ModelRunner (``fn`` must
+        be picklable: a module-level function); returns rank 0's result. For benchmarks and
+        diagnostics, e.g. to profile or re-capture graphs on all ranks at once."""
+        self._send("call", fn, *args)
+        return fn(self.local, *args)
 
     def __getattr__(self, name: str) -> Any:
         if name == "local":  # not built (yet)

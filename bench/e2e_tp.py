@@ -1,0 +1,182 @@
+"""Tensor-parallel decode speed of onecat's runtime: TP 1 against TP N on one host (GPU).
+
+Builds the Qwen3.5-shaped model of ``bench/e2e.py`` (its ``text_config`` and
+``fill_random``: random 4-bit packed weights drawn on the GPU, group 128, no checkpoint);
+at TP N every rank builds its own shard (``shard_config``) with random values, which does
+not change the speed. Through the engine (scheduler, paged KV, CUDA graphs, sampling on
+rank 0) it measures, per tensor-parallel size:
+
+- decode tokens/s at the given batch sizes (128-token prompts, as bench/e2e.py),
+- the all-reduce share of a decode step, two ways:
+  (a) NCCL kernel time per step on rank 0 (``torch.profiler`` over CUDA-graph replays)
+      over the step time measured without the profiler;
+  (b) removal: the same decode with every all-reduce replaced by a no-op on every rank
+      (graphs re-captured; numbers are wrong, the work is the same), share = 1 - t_noop / t.
+
+    NCCL_NVLS_ENABLE=0 ONECAT_KERNEL_DIR=.ptx ONECAT_KERNEL_ARCH=70 \\
+        python bench/e2e_tp.py --tp 1,2 --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import time
+
+import e2e  # bench/e2e.py: model shapes, random weights, decode timing
+import torch
+
+from onecat.runtime.config import EngineConfig
+from onecat.runtime.distributed.parallel_state import tp_rank, tp_size
+from onecat.runtime.distributed.sharding import shard_config
+from onecat.runtime.engine import LLMEngine
+from onecat.runtime.models.config import ModelConfig
+from onecat.runtime.models.qwen3_5 import Qwen3_5ForCausalLM
+from onecat.runtime.quant_plan import QuantPlan
+from onecat.runtime.sampling_params import SamplingParams
+
+
+def build_shard(raw: dict, device: torch.device, dtype: torch.dtype) -> Qwen3_5ForCausalLM:
+    """This rank's shard of the random packed model of config ``raw`` (every rank calls it)."""
+    cfg = ModelConfig.from_dict(raw)
+    if tp_size() > 1:
+        cfg = shard_config(cfg, tp_size())
+    with torch.device(device):
+        model = Qwen3_5ForCausalLM(cfg, QuantPlan(default=e2e.GROUP), dtype)
+    e2e.fill_random(model, seed=tp_rank())
+    return model
+
+
+def drop_collectives(runner) -> None:
+    """On one rank: make the all-reduces no-ops and forget the captured graphs."""
+    import onecat.runtime.models.qwen3_5 as qwen3_5
+
+    qwen3_5.all_reduce = lambda x: x
+    runner.graphs.clear()
+
+
+def nccl_ms_per_step(engine: LLMEngine, steps: int) -> float | None:
+    """NCCL kernel milliseconds per decode step on rank 0 (torch.profiler; None if it saw none)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        e2e.sync()
+    total_us = 0.0
+    for event in prof.key_averages():
+        if "nccl" in event.key.lower():
+            total_us += getattr(event, "device_time_total", 0.0) or getattr(event, "cuda_time_total", 0.0)
+    return total_us / 1e3 / steps if total_us else None
+
+
+def decode(engine: LLMEngine, batch: int, args, tag: str, profile: bool) -> dict:
+    """Decode ``batch`` sequences: tok/s over ``args.decode_steps`` steps, then (``profile``)
+    NCCL time per step over as many profiled steps."""
+    extra = args.decode_steps if profile else 0
+    params = SamplingParams(max_tokens=args.decode_steps + extra + 4, temperature=0.0, ignore_eos=True)
+    vocab = engine.runner.model_config.vocab_size
+    for i in range(batch):
+        engine.add_request(f"{tag}-{batch}-{i}", e2e.random_prompt(args.prompt_len, vocab, 1000 * batch + i), params)
+    while engine.num_waiting() or any(s.num_pending_tokens > 1 for s in engine.scheduler.running):
+        engine.step()
+    engine.step()  # capture this bucket's graph
+    engine.step()
+    e2e.sync()
+    start = time.perf_counter()
+    for _ in range(args.decode_steps):
+        engine.step()
+    e2e.sync()
+    step_s = (time.perf_counter() - start) / args.decode_steps
+    result = {f"decode_b{batch}_tok_s": batch / step_s, f"step_ms_b{batch}": step_s * 1e3}
+    if profile:
+        try:
+            ms = nccl_ms_per_step(engine, extra)
+        except Exception as exc:  # the profiler is a diagnostic: keep the timing
+            ms, result[f"profiler_error_b{batch}"] = None, str(exc)
+        result[f"nccl_ms_per_step_b{batch}"] = ms
+        result[f"allreduce_share_profiler_b{batch}"] = None if ms is None else ms / (step_s * 1e3)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return result
+
+
+def bench_tp(raw: dict, tp: int, args) -> dict:
+    config = EngineConfig(
+        model=f"random-{args.model}-tp{tp}", device=args.device, max_num_seqs=max(args.batches),
+        max_model_len=1024, max_num_batched_tokens=args.prefill_len, num_kv_blocks=args.kv_blocks,
+        tensor_parallel_size=tp,
+    )
+    t0 = time.perf_counter()
+    engine = LLMEngine.from_factory(config, functools.partial(build_shard, raw))
+    result = {"tp": tp, "engine_setup_s": time.perf_counter() - t0}
+    print(f"  TP{tp}: engine ready in {result['engine_setup_s']:.1f} s", flush=True)
+    try:
+        for batch in args.batches:
+            result.update(decode(engine, batch, args, "ar", profile=tp > 1))
+            print(f"  TP{tp} batch {batch}: {result[f'decode_b{batch}_tok_s']:.1f} tok/s", flush=True)
+        if tp > 1:
+            engine.runner.call_all(drop_collectives)
+            for batch in args.batches:
+                timing = decode(engine, batch, args, "noar", profile=False)
+                step = result[f"step_ms_b{batch}"]
+                result[f"step_ms_no_allreduce_b{batch}"] = timing[f"step_ms_b{batch}"]
+                result[f"allreduce_share_removal_b{batch}"] = 1 - timing[f"step_ms_b{batch}"] / step
+                print(f"  TP{tp} batch {batch} without all-reduce: {timing[f'decode_b{batch}_tok_s']:.1f} tok/s", flush=True)
+        result["graphs"] = sorted(engine.runner.graphs)
+    finally:
+        engine.close()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="27b", choices=sorted(e2e.SHAPES))
+    parser.add_argument("--layers", type=int, default=None, help="fewer layers than the real model")
+    parser.add_argument("--vocab", type=int, default=None, help="smaller vocabulary (smoke runs)")
+    parser.add_argument("--tp", default="1,2", help="tensor-parallel sizes, in order")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--prefill-len", type=int, default=512, help="per-step token budget")
+    parser.add_argument("--kv-blocks", type=int, default=512)
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",")]
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench/e2e_tp.py needs CUDA GPUs")
+    raw = e2e.text_config(args.model, args.layers)
+    if args.vocab:
+        raw["vocab_size"] = args.vocab
+    cuda = args.device == "cuda"
+    report = {
+        "gpu": torch.cuda.get_device_name(0) if cuda else "cpu", "gpus": torch.cuda.device_count(),
+        "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+        "model": args.model, "vocab": raw["vocab_size"],
+        "layers": raw["num_hidden_layers"], "batches": args.batches, "runs": [],
+    }
+    print(json.dumps({k: v for k, v in report.items() if k != "runs"}), flush=True)
+    for tp in (int(t) for t in args.tp.split(",")):
+        t0 = time.perf_counter()
+        run = bench_tp(raw, tp, args)
+        run["wall_s"] = time.perf_counter() - t0
+        print(json.dumps(run), flush=True)
+        report["runs"].append(run)
+        base = report["runs"][0]
+        for batch in args.batches:
+            run[f"speedup_b{batch}_vs_tp{base['tp']}"] = run[f"decode_b{batch}_tok_s"] / base[f"decode_b{batch}_tok_s"]
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=2)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
