@@ -59,12 +59,12 @@ def checkpoints(tmp_path_factory):
     return paths
 
 
-def run(path, tp: int, device: str = "cpu", factory=None) -> tuple[dict, dict]:
+def run(path, tp: int, device: str = "cpu", factory=None, eager: bool = False) -> tuple[dict, dict]:
     """Greedy outputs and per-token logits of three requests (chunked prefill, batched
     decode) on an engine with ``tp`` ranks (over checkpoint ``path`` or ``factory``)."""
     config = EngineConfig(
         model=str(path), device=device, max_num_batched_tokens=16, kv_block_size=8, num_kv_blocks=64,
-        max_num_seqs=8, max_model_len=256, tensor_parallel_size=tp,
+        max_num_seqs=8, max_model_len=256, tensor_parallel_size=tp, enforce_eager=eager,
     )
     engine = LLMEngine.from_factory(config, factory) if factory else LLMEngine(config)
     try:
@@ -231,9 +231,11 @@ def compare_gpu(name: str, ref: tuple[dict, dict], got: tuple[dict, dict]) -> No
 
 
 @needs_two_gpus
-@pytest.mark.parametrize("name", ["dense-packed", "moe-packed", "moe"])
+@pytest.mark.parametrize("name", ["dense-packed", "moe-packed"])
 def test_tp2_matches_tp1_on_gpus(checkpoints, name):
-    compare_gpu(name, run(checkpoints[name], 1, "cuda"), run(checkpoints[name], 2, "cuda"))
+    """Eager (the full-width test below runs CUDA graphs with the all-reduces captured)."""
+    path = checkpoints[name]
+    compare_gpu(name, run(path, 1, "cuda", eager=True), run(path, 2, "cuda", eager=True))
 
 
 @needs_two_gpus

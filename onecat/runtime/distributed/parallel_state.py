@@ -35,13 +35,18 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: t
 def destroy_tensor_parallel() -> None:
     """Leave the process group (back to size 1)."""
     global _rank, _world_size
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        # ncclCommDestroy after CUDA graph capture can hang (pytorch#115388); abort does not
+        # wait for peers (the workers have exited) and leaves torch ready for a new group
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is not None:
+            abort()
     if dist.is_initialized():
-        # NCCL teardown after CUDA graph capture can hang (pytorch#115388): bounded wait
         done = threading.Thread(target=dist.destroy_process_group, daemon=True)
         done.start()
-        done.join(timeout=30)
+        done.join(timeout=10)
         if done.is_alive():
-            logger.warning("the tensor-parallel process group did not shut down within 30 s")
+            logger.warning("the tensor-parallel process group did not shut down within 10 s")
     _rank, _world_size = 0, 1
 
 
