@@ -66,9 +66,9 @@ def nccl_ms_per_step(engine: LLMEngine, steps: int) -> float | None:
             engine.step()
         e2e.sync()
     total_us = 0.0
-    for event in prof.key_averages():
-        if "nccl" in event.key.lower():
-            total_us += getattr(event, "device_time_total", 0.0) or getattr(event, "cuda_time_total", 0.0)
+    for event in prof.key_averages():  # GPU kernels only (a CPU op's time includes its kernels)
+        if "nccl" in event.key.lower() and "cuda" in str(getattr(event, "device_type", "")).lower():
+            total_us += event.device_time_total
     return total_us / 1e3 / steps if total_us else None
 
 
