@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+KIND_LABELS = {"linear_attention": "GDN", "full_attention": "attention"}
+
 
 def _ratios(layer: dict) -> str:
     ratios = [m["ratio"] for m in layer.get("mappings", [])]
@@ -31,7 +33,7 @@ def print_summary(report: dict, out: Path) -> None:
             gains.append(1 - awq / rtn)
             gain = f"{100 * (1 - awq / rtn):.1f}%"
         table.add_row(
-            str(layer["layer"]), layer["kind"], _ratios(layer), mean_clip,
+            str(layer["layer"]), KIND_LABELS.get(layer["kind"], layer["kind"]), _ratios(layer), mean_clip,
             f"{rtn:.3g}" if rtn is not None else "-", f"{awq:.3g}" if awq is not None else "-",
             gain, f"{layer['time_s']:.1f}",
         )
