@@ -48,7 +48,12 @@ class LayerFactory:
         if key not in self._position_cache:
             position_ids = torch.arange(seqlen, device=self.device).unsqueeze(0).expand(batch, -1)
             probe = torch.empty(1, dtype=self.dtype, device=self.device)
-            self._position_cache[key] = (self.rotary(probe, position_ids), position_ids)
+            rotary_ids = position_ids
+            if hasattr(self.rotary, "mrope_section"):
+                # Multimodal RoPE (Qwen3.5): text positions repeat on its 3 axes. transformers
+                # 5.17 requires the (3, batch, seq) form; later releases also accept 2-D.
+                rotary_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
+            self._position_cache[key] = (self.rotary(probe, rotary_ids), position_ids)
         return self._position_cache[key]
 
     def build(self, index: int, tensors: dict[str, torch.Tensor], where: str) -> nn.Module:
