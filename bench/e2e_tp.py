@@ -76,10 +76,13 @@ def decode(engine: LLMEngine, batch: int, args, tag: str, profile: bool) -> dict
     """Decode ``batch`` sequences: tok/s over ``args.decode_steps`` steps, then (``profile``)
     NCCL time per step over as many profiled steps."""
     extra = args.decode_steps if profile else 0
-    params = SamplingParams(max_tokens=args.decode_steps + extra + 4, temperature=0.0, ignore_eos=True)
+    # prompts prefill a few per step, so the first ones decode meanwhile: no request may
+    # finish inside the timed window (a smaller batch would capture a graph there)
+    params = SamplingParams(max_tokens=4 * (args.decode_steps + extra) + 64, temperature=0.0, ignore_eos=True)
     vocab = engine.runner.model_config.vocab_size
-    for i in range(batch):
-        engine.add_request(f"{tag}-{batch}-{i}", e2e.random_prompt(args.prompt_len, vocab, 1000 * batch + i), params)
+    ids = [f"{tag}-{batch}-{i}" for i in range(batch)]
+    for i, rid in enumerate(ids):
+        engine.add_request(rid, e2e.random_prompt(args.prompt_len, vocab, 1000 * batch + i), params)
     while engine.num_waiting() or any(s.num_pending_tokens > 1 for s in engine.scheduler.running):
         engine.step()
     engine.step()  # capture this bucket's graph
@@ -91,6 +94,7 @@ def decode(engine: LLMEngine, batch: int, args, tag: str, profile: bool) -> dict
     e2e.sync()
     step_s = (time.perf_counter() - start) / args.decode_steps
     result = {f"decode_b{batch}_tok_s": batch / step_s, f"step_ms_b{batch}": step_s * 1e3}
+    print(f"  {tag} batch {batch}: {batch / step_s:.1f} tok/s ({step_s * 1e3:.2f} ms/step)", flush=True)
     if profile:
         try:
             ms = nccl_ms_per_step(engine, extra)
@@ -98,8 +102,10 @@ def decode(engine: LLMEngine, batch: int, args, tag: str, profile: bool) -> dict
             ms, result[f"profiler_error_b{batch}"] = None, str(exc)
         result[f"nccl_ms_per_step_b{batch}"] = ms
         result[f"allreduce_share_profiler_b{batch}"] = None if ms is None else ms / (step_s * 1e3)
-    while engine.has_unfinished_requests():
-        engine.step()
+        print(f"  {tag} batch {batch}: NCCL kernels {ms} ms/step", flush=True)
+    assert all(engine._sequences[rid].num_completion_tokens < params.max_tokens for rid in ids)
+    for rid in ids:
+        engine.abort_request(rid)
     return result
 
 
@@ -115,16 +121,14 @@ def bench_tp(raw: dict, tp: int, args) -> dict:
     print(f"  TP{tp}: engine ready in {result['engine_setup_s']:.1f} s", flush=True)
     try:
         for batch in args.batches:
-            result.update(decode(engine, batch, args, "ar", profile=tp > 1))
-            print(f"  TP{tp} batch {batch}: {result[f'decode_b{batch}_tok_s']:.1f} tok/s", flush=True)
+            result.update(decode(engine, batch, args, f"TP{tp}", profile=tp > 1))
         if tp > 1:
             engine.runner.call_all(drop_collectives)
             for batch in args.batches:
-                timing = decode(engine, batch, args, "noar", profile=False)
+                timing = decode(engine, batch, args, f"TP{tp}-without-all-reduce", profile=False)
                 step = result[f"step_ms_b{batch}"]
                 result[f"step_ms_no_allreduce_b{batch}"] = timing[f"step_ms_b{batch}"]
                 result[f"allreduce_share_removal_b{batch}"] = 1 - timing[f"step_ms_b{batch}"] / step
-                print(f"  TP{tp} batch {batch} without all-reduce: {timing[f'decode_b{batch}_tok_s']:.1f} tok/s", flush=True)
         result["graphs"] = sorted(engine.runner.graphs)
     finally:
         engine.close()
