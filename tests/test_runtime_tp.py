@@ -123,6 +123,10 @@ def test_generate_cli_with_tensor_parallel_size(checkpoints):
 
 
 # --- GPU (NCCL): pytest -m gpu on a host with two or more GPUs ---------------------------
+# NCCL_NVLS_ENABLE=0 ONECAT_KERNEL_DIR=.ptx ONECAT_KERNEL_ARCH=70 TORCHDYNAMO_DISABLE=1 \
+#     python3 -m pytest -m gpu tests/test_runtime_tp.py
+# (TORCHDYNAMO_DISABLE skips compiling the fused decode functions, the slow part of a first
+# graph capture; the graphs, with their all-reduces, are captured all the same.)
 
 def needs_two_gpus(test):
     """Mark ``test`` as a GPU test that needs two GPUs (skipped cleanly otherwise)."""
