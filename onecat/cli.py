@@ -305,6 +305,8 @@ def generate(artifact: str, prompt: str, chat: bool, max_tokens: int, temperatur
         text = engine.generate([request], params)[0]
     except RequestError as exc:
         raise OnecatError(f"{exc} (adjust --prompt, --max-tokens or --max-model-len)") from exc
+    finally:
+        engine.close()  # stops tensor-parallel workers and leaves the process group
     click.echo(text)
     click.secho(f"[{time.perf_counter() - start:.2f} s, {engine.model_name}]", fg="cyan", err=True)
 
