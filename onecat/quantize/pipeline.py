@@ -370,6 +370,7 @@ def _quantize_layers(quantizer: LayerQuantizer, reader: CheckpointReader, layer_
             hidden = outcome.next_hidden
             del outcome, tensors
         weight_map.update({n: shard for n in names})
+        reader.release()
         if bar is not None:
             bar.update(1)
     if bar is not None:

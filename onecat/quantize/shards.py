@@ -72,6 +72,12 @@ class CheckpointReader:
                 ) from exc
         return self._handles[shard]
 
+    def release(self) -> None:
+        """Unmap every open shard. Pages read through an mmap count in the process's RSS for
+        as long as the mapping lives, so the driver releases the shards after each layer to
+        keep host memory independent of depth; a shard reopens on its next read."""
+        self._handles.clear()
+
     def names(self) -> list[str]:
         """All tensor names, sorted."""
         return list(self.weight_map)
