@@ -282,8 +282,8 @@ def test_serve_cli_engine_vllm_errors(tmp_path, monkeypatch):
     assert result.exit_code == 1 and "vLLM is not installed" in result.output
     result = runner.invoke(main, ["serve", str(tmp_path), "--engine", "vllm", "--device", "cpu"])
     assert result.exit_code == 1 and "--device cpu does not apply to --engine vllm" in result.output
-    result = runner.invoke(main, ["serve", str(tmp_path), "--tensor-parallel-size", "2"])
-    assert result.exit_code == 1 and "need --engine vllm" in result.output
+    result = runner.invoke(main, ["serve", str(tmp_path), "--pipeline-parallel-size", "2"])
+    assert result.exit_code == 1 and "need --engine vllm" in result.output  # -tp: both engines
 
 
 def test_moe_checkpoints_are_detected(tmp_path):
