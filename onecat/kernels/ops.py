@@ -141,8 +141,12 @@ def w4a16_linear(
     Returns:
         float16 ``[..., N]``.  Weights are dequantised as ``fp16(q*s + nzs)`` (one rounding)
         and products are summed in fp32 (the GEMV first forms fp16 partial sums of 8 products).
+        On the CPU, other activation dtypes (fp32 runs compared with transformers, bf16 for
+        vLLM's CPU backend) use the same reference and return ``x.dtype``.
 
     Raises:
         OnecatError: on a wrong dtype, shape, device, or non-contiguous weights.
     """
+    if x.dtype != torch.float16 and x.device.type == "cpu":
+        return reference_linear(x, qweight, scales_zeros, group_size, bias)
     return torch.ops.onecat.w4a16_linear(x, qweight, scales_zeros, group_size, bias)

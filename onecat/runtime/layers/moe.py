@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from onecat.kernels.ops import w4a16_linear
 from onecat.pack.volta_layout import TILE
 from onecat.runtime.context import get_context
 from onecat.runtime.layers.fusion import fused
 from onecat.runtime.layers.linear import LinearWeights
-from onecat.runtime.layers.quant_ops import w4a16_linear
 
 GATE, UP, DOWN = "gate_proj", "up_proj", "down_proj"
 
