@@ -79,3 +79,17 @@ def dequantize_awq_gemm(
     zf = z.to(torch.float32).repeat_interleave(group, dim=1)
     sf = s.to(torch.float32).repeat_interleave(group, dim=1)
     return (q.to(torch.float32) - zf) * sf
+
+
+def awq_config(source_config: dict, group_size: int, not_convert: list[str]) -> dict:
+    """``source_config`` (a config.json dict) plus AutoAWQ's GEMM ``quantization_config``."""
+    config = dict(source_config)
+    config["quantization_config"] = {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": group_size,
+        "zero_point": True,
+        "version": "gemm",
+        "modules_to_not_convert": list(not_convert),
+    }
+    return config

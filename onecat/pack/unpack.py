@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from onecat.errors import OnecatError
 from onecat.pack.artifact import open_packed
-from onecat.pack.awq_gemm import pack_awq_gemm
+from onecat.pack.awq_gemm import awq_config, pack_awq_gemm
 from onecat.pack.checkpoint import copy_side_files
 from onecat.pack.output import (
     DEFAULT_SHARD_BYTES,
@@ -62,15 +62,7 @@ def unpack_artifact(
         for name in art.plain_tensor_names():
             writer.add(name, art.get_tensor(name))
         writer.finish()
-        config = dict(art.config)
-        config["quantization_config"] = {
-            "quant_method": "awq",
-            "bits": 4,
-            "group_size": group_size,
-            "zero_point": True,
-            "version": "gemm",
-            "modules_to_not_convert": list(art.quantization.get("modules_to_not_convert") or []),
-        }
-        write_json(stage / "config.json", config)
+        not_convert = art.quantization.get("modules_to_not_convert") or []
+        write_json(stage / "config.json", awq_config(art.config, group_size, not_convert))
         copy_side_files(path, stage)
     return out

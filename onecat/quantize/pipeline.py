@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from onecat.errors import OnecatError
+from onecat.pack.awq_gemm import awq_config
 from onecat.quantize.calibration import calibration_tokens
 from onecat.quantize.layer_build import LayerFactory
 from onecat.quantize.layer_search import LayerQuantizer
@@ -37,7 +38,6 @@ from onecat.quantize.recipe import Recipe, load_recipe, recipe_for_model_type
 from onecat.quantize.shards import CheckpointReader
 from onecat.quantize.summary import print_summary
 from onecat.quantize.writer import (
-    awq_config,
     copy_side_files,
     plan_rest_shards,
     shard_name,

@@ -79,17 +79,3 @@ def write_index(work: Path, weight_map: dict[str, str]) -> None:
     """``model.safetensors.index.json`` with the total size and a sorted weight map."""
     total = sum((work / shard).stat().st_size for shard in set(weight_map.values()))
     write_json(work / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
-
-
-def awq_config(source_config: dict, group_size: int, not_convert: list[str]) -> dict:
-    """The source config.json plus AutoAWQ's ``quantization_config``."""
-    config = dict(source_config)
-    config["quantization_config"] = {
-        "quant_method": "awq",
-        "bits": 4,
-        "group_size": group_size,
-        "zero_point": True,
-        "version": "gemm",
-        "modules_to_not_convert": not_convert,
-    }
-    return config
