@@ -31,13 +31,7 @@ CALIB = dict(samples=8, seqlen=64, group_size=32, show_progress=False)
 LOGITS_TOLERANCE = 0.3
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matrices gain nothing from threads, and lose a lot on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,7 @@ from onecat.cli import main
 from onecat.quantize.recipe import shipped_recipes
 from onecat.tiny import build_tiny_model
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

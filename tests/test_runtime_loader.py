@@ -14,13 +14,7 @@ from onecat.runtime.context import ForwardContext, PrefillChunk, set_context
 from onecat.runtime.loader import load_model
 from onecat.tiny import build_tiny_model
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @torch.no_grad()

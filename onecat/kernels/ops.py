@@ -141,12 +141,27 @@ def w4a16_linear(
     Returns:
         float16 ``[..., N]``.  Weights are dequantised as ``fp16(q*s + nzs)`` (one rounding)
         and products are summed in fp32 (the GEMV first forms fp16 partial sums of 8 products).
-        On the CPU, other activation dtypes (fp32 runs compared with transformers, bf16 for
-        vLLM's CPU backend) use the same reference and return ``x.dtype``.
 
     Raises:
         OnecatError: on a wrong dtype, shape, device, or non-contiguous weights.
     """
+    return torch.ops.onecat.w4a16_linear(x, qweight, scales_zeros, group_size, bias)
+
+
+def packed_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales_zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`w4a16_linear` for any activation dtype; what the runtime and the vLLM plugin call.
+
+    fp16 activations go to the op (the sm_70 kernels on a GPU, the reference on the CPU).
+    Other dtypes exist only on the CPU (fp32 runs compared with transformers, bf16 for
+    vLLM's CPU backend) and use the same reference, returning ``x.dtype``: the dequantised
+    weights are identical either way. A non-fp16 ``x`` on a GPU is an error.
+    """
     if x.dtype != torch.float16 and x.device.type == "cpu":
         return reference_linear(x, qweight, scales_zeros, group_size, bias)
-    return torch.ops.onecat.w4a16_linear(x, qweight, scales_zeros, group_size, bias)
+    return w4a16_linear(x, qweight, scales_zeros, group_size, bias)

@@ -5,7 +5,7 @@ when the model is built (from what the checkpoint holds for that module):
 
 - ``weight`` ``[N, K]`` in the model dtype (fp16 on GPU, fp32 on CPU), or
 - ``qweight`` int32 ``[N/32, K/32, 32, 4]`` + ``scales_zeros`` fp16 ``[N/32, K/g, 32, 2]``
-  (docs/FORMAT.md), computed by :func:`onecat.kernels.ops.w4a16_linear`.
+  (docs/FORMAT.md), computed by :func:`onecat.kernels.ops.packed_linear`.
 
 A merged linear (q/k/v, gate/up, ...) concatenates its parts along the output dimension.
 Every parameter carries a ``weight_loader(param, loaded, shard_id)`` that copies one part
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from onecat.kernels.ops import w4a16_linear
+from onecat.kernels.ops import packed_linear
 from onecat.pack.volta_layout import TILE, dequantize_volta, fits_layout
 
 
@@ -136,5 +136,5 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the layer to ``x [..., K]``."""
         if self.is_packed:
-            return w4a16_linear(x, self.qweight, self.scales_zeros, self.group_size, self.bias)
+            return packed_linear(x, self.qweight, self.scales_zeros, self.group_size, self.bias)
         return F.linear(x, self.weight, self.bias)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from onecat.kernels.ops import w4a16_linear
+from onecat.kernels.ops import packed_linear
 from onecat.pack.volta_layout import TILE
 from onecat.runtime.context import get_context
 from onecat.runtime.layers.fusion import fused
@@ -99,7 +99,7 @@ class FusedExperts(nn.Module):
     def _project(self, x: torch.Tensor, params: dict[str, torch.Tensor], name: str, index: int) -> torch.Tensor:
         if self.is_packed:
             qweight, scales_zeros = params[f"{name}_qweight"][index], params[f"{name}_scales_zeros"][index]
-            return w4a16_linear(x, qweight, scales_zeros, self.group_size)
+            return packed_linear(x, qweight, scales_zeros, self.group_size)
         return F.linear(x, params[name][index])
 
     def _expert(self, x: torch.Tensor, params: dict[str, torch.Tensor], index: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ Two ways in, one way out:
   ``process_weights_after_loading``. A slice the layout cannot hold (N not a multiple of
   32) is dequantised to an fp16 weight instead, with a warning.
 
-Both call :func:`onecat.kernels.ops.w4a16_linear` in ``apply``.
+Both call :func:`onecat.kernels.ops.packed_linear` in ``apply``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
 
 from onecat.errors import OnecatError
-from onecat.kernels.ops import w4a16_linear
+from onecat.kernels.ops import packed_linear
 from onecat.pack.volta_layout import TILE, fits_layout
 from onecat.runtime.vllm_plugin.awq_repack import awq_to_volta, dequantize_awq
 from onecat.runtime.vllm_plugin.partition_checks import check_partition
@@ -98,7 +98,7 @@ class OnecatLinearMethod(LinearMethodBase):
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         """``x @ W.T (+ bias)`` through onecat's W4A16 op."""
-        return w4a16_linear(x, layer.qweight, layer.scales_zeros, self.group_size, bias)
+        return packed_linear(x, layer.qweight, layer.scales_zeros, self.group_size, bias)
 
 
 @register_weight_loader_v2_supported_method
@@ -187,4 +187,4 @@ class OnecatAwqLinearMethod(LinearMethodBase):
         """``x @ W.T (+ bias)``: onecat's W4A16 op, or a dense matmul for the fallback."""
         if layer.onecat_dense:
             return F.linear(x, layer.weight, bias)
-        return w4a16_linear(x, layer.qweight, layer.scales_zeros, self.group_size, bias)
+        return packed_linear(x, layer.qweight, layer.scales_zeros, self.group_size, bias)

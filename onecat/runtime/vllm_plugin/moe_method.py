@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from vllm.model_executor.layers.fused_moe import FusedMoEConfig, FusedMoEMethodBase
 
 from onecat.errors import OnecatError
-from onecat.kernels.ops import w4a16_linear
+from onecat.kernels.ops import packed_linear
 from onecat.pack.volta_layout import TILE
 from onecat.runtime.vllm_plugin.awq_repack import awq_to_volta
 from onecat.runtime.vllm_plugin.partition_checks import check_expert_partition
@@ -82,9 +82,9 @@ class _OnecatExpertsBase(FusedMoEMethodBase):
 
     def _expert(self, layer: torch.nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
         g = self.group_size
-        h = w4a16_linear(x, layer.w13_qweight[e], layer.w13_scales_zeros[e], g)
+        h = packed_linear(x, layer.w13_qweight[e], layer.w13_scales_zeros[e], g)
         gate, up = h.chunk(2, dim=-1)
-        return w4a16_linear(F.silu(gate) * up, layer.w2_qweight[e], layer.w2_scales_zeros[e], g)
+        return packed_linear(F.silu(gate) * up, layer.w2_qweight[e], layer.w2_scales_zeros[e], g)
 
     def apply(
         self,
