@@ -67,6 +67,7 @@ def _nvrtc_finding() -> Finding:
 
 def self_test(device_index: int = 0) -> list[Finding]:
     """Run every kernel variant once on random data and compare with the fp64 reference."""
+    from onecat.kernels.tuning import random_packed_weights
     from onecat.kernels.variants import all_variants, run_variant
     from onecat.pack.volta_layout import dequantize_volta
 
@@ -74,17 +75,7 @@ def self_test(device_index: int = 0) -> list[Finding]:
     n, k, g = 256, 512, 128
     device = torch.device("cuda", device_index)
     gen = torch.Generator(device=device).manual_seed(0)
-    qweight = torch.randint(
-        -(2**31),
-        2**31 - 1,
-        (n // 32, k // 32, 32, 4),
-        dtype=torch.int32,
-        device=device,
-        generator=gen,
-    )
-    s = (torch.rand(n // 32, k // g, 32, 1, device=device, generator=gen) * 0.02 + 0.001).half()
-    z = torch.randint(0, 16, s.shape, device=device, generator=gen).half()
-    scales_zeros = torch.cat([s, -(z * s)], dim=-1).contiguous()
+    qweight, scales_zeros = random_packed_weights(n, k, g, gen)
     w = dequantize_volta(qweight, scales_zeros, g, dtype=torch.float64)
     for variant in all_variants():
         m = variant.rows if variant.kind == "gemv" else 24

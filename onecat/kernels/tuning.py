@@ -196,6 +196,21 @@ def choose_variant(
     return default_variant(m)
 
 
+def random_packed_weights(
+    n: int, k: int, group_size: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random Volta-layout weights ``(qweight, scales_zeros)`` of an ``[n, k]`` linear on
+    ``gen``'s device: any nibbles, scales in [0.001, 0.011), zero points 0..15."""
+    device = gen.device
+    qweight = torch.randint(
+        -(2**31), 2**31 - 1, (n // 32, k // 32, 32, 4), dtype=torch.int32, device=device, generator=gen
+    )
+    scales = torch.rand(n // 32, k // group_size, 32, 1, device=device, generator=gen)
+    scales = (scales * 0.01 + 0.001).to(torch.float16)
+    zeros = torch.randint(0, 16, scales.shape, device=device, generator=gen).to(torch.float16)
+    return qweight, torch.cat([scales, -(zeros * scales)], dim=-1).contiguous()
+
+
 def tune_shapes(
     shapes: Iterable[tuple[int, int]],
     ms: Iterable[int],
@@ -210,18 +225,7 @@ def tune_shapes(
     ms = list(ms)
     for n, k in shapes:
         gen = torch.Generator(device=device).manual_seed(0)
-        qweight = torch.randint(
-            -(2**31),
-            2**31 - 1,
-            (n // 32, k // 32, 32, 4),
-            dtype=torch.int32,
-            device=device,
-            generator=gen,
-        )
-        scales = torch.rand(n // 32, k // group_size, 32, 1, device=device, generator=gen)
-        scales = (scales * 0.01 + 0.001).to(torch.float16)
-        zeros = torch.randint(0, 16, scales.shape, device=device, generator=gen).to(torch.float16)
-        scales_zeros = torch.cat([scales, -(zeros * scales)], dim=-1).contiguous()
+        qweight, scales_zeros = random_packed_weights(n, k, group_size, gen)
         for m in ms:
             best, timings = tune_shape(m, qweight, scales_zeros, group_size, save=False)
             results.append((n, k, m, best.name, timings[best.name]))
