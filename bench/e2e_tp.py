@@ -9,7 +9,8 @@ rank 0) it measures, per tensor-parallel size:
 - decode tokens/s at the given batch sizes (128-token prompts, as bench/e2e.py),
 - the all-reduce share of a decode step, two ways:
   (a) NCCL kernel time per step on rank 0 (``torch.profiler`` over CUDA-graph replays)
-      over the step time measured without the profiler;
+      over the step time measured without the profiler (the same profile gives kernel
+      launches per step and the costliest kernels, at every size);
   (b) removal: the same decode with every all-reduce replaced by a no-op on every rank
       (graphs re-captured; numbers are wrong, the work is the same), share = 1 - t_noop / t.
 
@@ -57,19 +58,28 @@ def drop_collectives(runner) -> None:
     runner.graphs.clear()
 
 
-def nccl_ms_per_step(engine: LLMEngine, steps: int) -> float | None:
-    """NCCL kernel milliseconds per decode step on rank 0 (torch.profiler; None if it saw none)."""
+def profile_steps(engine: LLMEngine, steps: int, top: int = 12) -> dict:
+    """GPU kernels of ``steps`` decode steps on rank 0 (``torch.profiler`` over CUDA-graph
+    replays): NCCL milliseconds per step (None if it saw none), kernel launches per step and
+    the ``top`` kernels by time, each as [name, launches per step, microseconds per step]."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()
         e2e.sync()
-    total_us = 0.0
-    for event in prof.key_averages():  # GPU kernels only (a CPU op's time includes its kernels)
-        if "nccl" in event.key.lower() and "cuda" in str(getattr(event, "device_type", "")).lower():
-            total_us += event.device_time_total
-    return total_us / 1e3 / steps if total_us else None
+    kernels = [  # GPU kernels only (a CPU op's time includes its kernels)
+        event for event in prof.key_averages()
+        if "cuda" in str(getattr(event, "device_type", "")).lower() and event.device_time_total > 0
+    ]
+    nccl_us = sum(e.device_time_total for e in kernels if "nccl" in e.key.lower())
+    kernels.sort(key=lambda e: e.device_time_total, reverse=True)
+    return {
+        "nccl_ms": nccl_us / 1e3 / steps if nccl_us else None,
+        "kernel_ms": sum(e.device_time_total for e in kernels) / 1e3 / steps,
+        "launches": sum(e.count for e in kernels) / steps,
+        "top": [[e.key[:90], e.count / steps, round(e.device_time_total / steps, 1)] for e in kernels[:top]],
+    }
 
 
 def decode(engine: LLMEngine, batch: int, args, tag: str, profile: bool) -> dict:
@@ -97,12 +107,15 @@ def decode(engine: LLMEngine, batch: int, args, tag: str, profile: bool) -> dict
     print(f"  {tag} batch {batch}: {batch / step_s:.1f} tok/s ({step_s * 1e3:.2f} ms/step)", flush=True)
     if profile:
         try:
-            ms = nccl_ms_per_step(engine, extra)
+            prof = profile_steps(engine, extra)
         except Exception as exc:  # the profiler is a diagnostic: keep the timing
-            ms, result[f"profiler_error_b{batch}"] = None, str(exc)
+            prof, result[f"profiler_error_b{batch}"] = {"nccl_ms": None}, str(exc)
+        ms = prof["nccl_ms"]
+        result[f"profile_b{batch}"] = prof
         result[f"nccl_ms_per_step_b{batch}"] = ms
         result[f"allreduce_share_profiler_b{batch}"] = None if ms is None else ms / (step_s * 1e3)
-        print(f"  {tag} batch {batch}: NCCL kernels {ms} ms/step", flush=True)
+        print(f"  {tag} batch {batch}: NCCL kernels {ms} ms/step; "
+              f"{prof.get('launches')} kernels, {prof.get('kernel_ms')} ms of kernels per step", flush=True)
     assert all(engine._sequences[rid].num_completion_tokens < params.max_tokens for rid in ids)
     for rid in ids:
         engine.abort_request(rid)
@@ -121,7 +134,7 @@ def bench_tp(raw: dict, tp: int, args) -> dict:
     print(f"  TP{tp}: engine ready in {result['engine_setup_s']:.1f} s", flush=True)
     try:
         for batch in args.batches:
-            result.update(decode(engine, batch, args, f"TP{tp}", profile=tp > 1))
+            result.update(decode(engine, batch, args, f"TP{tp}", profile=True))
         if tp > 1:
             engine.runner.call_all(drop_collectives)
             for batch in args.batches:

@@ -13,6 +13,7 @@ and greedy tokens must be identical, through chunked prefill and batched decode.
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -107,6 +108,21 @@ def test_indivisible_head_count_is_a_clear_error(checkpoints):
     message = str(err.value)
     assert "--tensor-parallel-size 3" in message and "num_attention_heads 8" in message
     assert "Sizes that work for this model: 1, 2, 4" in message
+
+
+class DiesWhenUnpickled:
+    """A "factory" whose unpickling kills the process: a worker that dies in its spawn
+    bootstrap, before it can join the process group (e.g. it cannot import the factory)."""
+
+    def __reduce__(self):
+        return os._exit, (3,)
+
+
+@pytest.mark.timeout(120)  # before the fix, rank 0 waited in the rendezvous for 30 min
+def test_worker_that_dies_before_joining_is_a_clear_error():
+    config = EngineConfig(model="no-checkpoint", device="cpu", tensor_parallel_size=2)
+    with pytest.raises(OnecatError, match=r"rank 1 exited \(code 3\) while starting"):
+        LLMEngine.from_factory(config, DiesWhenUnpickled())
 
 
 def test_generate_cli_with_tensor_parallel_size(checkpoints):

@@ -99,6 +99,7 @@ def _worker_main(
     replies: Any,
 ) -> None:
     """A worker rank: join the group, build the shard, then run what rank 0 sends."""
+    replies.send(("started", None))  # rank 0 joins the group only once every worker is up
     device = rank_device(torch.device(device_type), rank)
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -155,25 +156,35 @@ class TensorParallelRunner:
             self._workers.append(process)
         atexit.register(self.close)
         try:
+            # a worker that dies before it joins the group (a spawn that cannot import the
+            # factory's module, say) would leave rank 0 waiting in the rendezvous: wait for
+            # every worker's first message, watching the processes, before joining
+            self._wait_for("started", "starting")
             init_tensor_parallel(0, world, init_method, rank_device(device, 0))
             model = factory(rank_device(device, 0), dtype)
-            self._wait_loaded()
+            self._wait_for("loaded", "loading")
             self.local = ModelRunner(config, model)
         except BaseException:
             self.close()
             raise
 
-    def _wait_loaded(self) -> None:
+    def _wait_for(self, expected: str, doing: str) -> None:
+        """Receive ``expected`` from every worker, raising if one fails, exits or times out."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for rank, (reply, process) in enumerate(zip(self._replies, self._workers, strict=True), start=1):
             while not reply.poll(0.1):
                 if not process.is_alive():
-                    raise OnecatError(f"tensor-parallel worker rank {rank} exited ({process.exitcode}) while loading")
+                    raise OnecatError(
+                        f"tensor-parallel worker rank {rank} exited (code {process.exitcode}) while "
+                        f"{doing}; its traceback is above in this process's stderr"
+                    )
                 if time.monotonic() > deadline:
-                    raise OnecatError(f"tensor-parallel worker rank {rank} did not load in {STARTUP_TIMEOUT_S:.0f} s")
+                    raise OnecatError(f"tensor-parallel worker rank {rank} did not finish {doing} in "
+                                      f"{STARTUP_TIMEOUT_S:.0f} s")
             status, message = reply.recv()
             if status == "error":
-                raise OnecatError(f"tensor-parallel worker failed while loading the model: {message}")
+                raise OnecatError(f"tensor-parallel worker failed while {doing} the model: {message}")
+            assert status == expected, (status, expected)
 
     def _send(self, method: str, *args: Any) -> None:
         payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
