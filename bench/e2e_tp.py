@@ -55,7 +55,7 @@ def drop_collectives(runner) -> None:
     import onecat.runtime.models.qwen3_5 as qwen3_5
 
     qwen3_5.all_reduce = lambda x: x
-    runner.graphs.clear()
+    runner.release_graphs()
 
 
 def profile_steps(engine: LLMEngine, steps: int, top: int = 12) -> dict:

@@ -223,6 +223,8 @@ class TensorParallelRunner:
             if process.is_alive():
                 process.kill()
                 process.join()
+        if "local" in self.__dict__:
+            self.local.release_graphs()  # else tearing NCCL down hangs (pytorch#115388)
         destroy_tensor_parallel()
         shutil.rmtree(self._rendezvous, ignore_errors=True)
 

@@ -35,19 +35,25 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: t
 def destroy_tensor_parallel() -> None:
     """Leave the process group (back to size 1)."""
     global _rank, _world_size
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        # ncclCommDestroy after CUDA graph capture can hang (pytorch#115388); abort does not
-        # wait for peers (the workers have exited) and leaves torch ready for a new group
-        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-        if abort is not None:
-            abort()
     if dist.is_initialized():
-        done = threading.Thread(target=dist.destroy_process_group, daemon=True)
+        # abort does not wait for peers (the workers have exited) and leaves torch ready for
+        # a new group; either call can still hang in NCCL (pytorch#115388, when CUDA graphs
+        # holding its collectives are alive): bounded, so closing an engine never hangs
+        done = threading.Thread(target=_leave_group, daemon=True)
         done.start()
-        done.join(timeout=10)
+        done.join(timeout=20)
         if done.is_alive():
-            logger.warning("the tensor-parallel process group did not shut down within 10 s")
+            logger.warning("the tensor-parallel process group did not shut down within 20 s; "
+                           "this process cannot start another tensor-parallel engine")
     _rank, _world_size = 0, 1
+
+
+def _leave_group() -> None:
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None and dist.get_backend() == "nccl":
+        abort()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def tp_rank() -> int:

@@ -18,6 +18,7 @@ MoE decode batches run eagerly.
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 
@@ -133,6 +134,7 @@ class ModelRunner:
                 per_seq_blocks, min(CPU_KV_CACHE_BYTES // self.block_bytes(), slots * per_seq_blocks)
             )
             return blocks, slots
+        gc.collect()  # garbage in cycles would count as this model's memory
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self._profile_run(min(config.max_num_batched_tokens, max_len))
@@ -285,6 +287,19 @@ class ModelRunner:
                 self.use_graphs = False
                 return None
         return self.graphs[key]
+
+    def release_graphs(self) -> None:
+        """Free the captured decode graphs and their memory pool (they are captured again on
+        next use). NCCL cannot be torn down while graphs that hold its collectives live."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for graph in self.graphs.values():
+            graph.graph.reset()
+        self.graphs.clear()
+        self.graph_pool = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _capture(self, batch: int, width: int) -> _DecodeGraph:
         graph = _DecodeGraph(
