@@ -25,7 +25,7 @@ from onecat.errors import OnecatError
 
 KERNEL_DIR = Path(__file__).resolve().parent
 COMMON_HEADER = "w4a16_common.cuh"
-PROGRAMS = ("w4a16_gemv", "w4a16_wmma", "w4a16_dequant")
+PROGRAMS = ("w4a16_gemv", "w4a16_wmma", "w4a16_dequant", "gdn_decode")
 """The NVRTC programs (``<name>.cu`` in this package)."""
 
 MANIFEST = "onecat_kernels.json"

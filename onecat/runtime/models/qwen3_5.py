@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from onecat.kernels import gdn as gdn_kernel
 from onecat.runtime.context import get_context
 from onecat.runtime.distributed.parallel_state import all_reduce
 from onecat.runtime.layers.attention import PagedAttention
@@ -28,6 +29,7 @@ from onecat.runtime.layers.norm import (
     GatedRMSNorm,
     RMSNorm,
     add_rms_norm,
+    gated_rms_norm,
     gated_rms_norm_math,
     rms_norm_math,
 )
@@ -206,22 +208,39 @@ class GatedDeltaNet(nn.Module):
             self.conv_state.index_copy_(0, slots, conv.to(self.conv_state.dtype))
             self.recurrent_state.index_copy_(0, slots, rec)
 
+    def _decode_in_place(
+        self, mixed: torch.Tensor, z: torch.Tensor, ba: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        """Decode tokens on the GPU: conv step, then the sm_70 delta-rule kernel, which
+        updates the recurrent states in their slots (no gather and scatter of 64 KB per head)."""
+        conv_out, conv_state = conv_step(mixed, self.conv_state, slots, self.conv1d.weight)
+        self.conv_state.index_copy_(0, slots, conv_state)
+        core = gdn_kernel.gated_delta_rule_decode_(
+            conv_out, ba, self.A_log, self.dt_bias, self.recurrent_state, slots, self.num_k_heads
+        )
+        out = gated_rms_norm(core, z.reshape(core.shape), self.norm.weight, self.norm.eps)
+        return out.reshape(mixed.shape[0], -1)
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]`` (positions unused: the state carries order)."""
         ctx = get_context()
         mixed, z = self.in_proj_qkvz(x).split(self.in_proj_qkvz.output_sizes, dim=-1)
-        b, a = self.in_proj_ba(x).split(self.num_v_heads, dim=-1)
+        ba = self.in_proj_ba(x)
+        b, a = ba.split(self.num_v_heads, dim=-1)
         dims = (self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim)
         outputs = []
         if ctx.num_decodes:
             n = ctx.num_decodes
             slots = ctx.decode_state_slots
-            out, conv_state, rec_state = gated_deltanet_decode(
-                mixed[:n], z[:n], b[:n], a[:n], self.conv_state, self.recurrent_state, slots,
-                self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps, *dims,
-            )
-            self._save_states(slots, conv_state, rec_state)
-            outputs.append(out)
+            if x.is_cuda and self.conv_state.numel() and gdn_kernel.supports(self.head_k_dim, self.head_v_dim, x.dtype):
+                outputs.append(self._decode_in_place(mixed[:n], z[:n], ba[:n], slots))
+            else:
+                out, conv_state, rec_state = gated_deltanet_decode(
+                    mixed[:n], z[:n], b[:n], a[:n], self.conv_state, self.recurrent_state, slots,
+                    self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps, *dims,
+                )
+                self._save_states(slots, conv_state, rec_state)
+                outputs.append(out)
         for chunk in ctx.prefills:
             part = slice(chunk.start, chunk.start + chunk.length)
             slot = torch.tensor([chunk.state_slot], device=x.device)
@@ -255,6 +274,16 @@ def decay_and_rate(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``g = -exp(A_log) * softplus(a + dt_bias)`` (fp32) and ``beta = sigmoid(b)``."""
     return -A_log.float().exp() * F.softplus(a.float() + dt_bias), torch.sigmoid(b)
+
+
+@fused
+def conv_step(
+    mixed: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor, conv_weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The short conv of ``B`` decode tokens, states read from their ``slots``: (silu(conv)
+    ``[B, C]``, new conv states in the pool's dtype)."""
+    out, state = causal_conv1d_step(mixed, conv_states[slots], conv_weight)
+    return out, state.to(conv_states.dtype)
 
 
 @fused

@@ -1,0 +1,83 @@
+"""The Gated DeltaNet decode step on the GPU (``gdn_decode.cu``): one token of a batch of
+sequences through the gated delta rule, their recurrent states updated in place in the
+state pool. The runtime calls it for CUDA decode batches the kernel supports and keeps its
+torch step (``onecat.runtime.layers.delta_rule``) for everything else.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from onecat.errors import OnecatError
+from onecat.kernels.loader import get_kernel
+
+HEAD_K_DIM = 128
+"""The key head dimension the kernel is built for (Qwen3.5's)."""
+_COLUMNS = 32  # state columns per block
+
+
+def supports(head_k_dim: int, head_v_dim: int, dtype: torch.dtype) -> bool:
+    """True when :func:`gated_delta_rule_decode_` runs these head sizes and activation dtype."""
+    return head_k_dim == HEAD_K_DIM and head_v_dim % _COLUMNS == 0 and dtype == torch.float16
+
+
+def gated_delta_rule_decode_(
+    mixed: torch.Tensor,
+    ba: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+    num_k_heads: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One decode token of ``B`` sequences; updates ``state[slots]`` in place.
+
+    ``mixed`` fp16 ``[B, >= 2*Hk*128 + Hv*dv]`` (the short conv's output: q | k | v, rows
+    may be strided), ``ba`` fp16 ``[B, >= 2*Hv]`` (b | a), ``A_log`` and ``dt_bias`` fp32
+    ``[Hv]``, ``state`` fp32 ``[slots, Hv, 128, dv]`` contiguous, ``slots`` int64 ``[B]``.
+    Returns ``o [B, Hv, dv]`` fp16, written into ``out`` when given (tests poison it). The math is ``gated_delta_rule_step`` with
+    ``decay_and_rate`` (see ``gdn_decode.cu``).
+    """
+    where = "onecat.kernels.gdn.gated_delta_rule_decode_"
+    batch = mixed.shape[0]
+    _, num_v_heads, head_k_dim, head_v_dim = state.shape
+    if not supports(head_k_dim, head_v_dim, mixed.dtype) or num_v_heads % num_k_heads:
+        raise OnecatError(
+            f"{where}: needs fp16 activations, key head dim {HEAD_K_DIM}, value head dim a "
+            f"multiple of {_COLUMNS} and value heads a multiple of key heads; got {mixed.dtype}, "
+            f"{head_k_dim}, {head_v_dim}, {num_v_heads} / {num_k_heads}"
+        )
+    width = 2 * num_k_heads * head_k_dim + num_v_heads * head_v_dim
+    checks = [
+        ("mixed", mixed.dim() == 2 and mixed.shape[1] >= width and mixed.stride(1) == 1),
+        ("ba", ba.dtype == torch.float16 and ba.shape[0] == batch and ba.shape[1] >= 2 * num_v_heads
+         and ba.stride(1) == 1),
+        ("A_log", A_log.dtype == torch.float32 and A_log.is_contiguous() and A_log.numel() == num_v_heads),
+        ("dt_bias", dt_bias.dtype == torch.float32 and dt_bias.is_contiguous()
+         and dt_bias.numel() == num_v_heads),
+        ("state", state.dtype == torch.float32 and state.is_contiguous()),
+        ("slots", slots.dtype == torch.int64 and slots.is_contiguous() and slots.numel() == batch),
+    ]
+    for name, ok in checks:
+        if not ok:
+            raise OnecatError(f"{where}: {name} has the wrong dtype, shape or layout (see the docstring)")
+    if out is None:
+        out = torch.empty(batch, num_v_heads, head_v_dim, dtype=torch.float16, device=mixed.device)
+    if batch == 0:
+        return out
+    device_index = mixed.device.index if mixed.device.index is not None else torch.cuda.current_device()
+    kernel = get_kernel("gdn_decode", device_index)
+    args = [
+        ctypes.c_void_p(mixed.data_ptr()), ctypes.c_int(mixed.stride(0)),
+        ctypes.c_void_p(ba.data_ptr()), ctypes.c_int(ba.stride(0)),
+        ctypes.c_void_p(A_log.data_ptr()), ctypes.c_void_p(dt_bias.data_ptr()),
+        ctypes.c_void_p(state.data_ptr()), ctypes.c_void_p(slots.data_ptr()),
+        ctypes.c_void_p(out.data_ptr()),
+        ctypes.c_int(num_k_heads), ctypes.c_int(num_v_heads), ctypes.c_int(head_v_dim),
+    ]  # fmt: skip
+    stream = torch.cuda.current_stream(mixed.device).cuda_stream
+    kernel.launch((head_v_dim // _COLUMNS, num_v_heads, batch), 32 * 4, stream, args)
+    return out

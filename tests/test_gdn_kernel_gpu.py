@@ -1,0 +1,99 @@
+"""GPU tests of the Gated DeltaNet decode kernel (``gdn_decode.cu``) against an fp64
+reference and against the runtime's torch step (the path CPU runs keep).
+
+The kernel updates the recurrent states in place in their slots: updated slots must match
+the reference within 1e-5 of the state's scale (fp32 math, different summation order),
+every other slot must stay bit-identical, and the fp16 output (poisoned with NaN first)
+within fp16 rounding: ``|o - ref| <= 4e-3 * |ref| + 2e-3 * rms(ref)``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+DK = 128
+
+
+def reference(mixed, ba, A_log, dt_bias, states, num_k_heads, num_v_heads, dv):
+    """fp64: the decode step per sequence (``states`` [B, Hv, DK, dv] are the old states)."""
+    m, ba, states = mixed.double(), ba.double(), states.double()
+    batch, key_dim = m.shape[0], num_k_heads * DK
+    q = m[:, :key_dim].view(batch, num_k_heads, DK)
+    k = m[:, key_dim : 2 * key_dim].view(batch, num_k_heads, DK)
+    v = m[:, 2 * key_dim : 2 * key_dim + num_v_heads * dv].view(batch, num_v_heads, dv)
+    q = q / (q.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt() * DK**-0.5
+    k = k / (k.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
+    repeat = num_v_heads // num_k_heads
+    q, k = q.repeat_interleave(repeat, 1), k.repeat_interleave(repeat, 1)
+    b, a = ba[:, :num_v_heads], ba[:, num_v_heads : 2 * num_v_heads]
+    g = -A_log.double().exp() * F.softplus(a + dt_bias.double())
+    beta = torch.sigmoid(b)
+    s = states * g.exp()[..., None, None]
+    delta = beta[..., None] * (v - torch.einsum("bhkv,bhk->bhv", s, k))
+    s = s + k[..., :, None] * delta[..., None, :]
+    return torch.einsum("bhkv,bhk->bhv", s, q), s
+
+
+def random_inputs(batch, num_k_heads, num_v_heads, dv, pool, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    width = 2 * num_k_heads * DK + num_v_heads * dv
+    # strided rows, as the runtime passes views of wider projections
+    mixed = torch.randn(batch, width + 40, generator=gen, device="cuda").half()[:, :width]
+    ba = (torch.randn(batch, 2 * num_v_heads + 8, generator=gen, device="cuda") * 2).half()
+    A_log = torch.rand(num_v_heads, generator=gen, device="cuda").mul(15).add(1).log()
+    dt_bias = torch.randn(num_v_heads, generator=gen, device="cuda")
+    state = torch.randn(pool, num_v_heads, DK, dv, generator=gen, device="cuda") * 0.3
+    slots = torch.randperm(pool, generator=gen, device="cuda")[:batch].contiguous()
+    return mixed, ba, A_log, dt_bias, state, slots
+
+
+@pytest.mark.parametrize(
+    "batch, num_k_heads, num_v_heads, dv",
+    [(1, 16, 48, 128), (5, 16, 24, 128), (8, 16, 32, 128), (3, 2, 4, 64), (2, 4, 4, 128)],
+)
+def test_gdn_decode_matches_fp64_and_the_torch_step(batch, num_k_heads, num_v_heads, dv):
+    from onecat.kernels.gdn import gated_delta_rule_decode_
+    from onecat.runtime.layers.delta_rule import gated_delta_rule_step
+    from onecat.runtime.models.qwen3_5 import decay_and_rate, split_heads
+
+    mixed, ba, A_log, dt_bias, state, slots = random_inputs(batch, num_k_heads, num_v_heads, dv, 11, batch)
+    before = state.clone()
+    ref_o, ref_s = reference(mixed, ba, A_log, dt_bias, before[slots], num_k_heads, num_v_heads, dv)
+    out = torch.full((batch, num_v_heads, dv), float("nan"), dtype=torch.float16, device="cuda")
+    gated_delta_rule_decode_(mixed, ba, A_log, dt_bias, state, slots, num_k_heads, out=out)
+    torch.cuda.synchronize()
+
+    untouched = torch.ones(state.shape[0], dtype=torch.bool, device="cuda")
+    untouched[slots] = False
+    assert torch.equal(state[untouched], before[untouched]), "slots outside the batch changed"
+    state_err = (state[slots].double() - ref_s).abs().max() / ref_s.abs().max()
+    assert state_err <= 1e-5, f"state: relative error {state_err:.2e}"
+    assert torch.isfinite(out).all(), "unwritten or non-finite outputs"
+    err = (out.double() - ref_o).abs()
+    bound = 4e-3 * ref_o.abs() + 2e-3 * ref_o.pow(2).mean().sqrt()
+    assert (err <= bound).all(), f"output: max error {err.max():.2e}"
+
+    # the torch step the runtime runs elsewhere (fp32) agrees with the kernel
+    b, a = ba[:, :num_v_heads], ba[:, num_v_heads : 2 * num_v_heads]
+    q, k, v = split_heads(mixed, num_k_heads, DK, num_v_heads, dv)
+    g, beta = decay_and_rate(a, b, A_log, dt_bias)
+    torch_o, torch_s = gated_delta_rule_step(q, k, v, g, beta, before[slots])
+    assert (state[slots] - torch_s).abs().max() <= 1e-5 * torch_s.abs().max()
+    assert (out.double() - torch_o.double()).abs().max() <= 4e-3 * torch_o.abs().max()
+
+
+def test_gdn_decode_rejects_what_it_cannot_run():
+    from onecat.errors import OnecatError
+    from onecat.kernels.gdn import gated_delta_rule_decode_
+
+    mixed, ba, A_log, dt_bias, state, slots = random_inputs(2, 2, 4, 128, 4, 0)
+    with pytest.raises(OnecatError, match="state"):
+        gated_delta_rule_decode_(mixed, ba, A_log, dt_bias, state.half(), slots, 2)
+    with pytest.raises(OnecatError, match="slots"):
+        gated_delta_rule_decode_(mixed, ba, A_log, dt_bias, state, slots.int(), 2)
