@@ -163,9 +163,21 @@ FULL_WIDTH = dict(  # Qwen3.5-27B's layer shapes, 4 layers (3 GDN + 1 attention)
 )
 
 
+FULL_WIDTH_MOE = dict(  # Qwen3.5-35B-A3B's layer shapes, 4 layers, small vocab
+    FULL_WIDTH, model_type="qwen3_5_moe_text", hidden_size=2048, num_attention_heads=16,
+    num_key_value_heads=2, linear_num_key_heads=16, linear_num_value_heads=32, num_experts=256,
+    num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+)
+FULL_WIDTH_MOE.pop("intermediate_size")
+ROUTER_STD = 0.2
+"""Router weights 10x the other weights' scale: well-separated expert scores, so that fp16
+rounding differences between TP 1 and TP 2 do not flip near-tied top-8 choices."""
+
+
 class RandomPackedSource:
     """Random weights by name, identical on every rank and GPU (Philox seeded by the name):
-    packed 4-bit (group 128) where the default plan packs, fp16 elsewhere. Dense models."""
+    packed 4-bit (group 128) where the default plan packs, fp16 elsewhere; routed experts
+    packed too."""
 
     path = "random-full-width"
 
@@ -183,6 +195,10 @@ class RandomPackedSource:
             for name, rows in zip(m.sources, m.output_sizes, strict=True)
         }
         self.shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        if cfg.is_moe:
+            inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
+            self.expert_shapes = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden),
+                                  "down_proj": (hidden, inter)}
 
     def actual(self, name: str) -> str:
         return name
@@ -195,14 +211,22 @@ class RandomPackedSource:
 
         return torch.Generator(device=self.device).manual_seed(zlib.crc32(name.encode()))
 
+    def expert(self, prefix: str, expert: int, which: str):
+        name = f"{prefix}.{expert}.{which}"
+        return self._weights(name, *self.expert_shapes[which], 128)
+
     def linear(self, name: str):
+        rows, k, group = self.linears[name]
+        return self._weights(name, rows, k, group)
+
+    def _weights(self, name: str, rows: int, k: int, group: int | None):
         from onecat.pack.volta_layout import TILE
         from onecat.runtime.layers.linear import LinearWeights
 
-        rows, k, group = self.linears[name]
         gen, dev = self._gen(name), self.device
         if group is None:
-            return LinearWeights(weight=torch.randn(rows, k, generator=gen, device=dev).mul_(0.02).half())
+            std = ROUTER_STD if name.endswith(".mlp.gate") else 0.02
+            return LinearWeights(weight=torch.randn(rows, k, generator=gen, device=dev).mul_(std).half())
         q = torch.randint(-(2**31), 2**31 - 1, (rows // TILE, k // TILE, TILE, 4), generator=gen,
                           device=dev, dtype=torch.int32)
         s = torch.rand(rows // TILE, k // group, TILE, generator=gen, device=dev).mul_(0.002).add_(0.002).half()
@@ -259,7 +283,10 @@ def test_tp2_matches_tp1_on_gpus(checkpoints, name):
 
 
 @needs_two_gpus
-def test_full_width_tp2_matches_tp1_on_gpus():
-    factory = functools.partial(random_full_width, FULL_WIDTH)
+@pytest.mark.parametrize("name", ["27B-wide", "35B-A3B-wide"])
+def test_full_width_tp2_matches_tp1_on_gpus(name):
+    """4 layers at the real models' widths, CUDA graphs (NCCL all-reduces captured)."""
+    raw = FULL_WIDTH if name == "27B-wide" else FULL_WIDTH_MOE
+    factory = functools.partial(random_full_width, raw)
     ref = run("random-full-width", 1, "cuda", factory)
-    compare_gpu("27B-wide 4 layers", ref, run("random-full-width", 2, "cuda", factory))
+    compare_gpu(f"{name} 4 layers", ref, run("random-full-width", 2, "cuda", factory))

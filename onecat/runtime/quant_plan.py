@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 
 from onecat.pack.volta_layout import TILE, fits_layout
 
-ALWAYS_FLOAT = ("lm_head", ".mlp.gate", ".shared_expert_gate")
+ALWAYS_FLOAT = ("lm_head", ".mlp.gate", ".shared_expert_gate", ".in_proj_a", ".in_proj_b")
 """Name endings of the source linears a default plan keeps in floating point (as AWQ
-checkpoints do): the output head, the MoE router and the shared-expert gate."""
+checkpoints, and onecat's Qwen3.5 recipes, do): the output head, the MoE router, the
+shared-expert gate and the GDN's one-row-per-head b and a projections."""
 
 
 @dataclass
