@@ -170,8 +170,8 @@ FULL_WIDTH_MOE = dict(  # Qwen3.5-35B-A3B's layer shapes, 4 layers, small vocab
 )
 FULL_WIDTH_MOE.pop("intermediate_size")
 ROUTER_STD = 0.2
-"""Router weights 10x the other weights' scale: well-separated expert scores, so that fp16
-rounding differences between TP 1 and TP 2 do not flip near-tied top-8 choices."""
+"""Router weights 10x the other weights' scale, to spread the expert scores and make near-tied
+top-8 choices rarer (not impossible: see the full-width GPU test's docstring)."""
 
 
 class RandomPackedSource:

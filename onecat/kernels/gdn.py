@@ -38,8 +38,8 @@ def gated_delta_rule_decode_(
     ``mixed`` fp16 ``[B, >= 2*Hk*128 + Hv*dv]`` (the short conv's output: q | k | v, rows
     may be strided), ``ba`` fp16 ``[B, >= 2*Hv]`` (b | a), ``A_log`` and ``dt_bias`` fp32
     ``[Hv]``, ``state`` fp32 ``[slots, Hv, 128, dv]`` contiguous, ``slots`` int64 ``[B]``.
-    Returns ``o [B, Hv, dv]`` fp16, written into ``out`` when given (tests poison it). The math is ``gated_delta_rule_step`` with
-    ``decay_and_rate`` (see ``gdn_decode.cu``).
+    Returns ``o [B, Hv, dv]`` fp16, written into ``out`` when given (tests poison it). The
+    math is ``gated_delta_rule_step`` with ``decay_and_rate`` (see ``gdn_decode.cu``).
     """
     where = "onecat.kernels.gdn.gated_delta_rule_decode_"
     batch = mixed.shape[0]
