@@ -237,7 +237,7 @@ def _engine_config(artifact: str, served_model_name: str | None = None, **flags:
               help="Requests allowed to wait; beyond it the server answers 429.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
-# --engine vllm: the vLLM plugin's options (onecat.runtime.vllm_plugin, docs/VLLM.md)
+# --engine vllm: the vLLM plugin's options (onecat.vllm_plugin, docs/VLLM.md)
 @click.option("--engine", "engine_name", type=click.Choice(["onecat", "vllm"]), default="onecat",
               show_default=True,
               help="onecat: the embedded engine. vllm: vLLM's server with onecat's plugin "
@@ -254,7 +254,7 @@ def serve(artifact: str, host: str, port: int, api_key: str | None, served_model
     """Serve ARTIFACT (packed, AWQ or fp16/bf16 checkpoint) with an OpenAI-compatible API:
     /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics, /version."""
     if engine_name == "vllm":
-        from onecat.runtime.vllm_plugin.launcher import serve_from_onecat_flags
+        from onecat.vllm_plugin.launcher import serve_from_onecat_flags
 
         serve_from_onecat_flags(  # replaces this process with vLLM's server
             artifact, host=host, port=port, api_key=api_key, served_model_name=served_model_name,

@@ -101,7 +101,7 @@ def vllm_python() -> str:
         if configured:
             pytest.fail(f"ONECAT_VLLM_PYTHON={configured} does not exist (run `make vllm-env`)")
         pytest.skip("no vLLM environment: run `make vllm-env` (make test does)")
-    from onecat.runtime.vllm_plugin.launcher import check_vllm_in
+    from onecat.vllm_plugin.launcher import check_vllm_in
 
     check_vllm_in(str(python))
     return str(python)
@@ -159,7 +159,7 @@ def free_port() -> int:
 
 def launcher_argv(python: str, model: Path, port: int, *extra: str, tp: int = 1) -> list[str]:
     """vLLM's server through the plugin's launcher (what ``onecat serve --engine vllm`` runs)."""
-    from onecat.runtime.vllm_plugin.launcher import vllm_serve_command
+    from onecat.vllm_plugin.launcher import vllm_serve_command
 
     return vllm_serve_command(
         str(model), python=python, port=port, dtype="bfloat16", max_model_len=256,
@@ -185,7 +185,7 @@ def vllm_server(argv_for_port, standin: Path, model: Path, log_path: Path, tp: i
     once /health answers."""
     import httpx
 
-    from onecat.runtime.vllm_plugin.launcher import vllm_environment
+    from onecat.vllm_plugin.launcher import vllm_environment
 
     port = free_port()
     argv = argv_for_port(port)

@@ -26,9 +26,9 @@ from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
 from onecat.errors import OnecatError  # noqa: E402
 from onecat.pack.awq_gemm import pack_awq_gemm  # noqa: E402
 from onecat.pack.volta_layout import dequantize_volta, pack_volta  # noqa: E402
-from onecat.runtime.vllm_plugin import register  # noqa: E402
-from onecat.runtime.vllm_plugin.config import OnecatAwqConfig, OnecatConfig  # noqa: E402
-from onecat.runtime.vllm_plugin.moe_method import OnecatMoEMethod  # noqa: E402
+from onecat.vllm_plugin import register  # noqa: E402
+from onecat.vllm_plugin.config import OnecatAwqConfig, OnecatConfig  # noqa: E402
+from onecat.vllm_plugin.moe_method import OnecatMoEMethod  # noqa: E402
 
 G = 64
 PACKED = {
@@ -248,7 +248,7 @@ def test_moe_loader_and_experts(world):
 
 def test_awq_slice_outside_the_layout_runs_dequantised(tensor_parallel):
     """An AWQ linear whose N is not a multiple of 32 (e.g. a 48-head in_proj_b) stays usable."""
-    from onecat.runtime.vllm_plugin.awq_repack import dequantize_awq
+    from onecat.vllm_plugin.awq_repack import dequantize_awq
 
     tensor_parallel(0, 1)
     ints = random_ints(48, 256, G, 9)
@@ -266,7 +266,7 @@ def test_awq_slice_outside_the_layout_runs_dequantised(tensor_parallel):
 
 
 def test_config_validation_and_awq_override(monkeypatch):
-    from onecat.runtime.vllm_plugin import config as plugin_config
+    from onecat.vllm_plugin import config as plugin_config
 
     good = {"quant_method": "onecat", "format": "volta-w4", "format_version": 1, "bits": 4,
             "group_size": 128}

@@ -16,23 +16,23 @@ import torch
 from onecat.errors import OnecatError
 from onecat.pack.awq_gemm import pack_awq_gemm, unpack_int4_columns
 from onecat.pack.volta_layout import pack_volta, slice_volta
-from onecat.runtime.vllm_plugin import version as vllm_version
-from onecat.runtime.vllm_plugin.awq_repack import awq_to_volta, dequantize_awq, unpack_awq_words
-from onecat.runtime.vllm_plugin.launcher import (
+from onecat.vllm_plugin import version as vllm_version
+from onecat.vllm_plugin.awq_repack import awq_to_volta, dequantize_awq, unpack_awq_words
+from onecat.vllm_plugin.launcher import (
     check_vllm_in,
     serve_with_vllm,
     vllm_environment,
     vllm_serve_command,
 )
-from onecat.runtime.vllm_plugin.partition_checks import check_expert_partition, check_partition
-from onecat.runtime.vllm_plugin.quantized_modules import (
+from onecat.vllm_plugin.partition_checks import check_expert_partition, check_partition
+from onecat.vllm_plugin.quantized_modules import (
     experts_quantized,
     is_quantized,
     module_key,
     quantized_module_keys,
     safetensors_tensor_names,
 )
-from onecat.runtime.vllm_plugin.tp_slicing import slice_volta_part
+from onecat.vllm_plugin.tp_slicing import slice_volta_part
 
 QWEN3_5_PACKED_MODULES = {
     "qkv_proj": ["q_proj", "k_proj", "v_proj"],
@@ -247,7 +247,7 @@ def test_vllm_environment_keeps_plugin_allowed():
 def test_launcher_refuses_python_without_vllm(monkeypatch, tmp_path):
     monkeypatch.setattr(vllm_version, "installed_vllm_version", lambda: None)
     monkeypatch.setattr(
-        "onecat.runtime.vllm_plugin.launcher.check_vllm_version", vllm_version.check_vllm_version
+        "onecat.vllm_plugin.launcher.check_vllm_version", vllm_version.check_vllm_version
     )
     with pytest.raises(OnecatError, match="vLLM is not installed"):
         serve_with_vllm("/models/x")  # this interpreter
@@ -275,7 +275,7 @@ def test_serve_cli_engine_vllm_errors(tmp_path, monkeypatch):
 
     monkeypatch.setattr(vllm_version, "installed_vllm_version", lambda: None)
     monkeypatch.setattr(
-        "onecat.runtime.vllm_plugin.launcher.check_vllm_version", vllm_version.check_vllm_version
+        "onecat.vllm_plugin.launcher.check_vllm_version", vllm_version.check_vllm_version
     )
     runner = CliRunner()
     result = runner.invoke(main, ["serve", str(tmp_path), "--engine", "vllm", "-tp", "2"])
@@ -287,7 +287,7 @@ def test_serve_cli_engine_vllm_errors(tmp_path, monkeypatch):
 
 
 def test_moe_checkpoints_are_detected(tmp_path):
-    from onecat.runtime.vllm_plugin.launcher import is_moe_checkpoint
+    from onecat.vllm_plugin.launcher import is_moe_checkpoint
 
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {"num_experts": 256}}))
     assert is_moe_checkpoint(str(tmp_path))

@@ -23,7 +23,7 @@ knowing about ranks. The split follows Megatron / vLLM:
 
 Packed linears are cut with :func:`onecat.pack.volta_layout.slice_volta`, the rule the vLLM
 plugin uses; a slice the Volta layout cannot hold is refused by the plugin's
-:func:`~onecat.runtime.vllm_plugin.partition_checks.check_partition`.
+:func:`~onecat.vllm_plugin.partition_checks.check_partition`.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from onecat.runtime.loader import WeightSource, load_weights, read_model_config
 from onecat.runtime.models.config import ModelConfig
 from onecat.runtime.models.qwen3_5 import Qwen3_5ForCausalLM
 from onecat.runtime.quant_plan import QuantPlan
-from onecat.runtime.vllm_plugin.partition_checks import check_partition
+from onecat.vllm_plugin.partition_checks import check_partition
 
 COLUMN_BY_HEADS = (".self_attn.q_proj", ".linear_attn.in_proj_z", ".linear_attn.in_proj_a",
                    ".linear_attn.in_proj_b", ".mlp.gate_proj", ".mlp.up_proj",

@@ -19,12 +19,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from onecat.errors import OnecatError
-from onecat.runtime.vllm_plugin.version import check_vllm_version
+from onecat.vllm_plugin.version import check_vllm_version
 
 PLUGIN_NAME = "onecat"
 
 _PROBE = (
-    "from onecat.runtime.vllm_plugin.version import check_vllm_version\n"
+    "from onecat.vllm_plugin.version import check_vllm_version\n"
     "from onecat.errors import OnecatError\n"
     "try:\n"
     "    print(check_vllm_version())\n"

@@ -30,9 +30,9 @@ from vllm.model_executor.layers.fused_moe import FusedMoEConfig, FusedMoEMethodB
 from onecat.errors import OnecatError
 from onecat.kernels.ops import packed_linear
 from onecat.pack.volta_layout import TILE
-from onecat.runtime.vllm_plugin.awq_repack import awq_to_volta
-from onecat.runtime.vllm_plugin.partition_checks import check_expert_partition
-from onecat.runtime.vllm_plugin.tp_slicing import slice_volta_part
+from onecat.vllm_plugin.awq_repack import awq_to_volta
+from onecat.vllm_plugin.partition_checks import check_expert_partition
+from onecat.vllm_plugin.tp_slicing import slice_volta_part
 
 AWQ_PACK_FACTOR = 8
 

@@ -24,12 +24,12 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from onecat.runtime.vllm_plugin.version import check_vllm_version
+    from onecat.vllm_plugin.version import check_vllm_version
 
     check_vllm_version()
     from vllm.model_executor.layers.quantization import register_quantization_config
 
-    from onecat.runtime.vllm_plugin.config import ONECAT, ONECAT_AWQ, OnecatAwqConfig, OnecatConfig
+    from onecat.vllm_plugin.config import ONECAT, ONECAT_AWQ, OnecatAwqConfig, OnecatConfig
 
     register_quantization_config(ONECAT)(OnecatConfig)
     register_quantization_config(ONECAT_AWQ)(OnecatAwqConfig)

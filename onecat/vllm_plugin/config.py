@@ -28,9 +28,9 @@ from vllm.platforms import current_platform
 
 from onecat.errors import OnecatError
 from onecat.pack.volta_layout import FORMAT_NAME, LAYOUT_VERSION, TILE
-from onecat.runtime.vllm_plugin.linear_method import OnecatAwqLinearMethod, OnecatLinearMethod
-from onecat.runtime.vllm_plugin.moe_method import OnecatAwqMoEMethod, OnecatMoEMethod
-from onecat.runtime.vllm_plugin.quantized_modules import (
+from onecat.vllm_plugin.linear_method import OnecatAwqLinearMethod, OnecatLinearMethod
+from onecat.vllm_plugin.moe_method import OnecatAwqMoEMethod, OnecatMoEMethod
+from onecat.vllm_plugin.quantized_modules import (
     experts_quantized,
     is_quantized,
     quantized_module_keys,

@@ -32,8 +32,8 @@ from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMPa
 from onecat.errors import OnecatError
 from onecat.kernels.ops import packed_linear
 from onecat.pack.volta_layout import TILE, fits_layout
-from onecat.runtime.vllm_plugin.awq_repack import awq_to_volta, dequantize_awq
-from onecat.runtime.vllm_plugin.partition_checks import check_partition
+from onecat.vllm_plugin.awq_repack import awq_to_volta, dequantize_awq
+from onecat.vllm_plugin.partition_checks import check_partition
 
 logger = logging.getLogger(__name__)
 
