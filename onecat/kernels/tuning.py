@@ -164,6 +164,7 @@ def tune_shape(
     best = Variant.parse(min(timings, key=timings.get))
     with _lock:
         _table(device_index)[_key(m, n, k, group_size)] = best.name
+        _choices.pop((bucket(m), n, k, group_size, device_index), None)
         if save:
             _save(device_index)
     return best, timings
@@ -174,26 +175,38 @@ def autotune_enabled() -> bool:
     return os.environ.get("ONECAT_AUTOTUNE", "1") not in ("0", "false", "no", "")
 
 
+_choices: dict[tuple[int, int, int, int, int], Variant] = {}
+
+
 def choose_variant(
     m: int, qweight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int
 ) -> Variant:
-    """The variant to run: the tuned winner, else (tuning now if allowed) the default."""
+    """The variant to run: the tuned winner, else (tuning now if allowed) the default.
+
+    Resolved once per (M bucket, N, K, group, device) and remembered in memory, so a call
+    costs one dictionary lookup (no device or table-path queries)."""
     device_index = qweight.device.index
     if device_index is None:
         device_index = torch.cuda.current_device()
     n, k = qweight.shape[0] * 32, qweight.shape[1] * 32
+    key = (bucket(m), n, k, group_size, device_index)
+    variant = _choices.get(key)
+    if variant is not None and variant.supports(m):
+        return variant
     name = _table(device_index).get(_key(m, n, k, group_size))
     if name is not None:
         variant = Variant.parse(name)
         if variant.supports(m):
+            _choices[key] = variant
             return variant
     if (
         autotune_enabled()
         and not torch.cuda.is_current_stream_capturing()
         and not torch.compiler.is_compiling()
     ):
-        return tune_shape(m, qweight, scales_zeros, group_size)[0]
-    return default_variant(m)
+        variant = _choices[key] = tune_shape(m, qweight, scales_zeros, group_size)[0]
+        return variant
+    return default_variant(m)  # not remembered: tuning may still happen outside capture
 
 
 def random_packed_weights(

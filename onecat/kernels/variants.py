@@ -125,6 +125,79 @@ def wmma_splits(kernel: Kernel, variant: Variant, m: int, n: int, k: int, device
     return best
 
 
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything a launch of one variant needs that does not change from call to call:
+    resolved once per (variant, M, N, K, group, device) by :func:`launch_plan`."""
+
+    variant: Variant
+    kernel: Kernel
+    grid: tuple[int, int, int]
+    block: int
+    per: int  # GEMV: k tiles per warp; wmma: k tiles per split; dequant: unused
+    workspace_floats: int  # fp32 partial sums [M, N]; 0 when the kernel needs no workspace
+    counters: int  # int counters after the partial sums
+
+
+_plans: dict[tuple, LaunchPlan] = {}
+_MAX_PLANS = 1 << 14  # prefill chunks of every length each make a plan: stay bounded
+
+
+def launch_plan(variant: Variant, m: int, n: int, k: int, group_size: int, device_index: int) -> LaunchPlan:
+    """The cached :class:`LaunchPlan` of ``variant`` for ``m`` rows of an ``[n, k]`` weight."""
+    key = (variant, m, n, k, group_size, device_index)
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan
+    if not variant.supports(m):
+        raise OnecatError(f"kernel variant {variant.name} cannot run {m} rows")
+    kernel = get_kernel(variant.kernel_name(), device_index)
+    ktiles = k // 32
+    workspace = counters = per = 0
+    if variant.kind == "dequant":
+        items = (n // 32) * math.ceil(ktiles / 4)
+        slots = _sm_count(device_index) * kernel.max_active_blocks(_DEQUANT_THREADS)
+        grid, block = (min(math.ceil(items / (_DEQUANT_THREADS // 32)), 4 * slots), 1, 1), _DEQUANT_THREADS
+    elif variant.kind == "gemv":
+        per = variant.split or gemv_tiles_per_warp(kernel, n, k, device_index)
+        warps = math.ceil((n // 32) * ktiles / per)
+        grid, block = (math.ceil(warps / _GEMV_WARPS), 1, 1), 32 * _GEMV_WARPS
+        if per % ktiles != 0:  # some warp ranges cut a column tile
+            workspace, counters = m * n, n // 32
+    else:
+        splits = variant.split or wmma_splits(kernel, variant, m, n, k, device_index)
+        per = math.ceil(math.ceil(ktiles / splits) / variant.chunk) * variant.chunk
+        splits = math.ceil(ktiles / per)
+        grid = (math.ceil(n // 32 / variant.width), splits, math.ceil(m / variant.rows))
+        block = 32 * variant.width
+        if splits > 1:
+            workspace, counters = m * n, grid[0] * grid[2]
+    if len(_plans) >= _MAX_PLANS:
+        _plans.clear()
+    plan = _plans[key] = LaunchPlan(variant, kernel, grid, block, per, workspace, counters)
+    return plan
+
+
+_workspaces: dict[tuple[int, int], torch.Tensor] = {}
+_retired: list[torch.Tensor] = []
+
+
+def workspace(device: torch.device, stream: int, floats: int) -> torch.Tensor:
+    """A zeroed fp32 buffer of at least ``floats`` elements for split reductions on ``stream``.
+
+    One buffer per (device, stream), reused by every launch: the kernels' last arriving
+    block zeroes the entries and counters it used, so no per-call memset is needed. A grown
+    buffer replaces the old one, which stays allocated because captured CUDA graphs may hold
+    its address."""
+    key = (device.index, stream)
+    buf = _workspaces.get(key)
+    if buf is None or buf.numel() < floats:
+        if buf is not None:
+            _retired.append(buf)
+        buf = _workspaces[key] = torch.zeros(max(floats, 1 << 16), dtype=torch.float32, device=device)
+    return buf
+
+
 def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
 
@@ -145,53 +218,42 @@ def run_variant(
     """
     m, k = x.shape
     n = qweight.shape[0] * 32
-    device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if out is None:
         out = torch.empty((m, n), dtype=torch.float16, device=x.device)
     if m == 0:
         return out
-    if not variant.supports(m):
-        raise OnecatError(f"kernel variant {variant.name} cannot run {m} rows")
+    device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return run_plan(launch_plan(variant, m, n, k, group_size, device_index), x, qweight, scales_zeros, group_size, bias, out)
+
+
+def run_plan(
+    plan: LaunchPlan,
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales_zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Launch ``plan`` on torch's current stream (inputs as in :func:`run_variant`)."""
+    m, k = x.shape
+    n = out.shape[1]
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    kernel = get_kernel(variant.kernel_name(), device_index)
-    ints = [ctypes.c_int(v) for v in (n, k, group_size)]
-    if variant.kind == "dequant":
+    ints = (ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(group_size))
+    if plan.variant.kind == "dequant":
         weight = torch.empty((n, k), dtype=torch.float16, device=x.device)
-        items = (n // 32) * math.ceil(k // 32 / 4)
-        slots = _sm_count(device_index) * kernel.max_active_blocks(_DEQUANT_THREADS)
-        blocks = min(math.ceil(items / (_DEQUANT_THREADS // 32)), 4 * slots)
-        kernel.launch(
-            (blocks, 1, 1), _DEQUANT_THREADS, stream,
-            [_ptr(qweight), _ptr(scales_zeros), _ptr(weight), *ints],
-        )  # fmt: skip
+        plan.kernel.launch(plan.grid, plan.block, stream, [_ptr(qweight), _ptr(scales_zeros), _ptr(weight), *ints])
         if bias is not None:
             return torch.addmm(bias, x, weight.t(), out=out)
         return torch.mm(x, weight.t(), out=out)
-
-    ktiles = k // 32
-    if variant.kind == "gemv":
-        per = variant.split or gemv_tiles_per_warp(kernel, n, k, device_index)
-        warps = math.ceil((n // 32) * ktiles / per)
-        grid, block = (math.ceil(warps / _GEMV_WARPS), 1, 1), 32 * _GEMV_WARPS
-        counters_count = n // 32
-        needs_workspace = per % ktiles != 0  # some warp ranges cut a column tile
-    else:
-        splits = variant.split or wmma_splits(kernel, variant, m, n, k, device_index)
-        per = math.ceil(math.ceil(ktiles / splits) / variant.chunk) * variant.chunk
-        splits = math.ceil(ktiles / per)
-        grid = (math.ceil(n // 32 / variant.width), splits, math.ceil(m / variant.rows))
-        block = 32 * variant.width
-        counters_count = grid[0] * grid[2]
-        needs_workspace = splits > 1
-    workspace = counters = None
-    if needs_workspace:
-        # fp32 partial sums [M, N] followed by one int counter per output tile, all zero.
-        scratch = torch.zeros(m * n + counters_count, dtype=torch.float32, device=x.device)
-        workspace, counters = scratch, scratch[m * n :]
-    kernel.launch(
-        grid, block, stream,
-        [_ptr(x), _ptr(qweight), _ptr(scales_zeros), _ptr(bias), _ptr(out), _ptr(workspace),
-         _ptr(counters), ctypes.c_int(m), *ints, ctypes.c_int(per)],
+    partials = counters = None
+    if plan.workspace_floats:
+        scratch = workspace(x.device, stream, plan.workspace_floats + plan.counters)
+        partials, counters = scratch, scratch[plan.workspace_floats :]
+    plan.kernel.launch(
+        plan.grid, plan.block, stream,
+        [_ptr(x), _ptr(qweight), _ptr(scales_zeros), _ptr(bias), _ptr(out), _ptr(partials),
+         _ptr(counters), ctypes.c_int(m), *ints, ctypes.c_int(plan.per)],
     )  # fmt: skip
     return out
 

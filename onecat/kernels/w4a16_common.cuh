@@ -110,7 +110,10 @@ __device__ __forceinline__ bool arrive_last(int* counter, int arrivals) {
   __syncthreads();
   if (threadIdx.x == 0) is_last = (atomicAdd(counter, 1) == arrivals - 1);
   __syncthreads();
-  if (is_last) __threadfence();
+  if (is_last) {
+    __threadfence();
+    if (threadIdx.x == 0) *counter = 0;  // leave the counter zeroed for the next launch
+  }
   return is_last != 0;
 }
 

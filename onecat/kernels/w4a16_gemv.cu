@@ -14,7 +14,8 @@
 //   - if the warp covered the whole column tile, it writes y (+bias) directly;
 //   - otherwise it adds its partials to a zeroed fp32 workspace [rows, N] with atomicAdd and
 //     bumps the tile's counter; the last of the (known) number of warps covering the tile
-//     reads the sums back (ld.global.cg) and writes y (+bias).
+//     reads the sums back (ld.global.cg), writes y (+bias) and zeroes its workspace entries
+//     and the counter again, so one persistent workspace serves every launch.
 // Inside a range the warp runs a two-stage software pipeline over register batches of
 // UNROLL tiles: while one batch (UNROLL 128-bit loads per lane) is dequantised and multiplied,
 // the loads of the next batch are in flight, so every warp always keeps UNROLL * 512 bytes
@@ -172,8 +173,11 @@ __device__ __forceinline__ void gemv_warp(const half* __restrict__ x, const uint
         __threadfence();
 #pragma unroll
         for (int m = 0; m < M; ++m)
-          if (m < rows)
+          if (m < rows) {
             y[(size_t)m * N + n] = __float2half_rn(__ldcg(workspace + (size_t)m * N + n) + bias_n);
+            workspace[(size_t)m * N + n] = 0.0f;  // leave it zeroed for the next launch
+          }
+        if (lane == 0) counters[tile] = 0;
       }
     }
     pos = seg_end;

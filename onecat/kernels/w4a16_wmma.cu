@@ -27,7 +27,8 @@
 //   Rows are padded by 8 halves (to 144 or 272 bytes): fragment addresses stay 32-byte
 //   aligned and consecutive rows start 4 banks apart.
 //   Epilogue: accumulators go through shared memory (fp32, row stride 36) so that each warp
-//   writes full 64-byte rows of y; with S > 1 they are added to a zeroed fp32 workspace and
+//   writes full 64-byte rows of y; with S > 1 they are added to a zeroed fp32 workspace (which the last block zeroes
+//   again after reading it, so one persistent workspace serves every launch) and
 //   the last block of the (column group, row tile) writes y (see arrive_last).
 #include "w4a16_common.cuh"
 
@@ -240,6 +241,7 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
     for (int r = 0; r < rows; ++r) {
       const size_t at = (size_t)(m0 + r) * N + n;
       y[at] = __float2half_rn(__ldcg(workspace + at) + b);
+      workspace[at] = 0.0f;  // the last block leaves the workspace zeroed for the next launch
     }
   }
 }
