@@ -117,4 +117,52 @@ __device__ __forceinline__ bool arrive_last(int* counter, int arrivals) {
   return is_last != 0;
 }
 
+// wmma through inline PTX (wmma.load / wmma.mma / wmma.store on shared memory), so NVRTC
+// needs only cuda_fp16.h, not the crt/ headers behind mma.h.  A and B fragments are 8 u32
+// (fp16 pairs), accumulators 8 floats; A row-major, B col-major, C/D row-major fp32.
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+struct FragAB { unsigned r[8]; };
+struct FragC { float r[8]; };
+
+#define ONECAT_WMMA_FUNCS(SHAPE)                                                               \
+  __device__ __forceinline__ void load_a_##SHAPE(FragAB& f, const half* p, int ld) {            \
+    asm volatile("wmma.load.a.sync.aligned.row." #SHAPE ".shared.f16 "                          \
+                 "{%0,%1,%2,%3,%4,%5,%6,%7}, [%8], %9;"                                         \
+                 : "=r"(f.r[0]), "=r"(f.r[1]), "=r"(f.r[2]), "=r"(f.r[3]), "=r"(f.r[4]),        \
+                   "=r"(f.r[5]), "=r"(f.r[6]), "=r"(f.r[7])                                     \
+                 : "r"(smem_addr(p)), "r"(ld));                                                 \
+  }                                                                                             \
+  __device__ __forceinline__ void load_b_##SHAPE(FragAB& f, const half* p, int ld) {            \
+    asm volatile("wmma.load.b.sync.aligned.col." #SHAPE ".shared.f16 "                          \
+                 "{%0,%1,%2,%3,%4,%5,%6,%7}, [%8], %9;"                                         \
+                 : "=r"(f.r[0]), "=r"(f.r[1]), "=r"(f.r[2]), "=r"(f.r[3]), "=r"(f.r[4]),        \
+                   "=r"(f.r[5]), "=r"(f.r[6]), "=r"(f.r[7])                                     \
+                 : "r"(smem_addr(p)), "r"(ld));                                                 \
+  }                                                                                             \
+  __device__ __forceinline__ void mma_##SHAPE(FragC& d, const FragAB& a, const FragAB& b) {     \
+    asm volatile("wmma.mma.sync.aligned.row.col." #SHAPE ".f32.f32 "                            \
+                 "{%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11,%12,%13,%14,%15}, "                 \
+                 "{%16,%17,%18,%19,%20,%21,%22,%23}, {%0,%1,%2,%3,%4,%5,%6,%7};"                \
+                 : "+f"(d.r[0]), "+f"(d.r[1]), "+f"(d.r[2]), "+f"(d.r[3]), "+f"(d.r[4]),        \
+                   "+f"(d.r[5]), "+f"(d.r[6]), "+f"(d.r[7])                                     \
+                 : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(a.r[4]),             \
+                   "r"(a.r[5]), "r"(a.r[6]), "r"(a.r[7]), "r"(b.r[0]), "r"(b.r[1]),             \
+                   "r"(b.r[2]), "r"(b.r[3]), "r"(b.r[4]), "r"(b.r[5]), "r"(b.r[6]),             \
+                   "r"(b.r[7]));                                                                \
+  }                                                                                             \
+  __device__ __forceinline__ void store_c_##SHAPE(float* p, const FragC& c, int ld) {           \
+    asm volatile("wmma.store.d.sync.aligned.row." #SHAPE ".shared.f32 "                         \
+                 "[%0], {%1,%2,%3,%4,%5,%6,%7,%8}, %9;"                                         \
+                 :                                                                              \
+                 : "r"(smem_addr(p)), "f"(c.r[0]), "f"(c.r[1]), "f"(c.r[2]), "f"(c.r[3]),       \
+                   "f"(c.r[4]), "f"(c.r[5]), "f"(c.r[6]), "f"(c.r[7]), "r"(ld)                  \
+                 : "memory");                                                                   \
+  }
+
+ONECAT_WMMA_FUNCS(m16n16k16)
+ONECAT_WMMA_FUNCS(m8n32k16)
+
 }  // namespace onecat
