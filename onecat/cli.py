@@ -311,5 +311,72 @@ def generate(artifact: str, prompt: str, chat: bool, max_tokens: int, temperatur
     click.secho(f"[{time.perf_counter() - start:.2f} s, {engine.model_name}]", fg="cyan", err=True)
 
 
+# --- bench (onecat.benchmarks: a client, it imports no engine) ---------------------------
+
+
+@main.group("bench")
+def bench() -> None:
+    """Benchmarks (vllm bench's commands and flags)."""
+
+
+@bench.command("serve")
+@click.option("--base-url", default="http://127.0.0.1:8000", show_default=True,
+              help="Server root (a trailing /v1 is accepted).")
+@click.option("--endpoint", default="/v1/completions", show_default=True,
+              help="/v1/completions or /v1/chat/completions.")
+@click.option("--endpoint-type", type=click.Choice(["completions", "chat"]), default=None,
+              help="The endpoint's API (default: from the --endpoint path).")
+@click.option("--model", default=None, help="Model id (default: the first of /v1/models).")
+@click.option("--api-key", envvar="OPENAI_API_KEY", default=None,
+              help="Bearer key for the server (env OPENAI_API_KEY).")
+@click.option("--tokenizer", default=None,
+              help="Tokenizer directory for exact prompt lengths (default: the served model's "
+                   "directory when it is local; without one, random prompts are words).")
+@click.option("--dataset-name", type=click.Choice(["random", "custom", "sharegpt"]), default=None,
+              help="random, custom (JSONL of prompts) or sharegpt (JSON). Default: random, or "
+                   "from --dataset-path's suffix (.jsonl: custom, .json: sharegpt).")
+@click.option("--dataset-path", type=click.Path(), default=None, help="The dataset file.")
+@click.option("--prompt-field", default="prompt", show_default=True,
+              help="JSONL field holding the prompt (custom).")
+@click.option("--num-prompts", type=int, default=1000, show_default=True)
+@click.option("--random-input-len", type=int, default=1024, show_default=True)
+@click.option("--random-output-len", type=int, default=128, show_default=True)
+@click.option("--random-range-ratio", type=float, default=0.0, show_default=True,
+              help="Lengths drawn from [L*(1-r), L*(1+r)].")
+@click.option("--custom-output-len", type=int, default=256, show_default=True)
+@click.option("--sharegpt-output-len", type=int, default=None,
+              help="Fixed output length (default: the reply's length).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--request-rate", type=float, default=float("inf"), show_default=True,
+              help="Requests per second (Poisson arrivals); inf sends all at once.")
+@click.option("--burstiness", type=float, default=1.0, show_default=True,
+              help="Gamma shape of the arrival gaps (1: Poisson).")
+@click.option("--max-concurrency", type=int, default=None, help="Most requests in flight at once.")
+@click.option("--num-warmups", type=int, default=0, show_default=True)
+@click.option("--ignore-eos/--no-ignore-eos", default=None,
+              help="Send ignore_eos so outputs have exactly the asked length (default: on for "
+                   "random).")
+@click.option("--percentile-metrics", default="ttft,tpot,itl", show_default=True,
+              help="Metrics to report: ttft, tpot, itl, e2el.")
+@click.option("--metric-percentiles", default="99", show_default=True,
+              help="Percentiles to report, e.g. 50,90,99.")
+@click.option("--result-json", type=click.Path(dir_okay=False), default=None,
+              help="Write the result (vLLM's keys) to this file.")
+@click.option("--no-progress", "--disable-tqdm", "no_progress", is_flag=True,
+              help="Hide the progress bar.")
+@_friendly
+def bench_serve(no_progress: bool, **flags: Any) -> None:
+    """Benchmark an OpenAI-compatible server (onecat's, vLLM's, ...) as `vllm bench serve`
+    does: throughput, TTFT, TPOT and ITL of streamed requests."""
+    try:
+        from onecat.benchmarks.serve import BenchServeConfig, run_bench_serve
+    except ModuleNotFoundError as exc:
+        raise OnecatError(f"onecat bench serve needs {exc.name}: pip install 'onecat[bench]'") from None
+
+    result = run_bench_serve(BenchServeConfig(show_progress=not no_progress, **flags))
+    if result["failed"]:
+        raise OnecatError(f"{result['failed']} of {result['num_prompts']} requests failed")
+
+
 if __name__ == "__main__":
     main()
