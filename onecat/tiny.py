@@ -134,6 +134,123 @@ def _perturb_norms(model: torch.nn.Module, generator: torch.Generator) -> None:
                 param.add_(noise.to(param.dtype))
 
 
+class SeparatedRouting:
+    """Expert routing whose top-k choice has a guaranteed margin, for random-weight MoE models.
+
+    Tests compare engines (fp32 vs bf16, eager vs CUDA graphs, TP 1 vs TP 2) on random
+    weights. With a random router the k-th and (k+1)-th expert scores are often within
+    rounding of each other, the engines then pick different experts and the outputs part.
+    Scaling a linear router up does not help (the rounding scales with it), and no linear
+    router separates its top-k for *every* hidden state ``h``: between ``h`` and ``-h`` the
+    top-k set changes, and where it changes two scores tie. So the separation is built into
+    the residual stream instead, with the real key layout and only the values changed:
+
+    - channels ``0 .. E-1`` of the residual stream are *routing channels*. Each token's
+      embedding holds ``k`` decreasing positive amplitudes in ``k`` routing channels chosen
+      per token (seeded) and exactly 0 in the other routing channels;
+    - every module that writes the residual stream (attention ``o_proj``, GDN ``out_proj``,
+      the routed and shared experts' ``down_proj``) has zero rows for the routing channels
+      (:meth:`clear_routing_rows`), so the residual keeps the embedding's routing values
+      exactly, through every layer and in any precision;
+    - layer ``l``'s router (:meth:`router`) reads expert ``e``'s score from routing channel
+      ``perm_l(e)`` alone (one non-zero per row, a seeded permutation per layer).
+
+    After the post-attention RMSNorm (its routing-channel weights kept ``1 + w > 0``), the
+    k chosen experts score ``gain * a_j * (1 + w_c) / rms(x) > 0`` and every other expert
+    scores exactly 0 (a sum of exact zeros), whatever the rest of the hidden state: the
+    top-k set is the token's code at every layer, for any context, dtype or summation
+    order. The routing weights within it still depend on the context (through ``rms(x)``).
+    Which experts a token reaches differs per token and per layer (:meth:`experts`).
+    """
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, seed: int = 0) -> None:
+        if not 0 < top_k < num_experts <= hidden_size // 2:
+            raise ValueError(
+                f"separated routing needs 0 < top_k ({top_k}) < num_experts ({num_experts}) "
+                f"<= hidden_size / 2 ({hidden_size // 2}): the routing channels are part of "
+                "the hidden state"
+            )
+        self.num_experts, self.top_k, self.hidden_size, self.seed = num_experts, top_k, hidden_size, seed
+        self.relative = 1.0 - torch.arange(top_k, dtype=torch.float64) / (2 * top_k)
+        """Amplitude of a token's j-th routing channel relative to its first (1 .. >1/2)."""
+
+    @property
+    def channels(self) -> slice:
+        """The routing channels of the hidden state (also the rows writers must leave zero)."""
+        return slice(0, self.num_experts)
+
+    def token_channels(self, vocab_size: int) -> torch.Tensor:
+        """``[vocab, k]`` int64: each token's routing channels, largest amplitude first."""
+        gen = torch.Generator().manual_seed(self.seed)
+        return torch.rand(vocab_size, self.num_experts, generator=gen).argsort(-1)[:, : self.top_k]
+
+    def permutation(self, layer: int) -> torch.Tensor:
+        """``[E]`` int64: layer ``layer``'s router reads expert ``e`` from channel ``perm[e]``."""
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + layer + 1)
+        return torch.randperm(self.num_experts, generator=gen)
+
+    def embedding(self, base: torch.Tensor) -> torch.Tensor:
+        """``base`` ``[vocab, H]`` with its routing channels set (a new float32 tensor).
+
+        The amplitudes give the routing channels about as much energy as the other
+        channels of a row have in ``base``."""
+        vocab, hidden = base.shape
+        if hidden != self.hidden_size:
+            raise ValueError(f"embedding width {hidden} != hidden_size {self.hidden_size}")
+        out = base.float().clone()
+        rest = out[:, self.num_experts :]
+        row_energy = rest.pow(2).sum(-1).mean().item()
+        amplitude = (row_energy / self.relative.pow(2).sum().item()) ** 0.5
+        out[:, self.channels] = 0
+        values = (amplitude * self.relative).float().expand(vocab, self.top_k)
+        out.scatter_(1, self.token_channels(vocab), values)
+        return out
+
+    def router(self, layer: int, gain: float | None = None) -> torch.Tensor:
+        """``[E, H]`` float32 router weight of layer ``layer``: one non-zero, ``gain``, per row.
+
+        The default gain spreads a token's chosen scores over about 2 (nats) when the
+        routing channels hold half of the hidden state's energy."""
+        if gain is None:
+            h = self.relative * (self.hidden_size / (2 * self.relative.pow(2).sum().item())) ** 0.5
+            gain = 2.0 / (h[0] - h[-1]).item()
+        weight = torch.zeros(self.num_experts, self.hidden_size)
+        weight[torch.arange(self.num_experts), self.permutation(layer)] = gain
+        return weight
+
+    def experts(self, layer: int, token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """``[..., k]`` int64: the experts (as a set; in channel order) that layer ``layer``
+        routes each of ``token_ids`` to."""
+        channel_to_expert = self.permutation(layer).argsort()
+        return channel_to_expert[self.token_channels(vocab_size)[token_ids]]
+
+    def clear_routing_rows(self, weight: torch.Tensor) -> None:
+        """Zero, in place, the routing-channel rows of a residual writer's weight
+        ``[..., H, K]`` (``o_proj``, ``out_proj``, ``down_proj``; stacked experts too)."""
+        if weight.shape[-2] != self.hidden_size:
+            raise ValueError(f"a residual writer has {self.hidden_size} rows, got {tuple(weight.shape)}")
+        weight[..., self.channels, :] = 0
+
+
+def _separate_routing(model: torch.nn.Module, seed: int) -> None:
+    """Give a transformers Qwen3.5 MoE model :class:`SeparatedRouting` (embedding routing
+    channels, zero routing rows in every residual writer, per-layer routers)."""
+    text = model.model.language_model
+    cfg = model.config.text_config
+    routing = SeparatedRouting(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, seed)
+    with torch.no_grad():
+        embed = text.embed_tokens.weight
+        embed.copy_(routing.embedding(embed))
+        for index, layer in enumerate(text.layers):
+            mixer = layer.self_attn.o_proj if hasattr(layer, "self_attn") else layer.linear_attn.out_proj
+            routing.clear_routing_rows(mixer.weight)
+            routing.clear_routing_rows(layer.mlp.experts.down_proj)
+            routing.clear_routing_rows(layer.mlp.shared_expert.down_proj.weight)
+            norm = layer.post_attention_layernorm.weight  # (1 + w) form: keep 1 + w >= 0.5
+            norm[routing.channels] = norm[routing.channels].clamp(min=-0.5)
+            layer.mlp.gate.weight.copy_(routing.router(index))
+
+
 def _add_mtp_tensors(out_dir: Path, hidden: int, generator: torch.Generator) -> None:
     """Real Qwen3.5 checkpoints carry a multi-token-prediction head (``mtp.*``) that
     transformers ignores on load; add a small one so tools must copy it through."""
@@ -211,8 +328,9 @@ def build_tiny_model(
 
     The checkpoint is sharded (several safetensors files and an index) like real ones; MoE
     experts are stored fused (3-D) like the official Qwen3.5-35B-A3B unless ``fused_experts``
-    is False. ``config_overrides`` replaces entries of the (text) config, e.g. wider heads.
-    Returns the directory.
+    is False. MoE models route with :class:`SeparatedRouting` (a top-k choice with a
+    guaranteed margin). ``config_overrides`` replaces entries of the (text) config, e.g.
+    wider heads. Returns the directory.
     """
     from transformers import AutoTokenizer
 
@@ -228,6 +346,8 @@ def build_tiny_model(
         family, len(tokenizer), num_layers, tokenizer.eos_token_id, config_overrides
     )
     _perturb_norms(model, generator)
+    if family == "qwen3_5_moe":
+        _separate_routing(model, seed)
     model = model.to(dtype)
     model.save_pretrained(out, max_shard_size=max_shard_size)
     if family.startswith("qwen3_5"):
