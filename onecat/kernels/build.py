@@ -25,7 +25,10 @@ from onecat.errors import OnecatError
 
 KERNEL_DIR = Path(__file__).resolve().parent
 COMMON_HEADER = "w4a16_common.cuh"
-PROGRAMS = ("w4a16_gemv", "w4a16_wmma", "w4a16_dequant", "gdn_decode")
+PROGRAMS = (
+    "w4a16_gemv", "w4a16_wmma", "w4a16_dequant", "gdn_decode",
+    "w4a16_moe_gemv", "w4a16_moe_wmma", "w4a16_moe_route",
+)
 """The NVRTC programs (``<name>.cu`` in this package)."""
 
 MANIFEST = "onecat_kernels.json"
@@ -140,6 +143,8 @@ def kernel_names(program: str) -> list[str]:
     if program == "w4a16_wmma":
         found = re.findall(r"^ONECAT_WMMA\((\d+), (\d+), (\d+)\)$", text, flags=re.M)
         return [f"w4a16_wmma_mt{t}_w{w}_c{c}" for t, w, c in found]
+    if program.startswith("w4a16_moe"):  # plain extern "C" kernels, one per line
+        return re.findall(r'^extern "C" __global__ void __launch_bounds__\([^)]*\)\n(\w+)\(', text, flags=re.M)
     return [program]
 
 

@@ -1,0 +1,353 @@
+"""The routed experts of a mixture-of-experts block and its router, as torch custom ops.
+
+``torch.ops.onecat.w4a16_moe(x, expert_ids, weights, w13_qweight, w13_scales_zeros,
+w2_qweight, w2_scales_zeros, group_size)`` computes, for every token ``t``,
+``out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))`` with
+``e = expert_ids[t, j]``, all experts' weights stacked in the Volta layout (docs/FORMAT.md,
+"Stacked experts") and read in place. Ids outside ``[0, E)`` (other ranks' experts under
+expert parallelism, vLLM's ``-1``) contribute nothing.
+
+- CUDA, up to :data:`GATHER_MAX_PAIRS` (token, expert) pairs (decode): two CUDA-core
+  gather-GEMV launches (``w4a16_moe_gemv.cu``): gate+up with SiLU-and-multiply per pair,
+  then the down projection per token over its experts with the routing weights applied.
+- CUDA, more pairs (prefill): the pairs are sorted by expert on the GPU by one small kernel,
+  then two grouped wmma GEMMs over 64-row tiles of one expert each (``w4a16_moe_wmma.cu``).
+- CPU: the reference (:func:`reference_moe`): the dequant contract, fp32 matmuls, the hidden
+  activations rounded to ``x.dtype`` as the kernels round them to fp16.
+- Meta / fake tensors: ``x``'s shape and dtype.
+
+Neither CUDA path reads anything back to the host or loops over experts in Python, so the
+op can be captured in a CUDA graph.
+
+``torch.ops.onecat.moe_route(logits, top_k) -> (weights fp32 [T, k], ids int32 [T, k])``:
+Qwen3.5's router (softmax over the experts, top k, renormalised) in one kernel
+(``w4a16_moe_route.cu``), ties taken lowest expert index first; CPU: :func:`reference_route`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+import torch.nn.functional as F
+
+from onecat.errors import OnecatError
+from onecat.kernels.loader import get_kernel
+from onecat.pack.volta_layout import TILE, dequantize_volta
+
+_MOE_SCHEMA = (
+    "w4a16_moe(Tensor x, Tensor expert_ids, Tensor weights, Tensor w13_qweight, "
+    "Tensor w13_scales_zeros, Tensor w2_qweight, Tensor w2_scales_zeros, int group_size) -> Tensor"
+)
+_ROUTE_SCHEMA = "moe_route(Tensor logits, int top_k) -> (Tensor, Tensor)"
+
+_LIB = torch.library.Library("onecat", "FRAGMENT")  # module scope: keeps the registration alive
+_LIB.define(_MOE_SCHEMA)
+_LIB.define(_ROUTE_SCHEMA)
+
+GATHER_MAX_PAIRS = 256
+"""Largest ``T * top_k`` run by the gather-GEMV kernels; more pairs take the grouped path."""
+MAX_EXPERTS = 1024
+"""Most experts the align and routing kernels take (one thread / register slot per expert)."""
+
+_GATE_UP_WARPS = 8  # w4a16_moe_gemv.cu kGateUpWarps
+_DOWN_WARPS = 16  # kDownWarps
+_GROUP_ROWS = 64  # w4a16_moe_wmma.cu kMoeRows
+_GROUP_WARPS = 4  # kMoeWarps
+_ALIGN_THREADS = 1024  # kAlignThreads
+_ROUTE_WARPS = 4  # w4a16_moe_route.cu kRouteWarps
+_MAX_TOP_K = 32  # one lane per choice
+_GRID_Y_MAX = 65535
+
+
+def check_moe_inputs(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13_qweight: torch.Tensor,
+    w13_scales_zeros: torch.Tensor,
+    w2_qweight: torch.Tensor,
+    w2_scales_zeros: torch.Tensor,
+    group_size: int,
+) -> tuple[int, int, int, int, int]:
+    """Validate the op's inputs; returns ``(T, H, I, E, top_k)``. Raises OnecatError naming
+    the bad argument and the shape it should have."""
+    where = "onecat.kernels.moe.w4a16_moe"
+    if w13_qweight.dtype != torch.int32 or w13_qweight.dim() != 5 or tuple(w13_qweight.shape[3:]) != (TILE, 4):
+        raise OnecatError(
+            f"{where}: w13_qweight must be int32 [E, 2I/32, H/32, 32, 4] (stacked Volta layout), "
+            f"got {w13_qweight.dtype} {tuple(w13_qweight.shape)}"
+        )
+    e, h = w13_qweight.shape[0], w13_qweight.shape[2] * TILE
+    if w13_qweight.shape[1] % 2:
+        raise OnecatError(f"{where}: w13_qweight holds gate then up rows: 2I/32 must be even, got {w13_qweight.shape[1]}")
+    i = w13_qweight.shape[1] * TILE // 2
+    g = group_size
+    if g <= 0 or g % TILE or h % g or i % g:
+        raise OnecatError(f"{where}: group_size {g} must be a positive multiple of 32 dividing H={h} and I={i}")
+    expected = {
+        "w13_scales_zeros": ((e, 2 * i // TILE, h // g, TILE, 2), torch.float16, w13_scales_zeros),
+        "w2_qweight": ((e, h // TILE, i // TILE, TILE, 4), torch.int32, w2_qweight),
+        "w2_scales_zeros": ((e, h // TILE, i // g, TILE, 2), torch.float16, w2_scales_zeros),
+    }
+    for name, (shape, dtype, t) in expected.items():
+        if t.dtype != dtype or tuple(t.shape) != shape:
+            raise OnecatError(
+                f"{where}: {name} must be {dtype} {list(shape)} for E={e}, H={h}, I={i}, "
+                f"group size {g}; got {t.dtype} {tuple(t.shape)}"
+            )
+    if x.dim() != 2 or x.shape[1] != h:
+        raise OnecatError(f"{where}: x must be [T, {h}], got {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise OnecatError(f"{where}: x must be floating point, got {x.dtype}")
+    t = x.shape[0]
+    if expert_ids.dim() != 2 or expert_ids.shape[0] != t or expert_ids.shape[1] < 1:
+        raise OnecatError(f"{where}: expert_ids must be [T={t}, top_k], got {tuple(expert_ids.shape)}")
+    if expert_ids.dtype not in (torch.int32, torch.int64):
+        raise OnecatError(f"{where}: expert_ids must be int32 or int64, got {expert_ids.dtype}")
+    if tuple(weights.shape) != tuple(expert_ids.shape) or not weights.is_floating_point():
+        raise OnecatError(
+            f"{where}: weights must be floating point {list(expert_ids.shape)} like expert_ids, "
+            f"got {weights.dtype} {tuple(weights.shape)}"
+        )
+    tensors = {"expert_ids": expert_ids, "weights": weights, **{k: v[2] for k, v in expected.items()},
+               "w13_qweight": w13_qweight}
+    for name, tensor in tensors.items():
+        if tensor.device != x.device:
+            raise OnecatError(f"{where}: {name} is on {tensor.device}, x on {x.device}")
+    if x.device.type == "cuda":
+        if x.dtype != torch.float16:
+            raise OnecatError(f"{where}: x must be float16 on the GPU (V100 has no bf16), got {x.dtype}")
+        if weights.dtype not in (torch.float32, torch.float16):
+            raise OnecatError(f"{where}: weights must be float32 or float16 on the GPU, got {weights.dtype}")
+        for name in ("w13_qweight", "w13_scales_zeros", "w2_qweight", "w2_scales_zeros"):
+            tensor = tensors[name]
+            if not tensor.is_contiguous() or tensor.data_ptr() % 16:
+                raise OnecatError(
+                    f"{where}: {name} must be contiguous and 16-byte aligned on the GPU "
+                    f"(call .contiguous() once when loading the weights)"
+                )
+        if e > MAX_EXPERTS:
+            raise OnecatError(f"{where}: at most {MAX_EXPERTS} experts per rank, got {e}")
+    return t, h, i, e, expert_ids.shape[1]
+
+
+def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
+
+
+def _ints(*values: int) -> list[ctypes.c_int]:
+    return [ctypes.c_int(v) for v in values]
+
+
+def _device_index(t: torch.Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+def _cuda_moe(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13_qweight: torch.Tensor,
+    w13_scales_zeros: torch.Tensor,
+    w2_qweight: torch.Tensor,
+    w2_scales_zeros: torch.Tensor,
+    group_size: int,
+) -> torch.Tensor:
+    t, h, i, e, top_k = check_moe_inputs(
+        x, expert_ids, weights, w13_qweight, w13_scales_zeros, w2_qweight, w2_scales_zeros, group_size
+    )
+    out = torch.empty((t, h), dtype=torch.float16, device=x.device)
+    if t == 0:
+        return out
+    if not x.is_contiguous() or x.data_ptr() % 16:
+        x = x.contiguous() if not x.is_contiguous() else x.clone()
+    ids, weights = expert_ids.contiguous(), weights.contiguous()
+    flags = _ints(int(ids.dtype == torch.int64))
+    weights32 = _ints(int(weights.dtype == torch.float32))
+    device = _device_index(x)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    pairs = t * top_k
+    hidden = torch.empty((pairs, i), dtype=torch.float16, device=x.device)
+    if pairs <= GATHER_MAX_PAIRS:
+        get_kernel("w4a16_moe_gemv_gate_up", device).launch(
+            (i // TILE, pairs, 1), 32 * _GATE_UP_WARPS, stream,
+            [_ptr(x), _ptr(ids), *flags, _ptr(w13_qweight), _ptr(w13_scales_zeros), _ptr(hidden),
+             *_ints(top_k, e, h, i, group_size, math.ceil(h // TILE / _GATE_UP_WARPS))],
+        )  # fmt: skip
+        get_kernel("w4a16_moe_gemv_down", device).launch(
+            (h // TILE, t, 1), 32 * _DOWN_WARPS, stream,
+            [_ptr(hidden), _ptr(ids), *flags, _ptr(weights), *weights32, _ptr(w2_qweight),
+             _ptr(w2_scales_zeros), _ptr(out),
+             *_ints(top_k, e, h, i, group_size, math.ceil(top_k * (i // TILE) / _DOWN_WARPS))],
+        )  # fmt: skip
+        return out
+    # Grouped path: row tiles of one expert each; the grid covers the most tiles P pairs
+    # can need (each expert with pairs adds at most one partial tile), blocks beyond exit.
+    row_tiles = math.ceil(pairs / _GROUP_ROWS) + min(e, pairs)
+    if row_tiles > _GRID_Y_MAX:
+        raise OnecatError(
+            f"onecat.kernels.moe.w4a16_moe: {t} tokens x top-{top_k} is too many pairs for one "
+            f"call; split the batch (at most {(_GRID_Y_MAX - e) * _GROUP_ROWS} pairs)"
+        )
+    meta = torch.empty(2 * (e + 1) + pairs, dtype=torch.int32, device=x.device)
+    # A token's top_k rows lie in different blocks: they are summed with fp32 atomics into
+    # a zeroed workspace (one memset and one conversion per prefill call).
+    summed = torch.zeros((t, h), dtype=torch.float32, device=x.device)
+    get_kernel("w4a16_moe_wmma_align", device).launch(
+        (1, 1, 1), _ALIGN_THREADS, stream, [_ptr(ids), *flags, *_ints(pairs, e), _ptr(meta)]
+    )
+    get_kernel("w4a16_moe_wmma_gate_up", device).launch(
+        (math.ceil(i // TILE / (_GROUP_WARPS // 2)), row_tiles, 1), 32 * _GROUP_WARPS, stream,
+        [_ptr(x), _ptr(meta), *_ints(e), _ptr(w13_qweight), _ptr(w13_scales_zeros), _ptr(hidden),
+         *_ints(top_k, h, i, group_size)],
+    )  # fmt: skip
+    get_kernel("w4a16_moe_wmma_down", device).launch(
+        (math.ceil(h // TILE / _GROUP_WARPS), row_tiles, 1), 32 * _GROUP_WARPS, stream,
+        [_ptr(hidden), _ptr(meta), *_ints(e), _ptr(weights), *weights32, _ptr(w2_qweight),
+         _ptr(w2_scales_zeros), _ptr(summed), *_ints(top_k, h, i, group_size)],
+    )  # fmt: skip
+    return out.copy_(summed)
+
+
+def reference_moe(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13_qweight: torch.Tensor,
+    w13_scales_zeros: torch.Tensor,
+    w2_qweight: torch.Tensor,
+    w2_scales_zeros: torch.Tensor,
+    group_size: int,
+) -> torch.Tensor:
+    """The op on the CPU: per expert that received pairs, its contract weights
+    (``dequantize_volta``) in fp32, ``silu(gate) * up`` rounded to ``x.dtype`` (the kernels
+    keep it in fp16), the down projection, the routing-weighted sum in fp32, one rounding to
+    ``x.dtype``. Ids outside ``[0, E)`` are skipped. Runs on any device (loops on the host)."""
+    _, hidden, inter, experts, _ = check_moe_inputs(
+        x, expert_ids, weights, w13_qweight, w13_scales_zeros, w2_qweight, w2_scales_zeros, group_size
+    )
+    out = torch.zeros(x.shape[0], hidden, dtype=torch.float32, device=x.device)
+    ids = expert_ids.long()
+    valid = (ids >= 0) & (ids < experts)
+    for e in torch.unique(ids[valid]).tolist():
+        tokens, slots = (ids == e).nonzero(as_tuple=True)
+        w13 = dequantize_volta(w13_qweight[e], w13_scales_zeros[e], group_size, torch.float32)
+        gate_up = x[tokens].float() @ w13.t()
+        act = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype).float()
+        w2 = dequantize_volta(w2_qweight[e], w2_scales_zeros[e], group_size, torch.float32)
+        out.index_add_(0, tokens, (act @ w2.t()) * weights[tokens, slots].float()[:, None])
+    return out.to(x.dtype)
+
+
+def _cpu_moe(*args) -> torch.Tensor:
+    return reference_moe(*args)
+
+
+_LIB.impl("w4a16_moe", _cuda_moe, "CUDA")
+_LIB.impl("w4a16_moe", _cpu_moe, "CPU")
+
+
+@torch.library.register_fake("onecat::w4a16_moe")
+def _fake_moe(x, expert_ids, weights, w13_qweight, w13_scales_zeros, w2_qweight, w2_scales_zeros, group_size):
+    return x.new_empty(x.shape)
+
+
+def w4a16_moe(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13_qweight: torch.Tensor,
+    w13_scales_zeros: torch.Tensor,
+    w2_qweight: torch.Tensor,
+    w2_scales_zeros: torch.Tensor,
+    group_size: int,
+) -> torch.Tensor:
+    """Routed experts: ``out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))``.
+
+    Args:
+        x: activations ``[T, H]``, float16 on the GPU (any float dtype on the CPU).
+        expert_ids: int32 or int64 ``[T, top_k]``; ids outside ``[0, E)`` contribute nothing.
+        weights: routing weights ``[T, top_k]``, float32 or float16.
+        w13_qweight: int32 ``[E, 2I/32, H/32, 32, 4]``: per expert the gate rows then the up
+            rows, in the Volta layout; contiguous.
+        w13_scales_zeros: float16 ``[E, 2I/32, H/g, 32, 2]``.
+        w2_qweight: int32 ``[E, H/32, I/32, 32, 4]`` (down projection).
+        w2_scales_zeros: float16 ``[E, H/32, I/g, 32, 2]``.
+        group_size: quantization group ``g`` of both projections.
+
+    Returns:
+        ``[T, H]`` in ``x.dtype``: fp32 sums, ``silu(gate) * up`` rounded to fp16 between the
+        projections (the GEMV forms fp16 partial sums of 8 products, as the linear op does).
+
+    Raises:
+        OnecatError: on a wrong dtype, shape or device, or non-contiguous weights on the GPU.
+    """
+    return torch.ops.onecat.w4a16_moe(
+        x, expert_ids, weights, w13_qweight, w13_scales_zeros, w2_qweight, w2_scales_zeros, group_size
+    )
+
+
+# --- router ------------------------------------------------------------------------------
+
+
+def _check_route(logits: torch.Tensor, top_k: int) -> None:
+    where = "onecat.kernels.moe.moe_route"
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise OnecatError(f"{where}: logits must be floating point [T, E], got {logits.dtype} {tuple(logits.shape)}")
+    experts = logits.shape[1]
+    if not 1 <= top_k <= min(experts, _MAX_TOP_K):
+        raise OnecatError(f"{where}: top_k {top_k} must be in 1..{min(experts, _MAX_TOP_K)} for {experts} experts")
+    if logits.device.type == "cuda" and experts > MAX_EXPERTS:
+        raise OnecatError(f"{where}: at most {MAX_EXPERTS} experts on the GPU, got {experts}")
+
+
+def reference_route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router on any device: the ``top_k`` largest logits (equal logits: lowest expert
+    index first) and a softmax over them, in fp32 (equal to softmax, top-k, renormalise).
+    Returns ``(weights fp32 [T, k], ids int32 [T, k])``, experts in decreasing weight order."""
+    _check_route(logits, top_k)
+    values, ids = torch.sort(logits.float(), dim=-1, descending=True, stable=True)
+    return torch.softmax(values[:, :top_k], dim=-1), ids[:, :top_k].to(torch.int32)
+
+
+def _cuda_route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_route(logits, top_k)
+    tokens, experts = logits.shape
+    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((tokens, top_k), dtype=torch.int32, device=logits.device)
+    if tokens == 0:
+        return weights, ids
+    if logits.dtype not in (torch.float16, torch.float32):
+        logits = logits.float()
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    get_kernel("w4a16_moe_route_topk", _device_index(logits)).launch(
+        (math.ceil(tokens / _ROUTE_WARPS), 1, 1), 32 * _ROUTE_WARPS,
+        torch.cuda.current_stream(logits.device).cuda_stream,
+        [_ptr(logits), *_ints(int(logits.dtype == torch.float32), logits.stride(0), tokens, experts, top_k),
+         _ptr(weights), _ptr(ids)],
+    )  # fmt: skip
+    return weights, ids
+
+
+_LIB.impl("moe_route", _cuda_route, "CUDA")
+_LIB.impl("moe_route", reference_route, "CPU")
+
+
+@torch.library.register_fake("onecat::moe_route")
+def _fake_route(logits, top_k):
+    shape = (logits.shape[0], top_k)
+    return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.int32)
+
+
+def moe_route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3.5's router: softmax over the experts, the ``top_k`` best, renormalised to sum 1.
+
+    ``logits [T, E]`` (fp16 or fp32; on the GPU E <= 1024, top_k <= 32) -> ``(weights fp32
+    [T, top_k], expert ids int32 [T, top_k])``, in decreasing weight order; equal logits
+    are taken lowest expert index first. Computed as a softmax over the selected logits
+    (the same numbers: the full softmax's denominator cancels in the renormalisation).
+    """
+    return torch.ops.onecat.moe_route(logits, top_k)

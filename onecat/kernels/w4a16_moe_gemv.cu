@@ -1,0 +1,215 @@
+// Routed experts of a MoE block for decode (few (token, expert) pairs), on CUDA cores:
+//   out[t] = sum_j w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),   e = ids[t, j]
+// in two launches, reading every chosen expert's packed weights in place (no copies):
+//
+//   1. w4a16_moe_gemv_gate_up: h[p, :] = silu(gate_e(x[t])) * up_e(x[t]) for each pair
+//      p = t*top_k + j, fp16 [P, I];
+//   2. w4a16_moe_gemv_down: out[t, :] = sum_j w[t, j] * down_{e_j}(h[t*top_k + j, :]).
+//
+// Data layout (docs/FORMAT.md, w4a16_common.cuh), stacked over E experts:
+//   w13 qweight u32 [E][2I/32][H/32][32 lanes][4]   column tiles 0..I/32-1 = gate, then up
+//   w13 scales  half2 [E][2I/32][H/g][32 lanes]
+//   w2  qweight u32 [E][H/32][I/32][32 lanes][4],   w2 scales half2 [E][H/32][I/g][32 lanes]
+//   x [T, H] fp16, h [P, I] fp16, out [T, H] fp16, row-major; ids [T, top_k] int32 or int64,
+//   routing weights [T, top_k] fp32 or fp16.  An id outside [0, E) (another rank's expert)
+//   contributes nothing: its pair's block exits and its h row is never read.
+//
+// Thread mapping:
+//   gate_up: grid (I/32, P), block kGateUpWarps warps.  Block (c, p) computes column tile c of
+//     gate AND of up for pair p, so the lane that owns column lane_column(l) of both holds the
+//     gate and up sums of the same output column.  The H/32 k tiles are cut into equal
+//     contiguous ranges of `per_warp`, one per warp; each lane streams its column's 32 k of
+//     gate and up per k tile (one 128-bit load each), kGateUpBatch k tiles in flight.  The
+//     warps' fp32 sums are added in shared memory and warp 0 applies silu(g) * u (fp32) and
+//     stores h in fp16.
+//   down: grid (H/32, T), block kDownWarps warps.  Block (c, t) computes output column tile c
+//     of token t over a "virtual K" of top_k * I: the concatenation of the token's k hidden
+//     rows h[t*top_k .. t*top_k + top_k - 1] (contiguous in h), against the concatenation of
+//     the chosen experts' w2 column tiles.  Virtual k tile v belongs to expert slot
+//     j = v / (I/32), k tile v % (I/32) of expert ids[t, j].  Each warp takes `per_warp`
+//     consecutive virtual k tiles and multiplies each tile's fp32 dot product by its routing
+//     weight, so the weighted sum over experts is part of the reduction: no atomics, no
+//     zeroed workspace, a deterministic summation order, one write of out.
+//
+// Why not fp32 atomics into a workspace for the sum over experts: they need a memset and a
+// conversion pass per step (two more launches at decode, where launches dominate) and
+// their order varies from run to run; the virtual-K walk needs neither.
+//
+// Arithmetic, as in w4a16_gemv.cu: weights dequantised in registers (the contract
+// fma.rn.f16x2(q, s, -z*s)), products summed in fp16 in runs of 8 then in fp32.
+#include "w4a16_common.cuh"
+
+namespace onecat {
+
+constexpr int kGateUpWarps = 8;
+constexpr int kGateUpBatch = 4;  // k tiles of gate and of up loaded per warp step (8 uint4)
+constexpr int kDownWarps = 16;
+constexpr int kDownBatch = 4;    // virtual k tiles loaded per warp step (64 registers: 2 blocks per SM)
+
+// Expert of pair p, or -1 when it lies outside [0, E).
+__device__ __forceinline__ int pair_expert(const void* ids, int ids64, int p, int E) {
+  const long long e = ids64 ? reinterpret_cast<const long long*>(ids)[p]
+                            : (long long)reinterpret_cast<const int*>(ids)[p];
+  return (e >= 0 && e < E) ? (int)e : -1;
+}
+
+__device__ __forceinline__ float pair_weight(const void* w, int w32, int p) {
+  return w32 ? reinterpret_cast<const float*>(w)[p]
+             : __half2float(reinterpret_cast<const half*>(w)[p]);
+}
+
+// Dot product of this lane's 32 k of one tile (dequantised from `wv`, `sz`) with x[k],
+// `xk` pointing at the tile's first k (16-byte aligned; broadcast loads).
+__device__ __forceinline__ float dot_tile(uint4 wv, half2 sz, const half* __restrict__ xk) {
+  half2 w[16];
+  dequant_tile(wv, sz, w);
+  const uint4* xp = reinterpret_cast<const uint4*>(xk);
+  float acc = 0.0f;
+#pragma unroll
+  for (int pair = 0; pair < 2; ++pair) {  // 16 k per pair of words
+    const uint4 xa = __ldg(xp + 2 * pair);
+    const uint4 xb = __ldg(xp + 2 * pair + 1);
+    const half2* wp = w + 8 * pair;
+    half2 p = __hmul2(wp[0], as_half2(xa.x));
+    half2 q = __hmul2(wp[4], as_half2(xb.x));
+    p = __hfma2(wp[1], as_half2(xa.y), p);
+    q = __hfma2(wp[5], as_half2(xb.y), q);
+    p = __hfma2(wp[2], as_half2(xa.z), p);
+    q = __hfma2(wp[6], as_half2(xb.z), q);
+    p = __hfma2(wp[3], as_half2(xa.w), p);
+    q = __hfma2(wp[7], as_half2(xb.w), q);
+    const float2 f = __half22float2(__hadd2(p, q));
+    acc += f.x + f.y;
+  }
+  return acc;
+}
+
+}  // namespace onecat
+
+extern "C" __global__ void __launch_bounds__(32 * onecat::kGateUpWarps)
+w4a16_moe_gemv_gate_up(const half* __restrict__ x, const void* ids, int ids64,
+                       const uint4* __restrict__ w13_qweight, const half2* __restrict__ w13_scales,
+                       half* __restrict__ h, int top_k, int E, int H, int I, int group_size,
+                       int per_warp) {
+  using namespace onecat;
+  const int c = blockIdx.x;
+  const int p = blockIdx.y;
+  const int e = pair_expert(ids, ids64, p, E);
+  if (e < 0) return;  // another rank's expert: h[p] is never read
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int ktiles = H / kTile;
+  const int groups = H / group_size;
+  const int tiles_per_group = group_size / kTile;
+  const int itiles = I / kTile;
+  const size_t gate_tile = (size_t)e * 2 * itiles + c;  // column tile index in w13
+  const size_t up_tile = gate_tile + itiles;
+  const uint4* gate_w = w13_qweight + gate_tile * ktiles * 32 + lane;
+  const uint4* up_w = w13_qweight + up_tile * ktiles * 32 + lane;
+  const half* xr = x + (size_t)(p / top_k) * H;
+
+  const int kt_begin = warp * per_warp;
+  const int kt_end = min(ktiles, kt_begin + per_warp);
+  float g = 0.0f, u = 0.0f;
+  if (kt_begin < kt_end) {
+    ScaleCursor gate_s(w13_scales + gate_tile * groups * 32 + lane, kt_begin, tiles_per_group);
+    ScaleCursor up_s(w13_scales + up_tile * groups * 32 + lane, kt_begin, tiles_per_group);
+#pragma unroll 1
+    for (int kt = kt_begin; kt < kt_end; kt += kGateUpBatch) {
+      uint4 wg[kGateUpBatch], wu[kGateUpBatch];
+      half2 sg[kGateUpBatch], su[kGateUpBatch];
+#pragma unroll
+      for (int b = 0; b < kGateUpBatch; ++b) {
+        if (kt + b < kt_end) {
+          wg[b] = load_weights_streaming(gate_w + (size_t)(kt + b) * 32);
+          wu[b] = load_weights_streaming(up_w + (size_t)(kt + b) * 32);
+          sg[b] = gate_s.next();
+          su[b] = up_s.next();
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < kGateUpBatch; ++b) {
+        if (kt + b < kt_end) {
+          const half* xk = xr + (size_t)(kt + b) * kTile;
+          g += dot_tile(wg[b], sg[b], xk);
+          u += dot_tile(wu[b], su[b], xk);
+        }
+      }
+    }
+  }
+
+  __shared__ float partial[kGateUpWarps][2][32];
+  partial[warp][0][lane] = g;
+  partial[warp][1][lane] = u;
+  __syncthreads();
+  if (warp == 0) {
+    float gs = 0.0f, us = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kGateUpWarps; ++w) {
+      gs += partial[w][0][lane];
+      us += partial[w][1][lane];
+    }
+    const float silu = gs / (1.0f + __expf(-gs));
+    h[(size_t)p * I + c * kTile + lane_column(lane)] = __float2half_rn(silu * us);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(32 * onecat::kDownWarps, 2)
+w4a16_moe_gemv_down(const half* __restrict__ h, const void* ids, int ids64, const void* weights,
+                    int weights32, const uint4* __restrict__ w2_qweight,
+                    const half2* __restrict__ w2_scales, half* __restrict__ out, int top_k, int E,
+                    int H, int I, int group_size, int per_warp) {
+  using namespace onecat;
+  const int c = blockIdx.x;
+  const int t = blockIdx.y;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int itiles = I / kTile;
+  const int htiles = H / kTile;
+  const int groups = I / group_size;
+  const int tiles_per_group = group_size / kTile;
+  const int total = top_k * itiles;
+  const half* ht = h + (size_t)t * top_k * I;
+
+  const int v_begin = warp * per_warp;
+  const int v_end = min(total, v_begin + per_warp);
+  float acc = 0.0f;
+#pragma unroll 1
+  for (int v = v_begin; v < v_end; v += kDownBatch) {
+    uint4 wv[kDownBatch];
+    half2 sz[kDownBatch];
+    float rw[kDownBatch];
+    bool valid[kDownBatch];
+#pragma unroll
+    for (int b = 0; b < kDownBatch; ++b) {
+      const int vt = v + b;
+      valid[b] = false;
+      if (vt < v_end) {
+        const int j = vt / itiles;
+        const int kt = vt - j * itiles;
+        const int p = t * top_k + j;
+        const int e = pair_expert(ids, ids64, p, E);  // warp-uniform
+        if (e >= 0) {
+          const size_t tile = (size_t)e * htiles + c;
+          wv[b] = load_weights_streaming(w2_qweight + (tile * itiles + kt) * 32 + lane);
+          sz[b] = __ldg(w2_scales + (tile * groups + kt / tiles_per_group) * 32 + lane);
+          rw[b] = pair_weight(weights, weights32, p);
+          valid[b] = true;
+        }
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kDownBatch; ++b)
+      if (valid[b]) acc += rw[b] * dot_tile(wv[b], sz[b], ht + (size_t)(v + b) * kTile);
+  }
+
+  __shared__ float partial[kDownWarps][32];
+  partial[warp][lane] = acc;
+  __syncthreads();
+  if (warp == 0) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kDownWarps; ++w) sum += partial[w][lane];
+    out[(size_t)t * H + c * kTile + lane_column(lane)] = __float2half_rn(sum);
+  }
+}

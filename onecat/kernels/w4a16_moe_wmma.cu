@@ -1,0 +1,304 @@
+// Routed experts of a MoE block for prefill (many (token, expert) pairs), on tensor cores:
+//   out[t] = sum_j w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),   e = ids[t, j]
+// in three launches and no host sync:
+//
+//   1. w4a16_moe_wmma_align (one block): counts the pairs per expert, prefix-sums them and
+//      the 64-row tiles they need, and scatters the pair indices into expert order:
+//        expert_start [E+1]  first sorted position of expert e (expert_start[E] = valid pairs)
+//        tile_start   [E+1]  first row tile of expert e        (tile_start[E] = row tiles)
+//        sorted_pairs [P]    pair index p = t*top_k + j at each sorted position
+//      Pairs whose id lies outside [0, E) (another rank's experts) are left out.  Positions
+//      inside an expert come from shared-memory atomics (any order: rows are independent).
+//   2. w4a16_moe_wmma_gate_up: h[s, :] = silu(gate_e(x[t])) * up_e(x[t]) for each sorted
+//      position s (token t of pair sorted_pairs[s]), fp16 [P, I] in sorted order;
+//   3. w4a16_moe_wmma_down: ws[t, :] += w[p] * down_e(h[s, :]) with fp32 atomics into a
+//      zeroed workspace [T, H] (the caller converts it to fp16).  A token's top_k rows sit in
+//      different experts' tiles, in different blocks: atomics are the simple way to sum them
+//      (top_k adds per output, order not fixed; prefill only).
+//
+// Data layout: the stacked Volta layout of w4a16_moe_gemv.cu (per expert as in
+// w4a16_common.cuh); x [T, H] fp16 row-major.
+//
+// Thread mapping of the GEMMs (the structure of w4a16_wmma.cu, MT = 64 rows, 4 warps):
+//   grid (column groups, row-tile bound), block 4 warps.  blockIdx.y is a row tile: a binary
+//   search of tile_start gives its expert e and its rows (sorted positions r0 .. r0+rows-1,
+//   rows <= 64); the grid is sized by the bound ceil(P/64) + min(E, P) on the number of row
+//   tiles, so no count ever travels to the host, and blocks past tile_start[E] exit.
+//   gate_up: blockIdx.x = g covers h columns 64g .. 64g+63: warps 0, 1 take gate column tiles
+//     2g, 2g+1 and warps 2, 3 the up column tiles I/32 + 2g, I/32 + 2g + 1 (same columns).
+//   down: blockIdx.x = g covers output columns 128g .. 128g+127, one column tile per warp.
+//   Main loop per chunk of CT = 2 k tiles (64 k): each warp dequantises its uint4 fragments
+//   (loaded one chunk earlier: register double buffering, sm_70 has no cp.async) into its
+//   slice of shared memory sB[warp][column][k] (col-major B); the 128 threads gather the 64
+//   activation rows' chunk into sA[row][k] (x rows by token for gate_up, h rows by sorted
+//   position for down; rows past `rows` are zero); then each warp runs 4 x 2 wmma m16n16k16
+//   per 16 k into fp32 accumulators (64 rows x 32 columns per warp).
+//   Epilogue through shared memory (fp32, row stride 36): gate_up pairs warp w's gate sums
+//   with warp w+2's up sums and writes 64-byte rows of h; down multiplies by the routing
+//   weight and adds into ws[token] with atomicAdd.
+#include "w4a16_common.cuh"
+
+namespace onecat {
+
+constexpr int kMoeRows = 64;    // rows per tile (MT)
+constexpr int kMoeWarps = 4;    // warps per block (32 columns each)
+constexpr int kMoeChunk = 2;    // k tiles per chunk (CT)
+constexpr int kMoeLds = kMoeChunk * kTile + 8;  // shared row stride in halves (144 bytes)
+constexpr int kMoeLdc = 36;                     // epilogue row stride in floats
+constexpr int kAlignThreads = 1024;             // also the largest E the align kernel takes
+
+constexpr int kSmemA = kMoeRows * kMoeLds * 2;
+constexpr int kSmemB = kMoeWarps * kTile * kMoeLds * 2;
+constexpr int kSmemC = kMoeWarps * kMoeRows * kMoeLdc * 4;
+constexpr int kSmemBytes = (kSmemA + kSmemB) > kSmemC ? (kSmemA + kSmemB) : kSmemC;
+
+__device__ __forceinline__ int moe_pair_expert(const void* ids, int ids64, int p, int E) {
+  const long long e = ids64 ? reinterpret_cast<const long long*>(ids)[p]
+                            : (long long)reinterpret_cast<const int*>(ids)[p];
+  return (e >= 0 && e < E) ? (int)e : -1;
+}
+
+// The grouped GEMM of one row tile of one expert.  GATE_UP: A = x rows by token, N = 2I
+// (gate | up), output h; otherwise A = h rows by sorted position, N = H, output ws.
+template <bool GATE_UP>
+__device__ __forceinline__ void moe_tile(const half* __restrict__ a, const int* __restrict__ meta,
+                                         int E, const uint4* __restrict__ qweight,
+                                         const half2* __restrict__ scales_zeros, int N, int K,
+                                         int group_size, int top_k, half* __restrict__ h, int I,
+                                         const void* weights, int weights32, float* __restrict__ ws) {
+  const int* expert_start = meta;
+  const int* tile_start = meta + E + 1;
+  const int* sorted_pairs = meta + 2 * (E + 1);
+  const int tile_index = blockIdx.y;
+  if (tile_index >= __ldg(tile_start + E)) return;
+  // Largest e with tile_start[e] <= tile_index (experts without pairs have empty ranges).
+  int lo = 0, hi = E - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (__ldg(tile_start + mid) <= tile_index) lo = mid; else hi = mid - 1;
+  }
+  const int e = lo;
+  const int r0 = __ldg(expert_start + e) + (tile_index - __ldg(tile_start + e)) * kMoeRows;
+  const int rows = min(kMoeRows, __ldg(expert_start + e + 1) - r0);
+
+  __shared__ __align__(128) unsigned char smem[kSmemBytes];
+  __shared__ int row_source[kMoeRows];  // activation row of each tile row (-1: padding)
+  __shared__ int row_pair[kMoeRows];    // pair index of each tile row
+  half* sA = reinterpret_cast<half*>(smem);
+  half* sB = reinterpret_cast<half*>(smem + kSmemA);
+  float* sC = reinterpret_cast<float*>(smem);
+
+  if (threadIdx.x < kMoeRows) {
+    const int r = threadIdx.x;
+    const int pair = r < rows ? __ldg(sorted_pairs + r0 + r) : -1;
+    row_pair[r] = pair;
+    row_source[r] = r < rows ? (GATE_UP ? pair / top_k : r0 + r) : -1;
+  }
+
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int ntiles = N / kTile;
+  int tile;
+  bool tile_ok;
+  if (GATE_UP) {
+    const int itiles = I / kTile;
+    const int c = blockIdx.x * (kMoeWarps / 2) + (warp % (kMoeWarps / 2));
+    tile_ok = c < itiles;
+    tile = (warp < kMoeWarps / 2 ? c : itiles + c);
+  } else {
+    tile = blockIdx.x * kMoeWarps + warp;
+    tile_ok = tile < ntiles;
+  }
+  const int ktiles = K / kTile;
+  const int groups = K / group_size;
+  const size_t expert_tile = (size_t)e * ntiles + (tile_ok ? tile : 0);
+  const uint4* w_tile = qweight + expert_tile * ktiles * 32 + lane;
+  ScaleCursor scales(scales_zeros + expert_tile * groups * 32 + lane, 0, group_size / kTile);
+  half* sB_warp = sB + warp * kTile * kMoeLds;
+
+  constexpr int kChunk = kMoeChunk * kTile;
+  constexpr int kVecsPerRow = kChunk / 8;
+  constexpr int kXVecs = kMoeRows * kVecsPerRow;
+  constexpr int kThreads = 32 * kMoeWarps;
+  constexpr int kXPerThread = kXVecs / kThreads;
+  constexpr int kMFrags = kMoeRows / 16;
+
+  uint4 wv[kMoeChunk];
+  half2 sz[kMoeChunk];
+  uint4 xv[kXPerThread];
+  __syncthreads();  // row_source is visible
+
+  auto load_chunk = [&](int kc) {
+#pragma unroll
+    for (int u = 0; u < kMoeChunk; ++u) {
+      if (tile_ok && kc + u < ktiles) {
+        wv[u] = load_weights_streaming(w_tile + (size_t)(kc + u) * 32);
+        sz[u] = scales.next();
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kXPerThread; ++i) {
+      const int idx = threadIdx.x + i * kThreads;
+      const int row = idx / kVecsPerRow;
+      const int col = (idx % kVecsPerRow) * 8;
+      const int src = row_source[row];
+      xv[i] = make_uint4(0u, 0u, 0u, 0u);
+      if (src >= 0 && kc + col / kTile < ktiles)
+        xv[i] = __ldg(reinterpret_cast<const uint4*>(a + (size_t)src * K + (size_t)kc * kTile + col));
+    }
+  };
+
+  FragC acc[kMFrags][2];
+#pragma unroll
+  for (int i = 0; i < kMFrags; ++i)
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int r = 0; r < 8; ++r) acc[i][j].r[r] = 0.0f;
+
+  load_chunk(0);
+  for (int kc = 0; kc < ktiles; kc += kMoeChunk) {
+    const int valid_tiles = min(kMoeChunk, ktiles - kc);
+    __syncthreads();  // the previous chunk's fragments have been read
+#pragma unroll
+    for (int i = 0; i < kXPerThread; ++i) {
+      const int idx = threadIdx.x + i * kThreads;
+      *reinterpret_cast<uint4*>(sA + (idx / kVecsPerRow) * kMoeLds + (idx % kVecsPerRow) * 8) = xv[i];
+    }
+    if (tile_ok) {
+      half* row = sB_warp + lane_column(lane) * kMoeLds;
+#pragma unroll
+      for (int u = 0; u < kMoeChunk; ++u) {
+        if (u < valid_tiles) {
+          half2 w[16];
+          dequant_tile(wv[u], sz[u], w);
+          uint4* dst = reinterpret_cast<uint4*>(row + u * kTile);
+#pragma unroll
+          for (int q = 0; q < 4; ++q) dst[q] = *reinterpret_cast<uint4*>(w + 4 * q);
+        }
+      }
+    }
+    __syncthreads();
+    if (kc + kMoeChunk < ktiles) load_chunk(kc + kMoeChunk);  // overlaps the MMAs below
+    if (tile_ok) {
+#pragma unroll
+      for (int ks = 0; ks < kChunk / 16; ++ks) {
+        if (ks < 2 * valid_tiles) {
+          FragAB b[2];
+#pragma unroll
+          for (int j = 0; j < 2; ++j) load_b_m16n16k16(b[j], sB_warp + j * 16 * kMoeLds + ks * 16, kMoeLds);
+#pragma unroll
+          for (int i = 0; i < kMFrags; ++i) {
+            FragAB af;
+            load_a_m16n16k16(af, sA + i * 16 * kMoeLds + ks * 16, kMoeLds);
+#pragma unroll
+            for (int j = 0; j < 2; ++j) mma_m16n16k16(acc[i][j], af, b[j]);
+          }
+        }
+      }
+    }
+  }
+
+  __syncthreads();  // sA/sB are reused as sC
+  float* sC_warp = sC + warp * kMoeRows * kMoeLdc;
+#pragma unroll
+  for (int i = 0; i < kMFrags; ++i)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) store_c_m16n16k16(sC_warp + i * 16 * kMoeLdc + j * 16, acc[i][j], kMoeLdc);
+  __syncthreads();
+
+  if (GATE_UP) {
+    const int itiles = I / kTile;
+    constexpr int kHalf = kMoeWarps / 2;
+    for (int i = threadIdx.x; i < kHalf * kMoeRows * kTile; i += kThreads) {
+      const int w = i / (kMoeRows * kTile);
+      const int r = (i / kTile) % kMoeRows;
+      const int col = i % kTile;
+      const int c = blockIdx.x * kHalf + w;
+      if (r < rows && c < itiles) {
+        const float g = sC[(w * kMoeRows + r) * kMoeLdc + col];
+        const float u = sC[((w + kHalf) * kMoeRows + r) * kMoeLdc + col];
+        h[(size_t)(r0 + r) * I + c * kTile + col] = __float2half_rn(g / (1.0f + __expf(-g)) * u);
+      }
+    }
+  } else {
+    for (int i = threadIdx.x; i < kMoeWarps * kMoeRows * kTile; i += kThreads) {
+      const int w = i / (kMoeRows * kTile);
+      const int r = (i / kTile) % kMoeRows;
+      const int col = i % kTile;
+      const int c = blockIdx.x * kMoeWarps + w;
+      if (r < rows && c < ntiles) {
+        const int pair = row_pair[r];
+        const float rw = weights32 ? reinterpret_cast<const float*>(weights)[pair]
+                                   : __half2float(reinterpret_cast<const half*>(weights)[pair]);
+        atomicAdd(ws + (size_t)(pair / top_k) * N + c * kTile + col,
+                  rw * sC[(w * kMoeRows + r) * kMoeLdc + col]);
+      }
+    }
+  }
+}
+
+}  // namespace onecat
+
+// meta = expert_start [E+1] | tile_start [E+1] | sorted_pairs [P], int32 (see the top).
+extern "C" __global__ void __launch_bounds__(onecat::kAlignThreads)
+w4a16_moe_wmma_align(const void* ids, int ids64, int P, int E, int* __restrict__ meta) {
+  using namespace onecat;
+  __shared__ int pairs_sum[kAlignThreads];
+  __shared__ int tiles_sum[kAlignThreads];
+  __shared__ int cursor[kAlignThreads];
+  const int tid = threadIdx.x;
+  cursor[tid] = 0;
+  __syncthreads();
+  for (int p = tid; p < P; p += kAlignThreads) {
+    const int e = moe_pair_expert(ids, ids64, p, E);
+    if (e >= 0) atomicAdd(&cursor[e], 1);
+  }
+  __syncthreads();
+  const int count = tid < E ? cursor[tid] : 0;
+  const int tiles = (count + kMoeRows - 1) / kMoeRows;
+  pairs_sum[tid] = count;
+  tiles_sum[tid] = tiles;
+  __syncthreads();
+  for (int offset = 1; offset < kAlignThreads; offset <<= 1) {  // inclusive scans
+    const int a = tid >= offset ? pairs_sum[tid - offset] : 0;
+    const int b = tid >= offset ? tiles_sum[tid - offset] : 0;
+    __syncthreads();
+    pairs_sum[tid] += a;
+    tiles_sum[tid] += b;
+    __syncthreads();
+  }
+  const int start = pairs_sum[tid] - count;
+  if (tid < E) {
+    meta[tid] = start;
+    meta[E + 1 + tid] = tiles_sum[tid] - tiles;
+    cursor[tid] = start;
+  }
+  if (tid == E - 1) {
+    meta[E] = pairs_sum[tid];
+    meta[2 * E + 1] = tiles_sum[tid];
+  }
+  __syncthreads();
+  int* sorted_pairs = meta + 2 * (E + 1);
+  for (int p = tid; p < P; p += kAlignThreads) {
+    const int e = moe_pair_expert(ids, ids64, p, E);
+    if (e >= 0) sorted_pairs[atomicAdd(&cursor[e], 1)] = p;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(32 * onecat::kMoeWarps)
+w4a16_moe_wmma_gate_up(const half* __restrict__ x, const int* __restrict__ meta, int E,
+                       const uint4* __restrict__ w13_qweight, const half2* __restrict__ w13_scales,
+                       half* __restrict__ h, int top_k, int H, int I, int group_size) {
+  onecat::moe_tile<true>(x, meta, E, w13_qweight, w13_scales, 2 * I, H, group_size, top_k, h, I,
+                         nullptr, 0, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(32 * onecat::kMoeWarps)
+w4a16_moe_wmma_down(const half* __restrict__ h, const int* __restrict__ meta, int E,
+                    const void* weights, int weights32, const uint4* __restrict__ w2_qweight,
+                    const half2* __restrict__ w2_scales, float* __restrict__ ws, int top_k, int H,
+                    int I, int group_size) {
+  onecat::moe_tile<false>(h, meta, E, w2_qweight, w2_scales, H, I, group_size, top_k, nullptr, I,
+                          weights, weights32, ws);
+}
