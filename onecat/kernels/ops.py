@@ -73,8 +73,8 @@ def check_inputs(
     return n, k
 
 
-_checked: set[tuple] = set()
-"""Input signatures (shapes, dtypes, devices, bias or not) already validated in full."""
+_plans: dict[tuple, object] = {}
+"""Input signature (shapes, dtypes, devices, bias or not) -> its validated launch plan."""
 
 
 def _cuda_impl(
@@ -84,38 +84,67 @@ def _cuda_impl(
     group_size: int,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    from onecat.kernels.tuning import choose_variant
-    from onecat.kernels.variants import launch_plan, run_plan
+    from onecat.kernels.variants import run_plan
 
-    # Full validation once per signature; per call only what can differ between tensors of
-    # one signature (layout and alignment). Keeps a call at a few microseconds of Python.
+    # Validation, variant choice and launch parameters are resolved once per signature;
+    # per call only what can differ between tensors of one signature is checked (layout,
+    # alignment). Keeps a call outside CUDA graphs at a few microseconds of Python.
     signature = (
         x.shape, x.dtype, x.device, qweight.shape, qweight.dtype, qweight.device,
         scales_zeros.shape, scales_zeros.dtype, scales_zeros.device, group_size,
         None if bias is None else (bias.shape, bias.dtype, bias.device),
     )  # fmt: skip
-    if signature not in _checked:
-        check_inputs(x, qweight, scales_zeros, group_size, bias)
-        if len(_checked) > 1 << 14:  # prefill chunks of every length: stay bounded
-            _checked.clear()
-        _checked.add(signature)
-    aligned = qweight.is_contiguous() and scales_zeros.is_contiguous() and not (
+    plan = _plans.get(signature)
+    if plan is None:
+        plan = _resolve(x, qweight, scales_zeros, group_size, bias, signature)
+    if not (qweight.is_contiguous() and scales_zeros.is_contiguous()) or (
         qweight.data_ptr() % 16 or scales_zeros.data_ptr() % 16
-    )
-    if not aligned or (bias is not None and (not bias.is_contiguous() or bias.data_ptr() % 16)):
+    ) or (bias is not None and (not bias.is_contiguous() or bias.data_ptr() % 16)):
         check_inputs(x, qweight, scales_zeros, group_size, bias)  # raises with the details
-    k = x.shape[-1]
     n = qweight.shape[0] * 32
-    x2 = x.reshape(-1, k)
+    x2 = x.reshape(-1, x.shape[-1])
     if not x2.is_contiguous() or x2.data_ptr() % 16:
         x2 = x2.contiguous() if not x2.is_contiguous() else x2.clone()
-    m = x2.shape[0]
-    out = torch.empty((m, n), dtype=torch.float16, device=x.device)
-    if m:
-        variant = choose_variant(m, qweight, scales_zeros, group_size)
-        plan = launch_plan(variant, m, n, k, group_size, x.device.index)
+    out = torch.empty((x2.shape[0], n), dtype=torch.float16, device=x.device)
+    if plan is not _NO_ROWS:
         run_plan(plan, x2, qweight, scales_zeros, group_size, bias, out)
     return out.view(*x.shape[:-1], n)
+
+
+_NO_ROWS = object()
+
+
+def forget_plans() -> None:
+    """Drop the remembered launch plans (the tuner calls this when a winner changes)."""
+    _plans.clear()
+
+
+def _resolve(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales_zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None,
+    signature: tuple,
+) -> object:
+    """Validate a new signature and resolve its launch plan (remembered unless the variant
+    choice may still change: a default picked during graph capture or compilation)."""
+    from onecat.kernels import tuning
+    from onecat.kernels.variants import launch_plan
+
+    n, k = check_inputs(x, qweight, scales_zeros, group_size, bias)
+    m = x.numel() // k
+    if m == 0:
+        plan = _NO_ROWS
+    else:
+        variant = tuning.choose_variant(m, qweight, scales_zeros, group_size)
+        plan = launch_plan(variant, m, n, k, group_size, x.device.index)
+        if not tuning.is_remembered(m, n, k, group_size, x.device.index):
+            return plan
+    if len(_plans) > 1 << 14:  # prefill chunks of every length: stay bounded
+        _plans.clear()
+    _plans[signature] = plan
+    return plan
 
 
 def _cpu_impl(
@@ -189,4 +218,7 @@ def packed_linear(
     """
     if x.dtype != torch.float16 and x.device.type == "cpu":
         return reference_linear(x, qweight, scales_zeros, group_size, bias)
+    if x.is_cuda and not torch.compiler.is_compiling():
+        # the op's CUDA implementation without the dispatcher's round trip (same code)
+        return _cuda_impl(x, qweight, scales_zeros, group_size, bias)
     return w4a16_linear(x, qweight, scales_zeros, group_size, bias)

@@ -167,6 +167,9 @@ def tune_shape(
         _choices.pop((bucket(m), n, k, group_size, device_index), None)
         if save:
             _save(device_index)
+    from onecat.kernels.ops import forget_plans
+
+    forget_plans()
     return best, timings
 
 
@@ -207,6 +210,11 @@ def choose_variant(
         variant = _choices[key] = tune_shape(m, qweight, scales_zeros, group_size)[0]
         return variant
     return default_variant(m)  # not remembered: tuning may still happen outside capture
+
+
+def is_remembered(m: int, n: int, k: int, group_size: int, device_index: int) -> bool:
+    """Whether :func:`choose_variant`'s answer for this shape is final in this process."""
+    return (bucket(m), n, k, group_size, device_index) in _choices or not autotune_enabled()
 
 
 def random_packed_weights(

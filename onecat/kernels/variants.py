@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from onecat.errors import OnecatError
-from onecat.kernels.driver import Kernel
+from onecat.kernels.driver import Kernel, PreparedLaunch
 from onecat.kernels.loader import get_kernel
 
 GEMV_BUILT = {1: (2, 4), 2: (2,), 4: (2,)}
@@ -137,6 +137,7 @@ class LaunchPlan:
     per: int  # GEMV: k tiles per warp; wmma: k tiles per split; dequant: unused
     workspace_floats: int  # fp32 partial sums [M, N]; 0 when the kernel needs no workspace
     counters: int  # int counters after the partial sums
+    launch: PreparedLaunch  # the kernel with its grid, block and argument slots
 
 
 _plans: dict[tuple, LaunchPlan] = {}
@@ -174,7 +175,10 @@ def launch_plan(variant: Variant, m: int, n: int, k: int, group_size: int, devic
             workspace, counters = m * n, grid[0] * grid[2]
     if len(_plans) >= _MAX_PLANS:
         _plans.clear()
-    plan = _plans[key] = LaunchPlan(variant, kernel, grid, block, per, workspace, counters)
+    p, i = ctypes.c_void_p, ctypes.c_int
+    arg_types = [p, p, p, i, i, i] if variant.kind == "dequant" else [p] * 7 + [i] * 5
+    launch = PreparedLaunch(kernel, grid, block, arg_types)
+    plan = _plans[key] = LaunchPlan(variant, kernel, grid, block, per, workspace, counters, launch)
     return plan
 
 
@@ -196,10 +200,6 @@ def workspace(device: torch.device, stream: int, floats: int) -> torch.Tensor:
             _retired.append(buf)
         buf = _workspaces[key] = torch.zeros(max(floats, 1 << 16), dtype=torch.float32, device=device)
     return buf
-
-
-def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
 
 
 def run_variant(
@@ -238,22 +238,22 @@ def run_plan(
     """Launch ``plan`` on torch's current stream (inputs as in :func:`run_variant`)."""
     m, k = x.shape
     n = out.shape[1]
-    stream = torch.cuda.current_stream(x.device).cuda_stream
-    ints = (ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(group_size))
+    stream = torch._C._cuda_getCurrentRawStream(x.device.index)
     if plan.variant.kind == "dequant":
         weight = torch.empty((n, k), dtype=torch.float16, device=x.device)
-        plan.kernel.launch(plan.grid, plan.block, stream, [_ptr(qweight), _ptr(scales_zeros), _ptr(weight), *ints])
+        plan.launch(stream, qweight.data_ptr(), scales_zeros.data_ptr(), weight.data_ptr(), n, k, group_size)
         if bias is not None:
             return torch.addmm(bias, x, weight.t(), out=out)
         return torch.mm(x, weight.t(), out=out)
-    partials = counters = None
+    partials = counters = 0
     if plan.workspace_floats:
         scratch = workspace(x.device, stream, plan.workspace_floats + plan.counters)
-        partials, counters = scratch, scratch[plan.workspace_floats :]
-    plan.kernel.launch(
-        plan.grid, plan.block, stream,
-        [_ptr(x), _ptr(qweight), _ptr(scales_zeros), _ptr(bias), _ptr(out), _ptr(partials),
-         _ptr(counters), ctypes.c_int(m), *ints, ctypes.c_int(plan.per)],
+        partials = scratch.data_ptr()
+        counters = partials + 4 * plan.workspace_floats
+    plan.launch(
+        stream, x.data_ptr(), qweight.data_ptr(), scales_zeros.data_ptr(),
+        0 if bias is None else bias.data_ptr(), out.data_ptr(), partials, counters,
+        m, n, k, group_size, plan.per,
     )  # fmt: skip
     return out
 

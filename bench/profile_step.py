@@ -1,0 +1,129 @@
+"""Where a step's time goes: GPU kernels per decode step and per prefill, host gaps (GPU).
+
+Builds a Qwen3.5-27B- or 35B-A3B-shaped model with random packed weights (``bench/e2e.py``),
+then with ``torch.profiler``:
+
+- decode at each batch size (CUDA graphs as served): wall ms per step, GPU kernel ms per
+  step (the rest is host time and gaps), kernel launches per step, the costliest kernels;
+- one prefill of ``--prefill-len`` tokens: the same figures for the whole prefill.
+
+    ONECAT_KERNEL_DIR=.ptx ONECAT_KERNEL_ARCH=70 python bench/profile_step.py --model 27b --out p.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from e2e import fill_random, random_prompt, sync, text_config
+from torch.profiler import ProfilerActivity, profile
+
+from onecat.runtime.config import EngineConfig
+from onecat.runtime.engine import LLMEngine
+from onecat.runtime.models.config import ModelConfig
+from onecat.runtime.models.qwen3_5 import Qwen3_5ForCausalLM
+from onecat.runtime.quant_plan import QuantPlan
+from onecat.runtime.sampling_params import SamplingParams
+
+
+def kernel_summary(prof, calls: int, top: int) -> dict:
+    """GPU kernel figures of a profile covering ``calls`` repetitions, per repetition."""
+    kernels = [
+        e for e in prof.key_averages()
+        if "cuda" in str(getattr(e, "device_type", "")).lower() and e.device_time_total > 0
+    ]
+    kernels.sort(key=lambda e: e.device_time_total, reverse=True)
+    return {
+        "kernel_ms": sum(e.device_time_total for e in kernels) / 1e3 / calls,
+        "launches": sum(e.count for e in kernels) / calls,
+        "top": [[e.key[:100], e.count / calls, round(e.device_time_total / calls, 1)] for e in kernels[:top]],
+    }
+
+
+def profile_decode(engine: LLMEngine, batch: int, steps: int, prompt_len: int, top: int) -> dict:
+    """Wall and kernel time of ``steps`` decode steps of ``batch`` sequences."""
+    params = SamplingParams(max_tokens=3 * steps + 8, temperature=0.0, ignore_eos=True)
+    vocab = engine.runner.model_config.vocab_size
+    ids = [f"prof-{batch}-{i}" for i in range(batch)]
+    for i, rid in enumerate(ids):
+        engine.add_request(rid, random_prompt(prompt_len, vocab, 77 * batch + i), params)
+    while engine.num_waiting() or any(s.num_pending_tokens > 1 for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync()
+    for rid in ids:
+        engine.abort_request(rid)
+    result = {"batch": batch, "wall_ms": wall_ms, "tok_s": batch / wall_ms * 1e3, **kernel_summary(prof, steps, top)}
+    result["host_gap_ms"] = wall_ms - result["kernel_ms"]
+    return result
+
+
+def profile_prefill(engine: LLMEngine, length: int, top: int) -> dict:
+    """Wall and kernel time of one ``length``-token prefill (after one warm-up)."""
+    vocab = engine.runner.model_config.vocab_size
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def once(tag: str) -> float:
+        engine.add_request(tag, random_prompt(length, vocab, 5), params)
+        sync()
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        sync()
+        return (time.perf_counter() - start) * 1e3
+
+    once("warm")
+    wall_ms = once("timed")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        once("profiled")
+    result = {"tokens": length, "wall_ms": wall_ms, "tok_s": length / wall_ms * 1e3, **kernel_summary(prof, 1, top)}
+    result["host_gap_ms"] = wall_ms - result["kernel_ms"]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="27b")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--prefill-len", type=int, default=2048)
+    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    cfg = ModelConfig.from_dict(text_config(args.model, args.layers))
+    with torch.device("cuda"):
+        model = Qwen3_5ForCausalLM(cfg, QuantPlan(default=128), torch.float16)
+    fill_random(model)
+    batches = [int(b) for b in args.batches.split(",")]
+    engine = LLMEngine.from_model(
+        EngineConfig(model=f"random-{args.model}", max_num_seqs=max(batches), max_model_len=4096,
+                     max_num_batched_tokens=args.prefill_len, num_kv_blocks=2048, device="cuda"),
+        model,
+    )  # fmt: skip
+    report = {"model": args.model, "layers": cfg.num_hidden_layers, "gpu": torch.cuda.get_device_name(0), "decode": [], "prefill": None}
+    for batch in batches:
+        report["decode"].append(profile_decode(engine, batch, args.steps, args.prompt_len, args.top))
+        print(json.dumps(report["decode"][-1]), flush=True)
+    report["prefill"] = profile_prefill(engine, args.prefill_len, args.top)
+    print(json.dumps(report["prefill"]), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
