@@ -237,6 +237,14 @@ def _engine_config(artifact: str, served_model_name: str | None = None, **flags:
               help="Requests allowed to wait; beyond it the server answers 429.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--trust-request-chat-template", is_flag=True,
+              help="Let requests bring their own chat template (chat_template, "
+                   "chat_template_kwargs.chat_template): it runs arbitrary Jinja on the server.")
+@click.option("--max-request-body-bytes", type=click.IntRange(min=1), default=4 * 1024 * 1024,
+              show_default=True, help="Largest request body accepted; beyond it the server answers 413.")
+@click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="Seconds running requests may finish after SIGTERM before they are ended "
+                   "(new requests get 503 at once).")
 # --engine vllm: the vLLM plugin's options (onecat.vllm_plugin, docs/VLLM.md)
 @click.option("--engine", "engine_name", type=click.Choice(["onecat", "vllm"]), default="onecat",
               show_default=True,
@@ -249,8 +257,10 @@ def _engine_config(artifact: str, served_model_name: str | None = None, **flags:
                    "(repeatable; --engine vllm).")
 @_friendly
 def serve(artifact: str, host: str, port: int, api_key: str | None, served_model_name: str | None,
-          max_queue_len: int, log_level: str, engine_name: str, tensor_parallel_size: int,
-          pipeline_parallel_size: int, vllm_args: tuple[str, ...], **engine_flags: Any) -> None:
+          max_queue_len: int, log_level: str, trust_request_chat_template: bool,
+          max_request_body_bytes: int, shutdown_timeout: float, engine_name: str,
+          tensor_parallel_size: int, pipeline_parallel_size: int, vllm_args: tuple[str, ...],
+          **engine_flags: Any) -> None:
     """Serve ARTIFACT (packed, AWQ or fp16/bf16 checkpoint) with an OpenAI-compatible API:
     /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics, /version."""
     if engine_name == "vllm":
@@ -271,7 +281,8 @@ def serve(artifact: str, host: str, port: int, api_key: str | None, served_model
     click.secho(f"serving {engine.model_name} on http://{host}:{port}/v1 "
                 f"(max_model_len {engine.max_model_len})", fg="green", err=True)
     serve_http(engine, host=host, port=port, api_key=api_key, max_queue_len=max_queue_len,
-               log_level=log_level)
+               log_level=log_level, trust_request_chat_template=trust_request_chat_template,
+               max_request_body_bytes=max_request_body_bytes, shutdown_timeout=shutdown_timeout)
 
 
 @main.command()
@@ -356,6 +367,10 @@ def bench() -> None:
 @click.option("--ignore-eos/--no-ignore-eos", default=None,
               help="Send ignore_eos so outputs have exactly the asked length (default: on for "
                    "random).")
+@click.option("--temperature", type=float, default=None,
+              help="Sampling temperature sent with each request (default: the server's).")
+@click.option("--top-p", type=float, default=None, help="top_p sent with each request.")
+@click.option("--top-k", type=int, default=None, help="top_k sent with each request.")
 @click.option("--percentile-metrics", default="ttft,tpot,itl", show_default=True,
               help="Metrics to report: ttft, tpot, itl, e2el.")
 @click.option("--metric-percentiles", default="99", show_default=True,

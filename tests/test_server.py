@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import pytest
@@ -17,25 +16,23 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytestmark = pytest.mark.timeout(180)  # a hung server must fail the test, not CI
 
-from onecat.runtime.config import EngineConfig  # noqa: E402
-from onecat.runtime.engine import LLMEngine  # noqa: E402
+from server_helpers import (  # noqa: E402
+    API_KEY,
+    AUTH,
+    HELLO,
+    MAX_MODEL_LEN,
+    MODEL,
+    assert_all_free,
+    assert_metrics_idle,
+    make_engine,
+    sse_payloads,
+    stream_lines,
+    wait_idle,
+)
+
 from onecat.runtime.server.launcher import BackgroundServer  # noqa: E402
 from onecat.runtime.server.prompts import chat_token_ids  # noqa: E402
 from onecat.tiny import build_tiny_model  # noqa: E402
-
-API_KEY = "test-key"
-MODEL = "tiny-qwen3_5"
-MAX_MODEL_LEN = 256
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
-HELLO = [{"role": "user", "content": "Hello, who are you?"}]
-
-
-def make_engine(model_dir, **overrides) -> LLMEngine:
-    config = dict(
-        model=str(model_dir), device="cpu", max_model_len=MAX_MODEL_LEN, served_model_name=MODEL
-    )
-    config.update(overrides)
-    return LLMEngine(EngineConfig(**config))
 
 
 @pytest.fixture(scope="module")
@@ -53,43 +50,6 @@ def server(tiny_model):
 def client(server):
     with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:
         yield c
-
-
-def wait_idle(server, timeout: float = 15.0) -> dict[str, int]:
-    """The engine stats once nothing runs or waits (fails the test after ``timeout``)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = server.async_engine.stats()
-        if stats["running"] == 0 and stats["waiting"] == 0:
-            return stats
-        assert time.monotonic() < deadline, f"engine still busy: {stats}"
-        time.sleep(0.02)
-
-
-def assert_all_free(stats: dict[str, int]) -> None:
-    assert stats["free_kv_blocks"] == stats["total_kv_blocks"] > 0, stats
-    assert stats["free_state_slots"] == stats["total_state_slots"] > 0, stats
-
-
-def sse_payloads(lines: list[str]) -> list[str]:
-    """The ``data:`` payloads of an SSE body, checking OpenAI's framing on the way."""
-    payloads = []
-    for i, line in enumerate(lines):
-        if not line:
-            continue
-        assert line.startswith("data: "), f"line {i} is not an SSE data line: {line!r}"
-        assert i + 1 < len(lines) and lines[i + 1] == "", "events must be separated by a blank line"
-        payloads.append(line[len("data: ") :])
-    assert payloads and payloads[-1] == "[DONE]", "the stream must end with data: [DONE]"
-    assert "[DONE]" not in payloads[:-1]
-    return payloads[:-1]
-
-
-def stream_lines(client: httpx.Client, path: str, body: dict) -> list[str]:
-    with client.stream("POST", path, json=body) as response:
-        assert response.status_code == 200, response.read()
-        assert response.headers["content-type"].startswith("text/event-stream")
-        return list(response.iter_lines())
 
 
 # ----- endpoints --------------------------------------------------------------------------
@@ -330,6 +290,8 @@ def test_64_concurrent_streaming_clients(server):
     assert_all_free(stats)
     generated = stats["generation_tokens_total"] - before["generation_tokens_total"]
     assert generated == sum(r["usage"]["completion_tokens"] for r in results)
+    idle = assert_metrics_idle(server.url)  # what an operator's dashboard sees
+    assert idle["onecat:generation_tokens_total"] == stats["generation_tokens_total"]
 
 
 def test_engine_failure_is_reported_not_hung(tiny_model):
@@ -347,7 +309,8 @@ def test_engine_failure_is_reported_not_hung(tiny_model):
         body = {"messages": HELLO, "max_tokens": 32, "ignore_eos": True, "stream": True}
         payloads = sse_payloads(stream_lines(client, "/v1/chat/completions", body))
         error = json.loads(payloads[-1])["error"]
-        assert error["type"] == "server_error" and "injected engine fault" in error["message"]
+        assert error["type"] == "server_error" and error["code"] == "engine_unavailable"
+        assert "injected" not in error["message"], "internals stay in the log, out of the body"
         assert client.get("/health").status_code == 503
         refused = client.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 2})
         assert refused.status_code == 503

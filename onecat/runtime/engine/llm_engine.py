@@ -40,9 +40,10 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str  # incremental text (stop strings removed)
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None
     prompt_tokens: int
     completion_tokens: int
+    error: str | None = None  # finish_reason "error": what failed (the log has the traceback)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -144,7 +145,7 @@ class LLMEngine:
             raise RequestError("the prompt is empty")
         vocab = self.runner.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise RequestError(f"prompt token ids must be in 0..{vocab - 1}")
+            raise RequestError(f"prompt token ids must be in 0..{vocab - 1}", param="prompt")
         if len(prompt_token_ids) >= self.max_model_len:
             raise RequestError(
                 f"the prompt has {len(prompt_token_ids)} tokens; this model serves at most "
@@ -154,7 +155,8 @@ class LLMEngine:
             raise RequestError(
                 f"max_tokens {params.max_tokens} is too large: the prompt has "
                 f"{len(prompt_token_ids)} tokens and the limit is {self.max_model_len}, so at "
-                f"most {self.max_model_len - len(prompt_token_ids)} can be generated"
+                f"most {self.max_model_len - len(prompt_token_ids)} can be generated",
+                param="max_tokens",
             )
         generator = None
         if params.seed is not None and params.temperature > 0:
@@ -196,17 +198,81 @@ class LLMEngine:
     # --- stepping ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; returns an output for each request that got a token."""
+        """Run one scheduler step; returns an output for each request that got a token.
+
+        A request whose own sampling or detokenising raises is finished with
+        ``finish_reason`` "error" (its blocks and slot freed) and the others carry on; so are
+        the requests of a batch whose forward pass raised, when the engine can go on
+        (``_forward_failed``). Any other exception means the engine's state is unknown.
+        """
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        sampled, logits = self.runner.run(scheduled)
+        try:
+            sampled, logits = self.runner.run(scheduled)
+        except Exception as exc:
+            return self._forward_failed(scheduled, exc)
         for seq, count in scheduled:
             seq.num_computed_tokens += count
         if not sampled:
             return []
-        tokens = self.sampler(logits, [s.params for s in sampled], [s.generator for s in sampled])
-        return [self._append(seq, token) for seq, token in zip(sampled, tokens, strict=True)]
+        try:
+            tokens = self.sampler(logits, [s.params for s in sampled], [s.generator for s in sampled])
+        except Exception:  # one request's settings broke the batched sampler: find which
+            tokens = [self._sample_alone(seq, logits[row : row + 1]) for row, seq in enumerate(sampled)]
+        outputs = []
+        for seq, token in zip(sampled, tokens, strict=True):
+            try:  # free while nothing raises (Python 3.11+): no per-token cost
+                outputs.append(self._fail(seq, token) if isinstance(token, Exception) else self._append(seq, token))
+            except Exception as exc:
+                outputs.append(self._fail(seq, exc))
+        return outputs
+
+    def _sample_alone(self, seq: Sequence, logits: torch.Tensor) -> int | Exception:
+        """The token of one row sampled by itself, or the exception its sampling raised."""
+        try:
+            return self.sampler(logits, [seq.params], [seq.generator])[0]
+        except Exception as exc:
+            return exc
+
+    def _forward_failed(self, scheduled: list[tuple[Sequence, int]], exc: Exception) -> list[RequestOutput]:
+        """Fail the requests of a batch whose forward pass raised, or re-raise ``exc``.
+
+        A forward pass writes only the KV blocks and state slots of its own sequences (a slot
+        is zeroed when it is handed out again, a block is written before it is read), so
+        ending exactly those requests leaves the engine consistent, provided the device
+        still works (a CUDA error can be sticky) and no tensor-parallel worker is out of step.
+        """
+        recoverable = isinstance(self.runner, ModelRunner)
+        if recoverable and self.runner.device.type == "cuda":
+            try:
+                torch.cuda.synchronize(self.runner.device)
+            except Exception:
+                recoverable = False
+        if not recoverable:
+            raise exc
+        ids = ", ".join(seq.request_id for seq, _ in scheduled)
+        logger.error("the forward pass failed; failing its requests %s", ids, exc_info=exc)
+        return [self._fail(seq, exc, log=False) for seq, _ in scheduled]
+
+    def _fail(self, seq: Sequence, exc: Exception, log: bool = True) -> RequestOutput:
+        """Finish ``seq`` with ``finish_reason`` "error" after ``exc``; free its blocks and slot."""
+        if log:
+            logger.error("request %s failed in the engine step; the others carry on", seq.request_id,
+                         exc_info=exc)
+        if seq.status != SequenceStatus.FINISHED:
+            self.scheduler.finish(seq, "error")
+        self._sequences.pop(seq.request_id, None)
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[],
+            new_text="",
+            finished=True,
+            finish_reason="error",
+            prompt_tokens=seq.num_prompt_tokens,
+            completion_tokens=seq.num_completion_tokens,
+            error=f"{type(exc).__name__}: {exc}",
+        )
 
     def _append(self, seq: Sequence, token: int) -> RequestOutput:
         params = seq.params

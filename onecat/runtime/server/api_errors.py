@@ -43,3 +43,11 @@ def error_body(
 def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> APIError:
     """A 400 ``invalid_request_error``."""
     return APIError(400, message, param=param, code=code)
+
+
+def internal_error(request_id: str) -> APIError:
+    """A 500 that tells the client only that something failed and under which id the server's
+    log has the details (never the exception itself)."""
+    return APIError(
+        500, f"internal error (request id {request_id})", type="server_error", code="internal_error"
+    )

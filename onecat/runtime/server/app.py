@@ -1,10 +1,12 @@
 """The FastAPI application: OpenAI routes, health, version, metrics, API key and errors.
 
 Every error leaves as an OpenAI-style body ``{"error": {"message", "type", "param",
-"code"}}``: request validation (malformed JSON, wrong types) and engine refusals as 400, a
-missing or wrong API key as 401, a full queue as 429, a failed engine as 503. When an API
-key is set it guards the ``/v1`` routes (as vLLM's ``--api-key`` does); /health, /version
-and /metrics stay open for probes and scrapers.
+"code"}}``: request validation (malformed JSON, wrong types, numbers out of range, invalid
+Unicode) and engine refusals as 400, a missing or wrong API key as 401, a body over the size
+limit as 413, a full queue as 429, a failed engine or a server shutting down as 503. A 500
+says only "internal error" and a request id; the log has that id with the traceback. When
+an API key is set it guards the ``/v1`` routes (as vLLM's ``--api-key`` does); /health,
+/version and /metrics stay open for probes and scrapers.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,13 +26,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import onecat
-from onecat.runtime.server.api_errors import APIError, error_body
+from onecat.runtime.server.api_errors import APIError, error_body, internal_error
 from onecat.runtime.server.async_engine import AsyncEngine
 from onecat.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from onecat.runtime.server.openai_serving import OpenAIServing, Submitted
 from onecat.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
+PROMPT_THREADS = 2  # chat template rendering and tokenisation, off the event loop
 
 
 class _APIKeyMiddleware:
@@ -54,6 +61,90 @@ class _APIKeyMiddleware:
                 await JSONResponse(body, status_code=401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class _InternalErrorMiddleware:
+    """Turns an exception no handler took into a 500 that says only "internal error" and a
+    request id, and logs that id with the traceback. (Starlette's own last-resort handler
+    re-raises, and uvicorn then resets the connection.)"""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            request_id = f"err-{uuid.uuid4().hex}"
+            logger.error("internal error %s while serving %s", request_id, scope.get("path"), exc_info=exc)
+            self.metrics.request_errors.labels("500").inc()
+            if not started:  # otherwise the response is cut short, as nothing else can be done
+                await JSONResponse(internal_error(request_id).body(), status_code=500)(scope, receive, send)
+
+
+class _BodySizeLimitMiddleware:
+    """Answers 413 to a request whose body exceeds ``max_bytes``: at once when its
+    Content-Length says so (nothing is read), otherwise (chunked) as soon as the bytes
+    received pass the limit. Pure ASGI, so the app sees the body as it was sent."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        if length is not None:  # h11 has checked that it is a number and frames the body by it
+            if int(length) > self.max_bytes:
+                await self._refuse(int(length), scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+            return
+        if b"chunked" not in headers.get(b"transfer-encoding", b""):
+            await self.app(scope, receive, send)
+            return
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left mid-body: let the app see it
+                break
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                await self._refuse(len(body), scope, receive, send, so_far=True)
+                return
+            if not message.get("more_body", False):
+                message = {"type": "http.request", "body": bytes(body), "more_body": False}
+                break
+        pending = [message]
+
+        async def replay() -> Any:
+            return pending.pop() if pending else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, size: int, scope: Scope, receive: Receive, send: Send, so_far: bool = False) -> None:
+        self.metrics.request_errors.labels("413").inc()
+        body = error_body(
+            f"the request body ({size} bytes{' so far' if so_far else ''}) is larger than the "
+            f"{self.max_bytes} bytes this server accepts (--max-request-body-bytes)",
+            code="request_too_large",
+        )
+        await JSONResponse(body, status_code=413, headers={"Connection": "close"})(scope, receive, send)
 
 
 class _AbortingStreamingResponse(StreamingResponse):
@@ -88,15 +179,30 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     return "invalid request: " + "; ".join(parts) + more, (loc[0] if loc else None)
 
 
-def create_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
-    """The OpenAI-compatible app serving ``engine`` (whose thread the caller starts/stops)."""
+def create_app(
+    engine: AsyncEngine,
+    *,
+    api_key: str | None = None,
+    trust_request_chat_template: bool = False,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+) -> FastAPI:
+    """The OpenAI-compatible app serving ``engine`` (whose thread the caller starts/stops).
+
+    ``trust_request_chat_template`` lets requests bring their own chat template;
+    ``max_request_body_bytes`` bounds a request body (413 beyond it).
+    """
     app = FastAPI(title="onecat", version=onecat.__version__)
     metrics = ServerMetrics(engine.stats)
-    serving = OpenAIServing(engine, metrics)
+    executor = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="onecat-prompt")
+    serving = OpenAIServing(
+        engine, metrics, executor, trust_request_chat_template=trust_request_chat_template
+    )
     app.state.engine = engine
     app.state.metrics = metrics
     created = int(time.time())
-    if api_key:
+    app.add_middleware(_InternalErrorMiddleware, metrics=metrics)
+    app.add_middleware(_BodySizeLimitMiddleware, max_bytes=max_request_body_bytes, metrics=metrics)
+    if api_key:  # outermost: a client without the key gets nothing buffered
         app.add_middleware(_APIKeyMiddleware, api_key=api_key, metrics=metrics)
 
     def error_response(status: int, body: dict[str, Any]) -> JSONResponse:
@@ -118,15 +224,14 @@ def create_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(exc.status_code, error_body(str(exc.detail), type=kind))
 
-    @app.exception_handler(Exception)
-    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unexpected error while serving %s", request.url.path)
-        return error_response(500, error_body(f"internal error: {exc!r}", type="server_error"))
-
     @app.get("/health")
     async def health() -> JSONResponse:
         if engine.error is not None:
-            body = error_body(f"the engine failed: {engine.error!r}", type="server_error")
+            body = error_body("the engine stopped after an internal error (see the server log)",
+                              type="server_error", code="engine_unavailable")
+            return JSONResponse(body, status_code=503)
+        if engine.draining:
+            body = error_body("the server is shutting down", type="server_error", code="server_shutting_down")
             return JSONResponse(body, status_code=503)
         return JSONResponse({"status": "ok"})
 

@@ -8,6 +8,12 @@ than max_model_len, reaches the client as a 400 before any byte is streamed), ru
 request's ``RequestStream`` on the handler's event loop (``call_soon_threadsafe``).
 After every iteration it publishes a snapshot of ``engine.stats()`` for /metrics and the
 queue limit. When idle it blocks on the command queue (no busy polling).
+
+A request that fails inside the engine step (``finish_reason`` "error") ends its own stream
+with ``RequestFailedError``; only an exception escaping ``engine.step()`` (the engine's state
+is unknown) fails every request and makes the engine refuse new ones. While the server
+shuts down (``start_draining``) new requests are refused and ``abort_all`` ends the
+running ones with ``ShuttingDownError``.
 """
 
 from __future__ import annotations
@@ -28,6 +34,20 @@ class QueueFullError(Exception):
 
 class EngineDeadError(Exception):
     """The engine failed (or is shutting down); requests cannot be served."""
+
+
+class ShuttingDownError(EngineDeadError):
+    """The server is shutting down: new requests are refused, running ones may be ended."""
+
+
+class RequestFailedError(Exception):
+    """One request failed inside the engine step (the others carry on); ``detail`` says what
+    failed and is for the log, not for the client."""
+
+    def __init__(self, request_id: str, detail: str) -> None:
+        super().__init__(f"request {request_id} failed in the engine: {detail}")
+        self.request_id = request_id
+        self.detail = detail
 
 
 _END = object()  # pushed to a stream whose request was aborted: iteration ends quietly
@@ -65,6 +85,8 @@ class RequestStream:
             raise item
         if item.finished:
             self.finished = True
+            if item.error is not None:
+                raise RequestFailedError(self.request_id, item.error)
         return item
 
 
@@ -82,7 +104,13 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _AbortAll:
+    reason: BaseException
+
+
 _STOP = object()
+_DEAD = "the engine stopped after an internal error (see the server log); restart the server"
 
 
 def _call_on_loop(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
@@ -121,6 +149,7 @@ class AsyncEngine:
         self._pending_adds = 0
         self._stats: dict[str, int] = dict(engine.stats())
         self._error: BaseException | None = None
+        self._draining = False
         self._inbox: list[Any] = []  # commands drained from the queue, not yet handled
         self._thread = threading.Thread(target=self._run, name="onecat-engine", daemon=True)
 
@@ -141,6 +170,19 @@ class AsyncEngine:
         """The exception that killed the engine, or None while it is healthy."""
         return self._error
 
+    @property
+    def draining(self) -> bool:
+        """True once the server has begun shutting down (new requests are refused)."""
+        return self._draining
+
+    def start_draining(self) -> None:
+        """Refuse new requests from now on; running ones carry on."""
+        self._draining = True
+
+    def abort_all(self, reason: BaseException) -> None:
+        """End every request now; their streams raise ``reason``."""
+        self._commands.put(_AbortAll(reason))
+
     def stats(self) -> dict[str, int]:
         """The latest ``engine.stats()`` snapshot (running, waiting, KV blocks, state slots,
         token totals), published by the engine thread after each iteration."""
@@ -153,8 +195,10 @@ class AsyncEngine:
         Raises QueueFullError when the waiting queue is full, EngineDeadError when the engine
         has failed, and whatever ``engine.add_request`` raised (RequestError for bad input).
         """
+        if self._draining:
+            raise ShuttingDownError("the server is shutting down; send the request to another instance")
         if self._error is not None or not self._thread.is_alive():
-            raise EngineDeadError(f"the engine is not running: {self._error or 'stopped'}")
+            raise EngineDeadError(_DEAD if self._error is not None else "the engine is not running")
         with self._lock:
             queued = self._pending_adds + self._stats.get("waiting", 0)
             if queued >= self.max_queue_len:
@@ -188,7 +232,7 @@ class AsyncEngine:
             except Exception as exc:  # the engine's state is unknown now: stop serving
                 logger.exception("the engine failed; the server stops accepting requests")
                 self._error = exc
-                self._abort_all(EngineDeadError(f"the engine failed: {exc!r}"))
+                self._abort_all(EngineDeadError(_DEAD))
                 while self._inbox:  # commands drained but not handled: refuse their adds
                     command = self._inbox.pop(0)
                     if isinstance(command, _Add):
@@ -207,6 +251,8 @@ class AsyncEngine:
                 return False
             if isinstance(command, _Add):
                 self._add(command)
+            elif isinstance(command, _AbortAll):
+                self._abort_all(command.reason)
             else:
                 self._abort(command.request_id)
         if self._error is None and self.engine.has_unfinished_requests():
@@ -225,7 +271,7 @@ class AsyncEngine:
         stream = command.stream
         error: BaseException | None = None
         if self._error is not None:
-            error = EngineDeadError(f"the engine failed: {self._error!r}")
+            error = EngineDeadError(_DEAD)
         else:
             try:
                 self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)

@@ -1,18 +1,32 @@
 """Starting the server: ``serve`` (what ``onecat serve`` runs, blocking) and
 ``BackgroundServer`` (uvicorn in a thread on a free loopback port, for the demo and tests).
+
+Shutting down (SIGTERM or Ctrl-C for ``serve``, ``stop()`` for ``BackgroundServer``) follows
+uvicorn's graceful shutdown, which stops listening and waits for open connections, with
+onecat's drain hooked in front of it: from the first moment new requests are refused
+(503, and /health answers 503 so load balancers move away), running requests may finish
+for ``shutdown_timeout`` seconds, then the ones still running are ended: a stream gets an
+SSE error event and ``data: [DONE]``, a waiting client a 503. ``onecat serve`` then exits 0.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import signal
 import socket
 import threading
 import time
 from typing import Any
 
 from onecat.errors import OnecatError
-from onecat.runtime.server.async_engine import AsyncEngine
+from onecat.runtime.server.async_engine import AsyncEngine, ShuttingDownError
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUE_LEN = 512
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # seconds running requests get after SIGTERM (--shutdown-timeout)
+_BACKSTOP = 5.0  # uvicorn cancels what is still open this long after the drain ended it
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -32,16 +46,57 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _uvicorn_server(app: Any, log_level: str) -> Any:
+def _uvicorn_server(app: Any, engine: AsyncEngine, log_level: str, shutdown_timeout: float) -> Any:
+    """A uvicorn server whose graceful shutdown first drains ``engine`` (module docstring)."""
     import uvicorn
+
+    def end_running_requests() -> None:
+        stats = engine.stats()
+        logger.warning(
+            "shutdown timeout (%g s) reached: ending %d running and %d waiting request(s)",
+            shutdown_timeout, stats.get("running", 0), stats.get("waiting", 0),
+        )
+        engine.abort_all(ShuttingDownError(
+            f"the server shut down: the request was still running after the {shutdown_timeout:g} s "
+            "drain (--shutdown-timeout); retry it on another instance"
+        ))
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            engine.start_draining()
+            logger.info("shutting down: new requests are refused; running ones get %g s", shutdown_timeout)
+            timer = asyncio.get_running_loop().call_later(shutdown_timeout, end_running_requests)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
 
     config = uvicorn.Config(
         app,
         log_level=log_level,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=shutdown_timeout + _BACKSTOP,
         timeout_keep_alive=5,
     )
-    return uvicorn.Server(config)
+    return DrainingServer(config)
+
+
+class _Terminated(Exception):
+    """SIGTERM after uvicorn's graceful shutdown (uvicorn raises the signal again once done)."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated
+
+
+def _log_to_stderr(log_level: str) -> None:
+    """Show onecat's own log records (engine failures with their tracebacks, the drain) at
+    ``log_level``, next to uvicorn's."""
+    root = logging.getLogger("onecat")
+    root.setLevel(log_level.upper())
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+        root.addHandler(handler)
 
 
 def serve(
@@ -52,18 +107,34 @@ def serve(
     api_key: str | None = None,
     max_queue_len: int = DEFAULT_MAX_QUEUE_LEN,
     log_level: str = "info",
+    trust_request_chat_template: bool = False,
+    max_request_body_bytes: int | None = None,
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
 ) -> None:
-    """Serve ``engine`` (an ``LLMEngine``) over HTTP until interrupted (Ctrl-C / SIGTERM)."""
-    from onecat.runtime.server.app import create_app
+    """Serve ``engine`` (an ``LLMEngine``) over HTTP until SIGTERM or Ctrl-C; both drain
+    (module docstring) and return normally."""
+    from onecat.runtime.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, create_app
 
+    _log_to_stderr(log_level)
     sock = _bind(host, port)
     async_engine = AsyncEngine(engine, max_queue_len=max_queue_len)
+    app = create_app(
+        async_engine,
+        api_key=api_key,
+        trust_request_chat_template=trust_request_chat_template,
+        max_request_body_bytes=max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
+    )
+    server = _uvicorn_server(app, async_engine, log_level, shutdown_timeout)
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main else None
     async_engine.start()
     try:
-        _uvicorn_server(create_app(async_engine, api_key=api_key), log_level).run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: a normal way to stop
+        server.run(sockets=[sock])
+    except (KeyboardInterrupt, _Terminated):  # uvicorn re-raises the signal it handled
         pass
     finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
         async_engine.shutdown()
         sock.close()
 
@@ -72,7 +143,8 @@ class BackgroundServer:
     """uvicorn serving ``engine`` in a daemon thread on ``host`` and a free port.
 
     Use as a context manager: ``with BackgroundServer(engine) as server: server.url``.
-    On exit the server stops (in-flight streams get 5 s) and the engine thread is joined.
+    On exit the server drains (running requests get ``shutdown_timeout`` seconds) and the
+    engine thread is joined.
     """
 
     def __init__(
@@ -83,15 +155,24 @@ class BackgroundServer:
         api_key: str | None = None,
         max_queue_len: int = DEFAULT_MAX_QUEUE_LEN,
         log_level: str = "warning",
+        trust_request_chat_template: bool = False,
+        max_request_body_bytes: int | None = None,
+        shutdown_timeout: float = 5.0,
     ) -> None:
-        from onecat.runtime.server.app import create_app
+        from onecat.runtime.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, create_app
 
         self.async_engine = AsyncEngine(engine, max_queue_len=max_queue_len)
-        self.app = create_app(self.async_engine, api_key=api_key)
+        self.app = create_app(
+            self.async_engine,
+            api_key=api_key,
+            trust_request_chat_template=trust_request_chat_template,
+            max_request_body_bytes=max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
+        )
         self._sock = _bind(host, 0)
         _, self.port = self._sock.getsockname()[:2]
         self.url = f"http://{host}:{self.port}"
-        self._server = _uvicorn_server(self.app, log_level)
+        self._shutdown_timeout = shutdown_timeout
+        self._server = _uvicorn_server(self.app, self.async_engine, log_level, shutdown_timeout)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._sock]}, name="onecat-http", daemon=True
         )
@@ -109,10 +190,10 @@ class BackgroundServer:
         return self
 
     def stop(self) -> None:
-        """Stop uvicorn, then the engine thread."""
+        """Drain and stop uvicorn, then the engine thread."""
         self._server.should_exit = True
         if self._thread.is_alive():
-            self._thread.join(15)
+            self._thread.join(self._shutdown_timeout + _BACKSTOP + 10)
         self.async_engine.shutdown()
         self._sock.close()
 

@@ -5,30 +5,40 @@ e.g. a prompt longer than max_model_len, become 400s before anything is streamed
 either collects the outputs into one response body or yields SSE events in OpenAI's
 framing: ``data: {json}\\n\\n`` per chunk and ``data: [DONE]\\n\\n`` at the end. No web
 framework is imported here; ``app`` wraps the results into responses.
+
+Chat template rendering and tokenisation run in a small thread pool, off the event loop: a
+multi-megabyte prompt takes seconds to tokenise, and /health and the other requests must
+keep being answered meanwhile. A request's own chat template (``chat_template`` or
+``chat_template_kwargs.chat_template``) runs arbitrary Jinja (a few nested loops stall a
+server for minutes), so it is refused unless the operator trusts request templates.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
 from onecat.errors import OnecatError
 from onecat.runtime.errors import RequestError
 from onecat.runtime.sampling_params import SamplingParams
-from onecat.runtime.server.api_errors import APIError, bad_request, error_body
+from onecat.runtime.server.api_errors import APIError, bad_request, internal_error
 from onecat.runtime.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
     QueueFullError,
+    RequestFailedError,
     RequestStream,
+    ShuttingDownError,
 )
 from onecat.runtime.server.metrics import ServerMetrics
-from onecat.runtime.server.prompts import chat_token_ids, text_token_ids
+from onecat.runtime.server.prompts import chat_token_ids, reserved_template_kwargs, text_token_ids
 from onecat.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 DONE_EVENT = "data: [DONE]\n\n"
@@ -63,9 +73,23 @@ class Submitted:
 class OpenAIServing:
     """The logic of /v1/completions and /v1/chat/completions for one served model."""
 
-    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        metrics: ServerMetrics,
+        executor: Executor,
+        *,
+        trust_request_chat_template: bool = False,
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.executor = executor
+        self.trust_request_chat_template = trust_request_chat_template
+        self._reserved_kwargs: frozenset[str] | None = None
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` in the prompt thread pool (the event loop keeps serving meanwhile)."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
 
     # ----- request preparation -------------------------------------------------------------
 
@@ -95,7 +119,9 @@ class OpenAIServing:
                 stop_token_ids=list(req.stop_token_ids or []),
                 ignore_eos=req.ignore_eos,
             )
-        except (RequestError, ValueError) as exc:
+        except RequestError as exc:
+            raise bad_request(str(exc), param=exc.param) from exc
+        except ValueError as exc:
             raise bad_request(str(exc)) from exc
 
     async def submit(
@@ -108,11 +134,11 @@ class OpenAIServing:
         try:
             stream = await self.engine.add_request(request_id, prompt_ids, params)
         except RequestError as exc:
-            raise bad_request(str(exc), code="invalid_request") from exc
+            raise bad_request(str(exc), param=exc.param, code="invalid_request") from exc
         except QueueFullError as exc:
             raise APIError(429, str(exc), type="rate_limit_error", code="queue_full") from exc
         except EngineDeadError as exc:
-            raise APIError(503, str(exc), type="server_error", code="engine_unavailable") from exc
+            raise unavailable(exc) from exc
         return Submitted(request_id, stream, int(time.time()), self.engine.model_name, req.include_usage())
 
     async def prepare_completion(self, req: CompletionRequest) -> Submitted:
@@ -120,7 +146,10 @@ class OpenAIServing:
         req.refuse_unsupported()
         self.check_model(req.model)
         prompt = req.single_prompt()  # the engine checks token ids and empty prompts
-        prompt_ids = text_token_ids(self.engine.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            prompt_ids = await self._off_loop(text_token_ids, self.engine.tokenizer, prompt)
+        else:
+            prompt_ids = list(prompt)
         max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
         return await self.submit("cmpl", req, prompt_ids, max_tokens)
 
@@ -132,14 +161,47 @@ class OpenAIServing:
             {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
             for m in req.messages
         ]
+        template, template_kwargs = self.template_of(req)
         try:
-            prompt_ids = chat_token_ids(self.engine.tokenizer, messages, req.chat_template_kwargs)
+            prompt_ids = await self._off_loop(
+                chat_token_ids, self.engine.tokenizer, messages, template_kwargs, template
+            )
         except OnecatError as exc:
             raise bad_request(str(exc), param="messages") from exc
         max_tokens = req.max_new_tokens()
         if max_tokens is None:  # OpenAI's chat default: as many as the context allows
             max_tokens = max(1, self.engine.max_model_len - len(prompt_ids))
         return await self.submit("chatcmpl", req, prompt_ids, max_tokens)
+
+    def template_of(self, req: ChatCompletionRequest) -> tuple[str | None, dict[str, Any]]:
+        """The request's own chat template (None: the model's) and the template variables
+        from ``chat_template_kwargs``; 400 for a request template the operator does not
+        trust and for kwargs that are ``apply_chat_template``'s own arguments."""
+        kwargs = dict(req.chat_template_kwargs or {})
+        template = req.chat_template
+        param = "chat_template"
+        if "chat_template" in kwargs:
+            template, param = kwargs.pop("chat_template"), "chat_template_kwargs"
+        if template is not None and not self.trust_request_chat_template:
+            raise bad_request(
+                "a chat template sent with the request is refused: this server renders only its "
+                "model's own template (the operator can allow request templates with "
+                "--trust-request-chat-template)",
+                param=param,
+                code="chat_template_not_allowed",
+            )
+        if template is not None and not isinstance(template, str):
+            raise bad_request("chat_template must be a string (a Jinja template)", param=param)
+        if self._reserved_kwargs is None:
+            self._reserved_kwargs = reserved_template_kwargs(self.engine.tokenizer)
+        reserved = sorted(self._reserved_kwargs & kwargs.keys())
+        if reserved:
+            raise bad_request(
+                f"chat_template_kwargs may not set {', '.join(reserved)}: these are arguments of "
+                "the server's template rendering, not template variables",
+                param="chat_template_kwargs",
+            )
+        return template, kwargs
 
     # ----- full responses ------------------------------------------------------------------
 
@@ -165,7 +227,9 @@ class OpenAIServing:
                     raise APIError(499, "the client closed the request", type="client_closed")
             task.result()
         except EngineDeadError as exc:
-            raise APIError(503, str(exc), type="server_error", code="engine_unavailable") from exc
+            raise unavailable(exc) from exc
+        except RequestFailedError as exc:
+            raise internal_error(sub.request_id) from exc
         finally:
             task.cancel()
             if not sub.stream.finished:
@@ -287,7 +351,13 @@ class OpenAIServing:
                 if out.finished:
                     self.metrics.request_success.labels(out.finish_reason or "unknown").inc()
                 yield out, None
-        except EngineDeadError as exc:
-            self.metrics.request_errors.labels("503").inc()
-            body = error_body(str(exc), type="server_error", code="engine_unavailable")
-            yield None, sse_event(body) + DONE_EVENT
+        except (EngineDeadError, RequestFailedError) as exc:
+            error = unavailable(exc) if isinstance(exc, EngineDeadError) else internal_error(sub.request_id)
+            self.metrics.request_errors.labels(str(error.status)).inc()
+            yield None, sse_event(error.body()) + DONE_EVENT
+
+
+def unavailable(exc: EngineDeadError) -> APIError:
+    """The 503 of a failed engine or of a server that is shutting down."""
+    code = "server_shutting_down" if isinstance(exc, ShuttingDownError) else "engine_unavailable"
+    return APIError(503, str(exc), type="server_error", code=code)

@@ -1,10 +1,12 @@
 """Prompt preparation: chat template rendering and tokenisation (no web framework needed).
 
-Used by the server and by ``onecat generate --chat``.
+Used by the server and by ``onecat generate --chat``. These calls can take seconds on a large
+prompt: the server runs them in a thread pool, never on its event loop.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from onecat.errors import OnecatError
@@ -14,20 +16,23 @@ def render_chat(
     tokenizer: Any,
     messages: list[dict[str, str]],
     template_kwargs: dict[str, Any] | None = None,
+    chat_template: str | None = None,
 ) -> str:
-    """Render ``messages`` ([{role, content}]) with the tokenizer's chat template, ending with
-    the assistant turn's opening (``add_generation_prompt``).
+    """Render ``messages`` ([{role, content}]) with the tokenizer's chat template (or
+    ``chat_template``, when given), ending with the assistant turn's opening
+    (``add_generation_prompt``). ``template_kwargs`` become template variables.
 
-    Raises OnecatError when the tokenizer has no chat template or the template fails.
+    Raises OnecatError when there is no chat template or the template fails.
     """
-    if not getattr(tokenizer, "chat_template", None):
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise OnecatError(
             "the model's tokenizer has no chat template (tokenizer_config.json / "
             "chat_template.jinja); use /v1/completions or `onecat generate` without --chat"
         )
+    extra = {"chat_template": chat_template} if chat_template is not None else {}
     try:
         text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+            messages, tokenize=False, add_generation_prompt=True, **extra, **(template_kwargs or {})
         )
     except Exception as exc:  # a jinja error in a user-provided template or kwargs
         raise OnecatError(f"the chat template failed to render these messages: {exc}") from exc
@@ -38,9 +43,10 @@ def chat_token_ids(
     tokenizer: Any,
     messages: list[dict[str, str]],
     template_kwargs: dict[str, Any] | None = None,
+    chat_template: str | None = None,
 ) -> list[int]:
     """Token ids of the rendered chat (the template already holds any special tokens)."""
-    text = render_chat(tokenizer, messages, template_kwargs)
+    text = render_chat(tokenizer, messages, template_kwargs, chat_template)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -48,3 +54,14 @@ def text_token_ids(tokenizer: Any, prompt: str) -> list[int]:
     """Token ids of a plain-text prompt, with the tokenizer's own special tokens (e.g. BOS)."""
     return list(tokenizer.encode(prompt))
 
+
+def reserved_template_kwargs(tokenizer: Any) -> frozenset[str]:
+    """Names that ``apply_chat_template`` takes as its own arguments (``tokenize``,
+    ``chat_template``, ``return_dict``, ...): as ``chat_template_kwargs`` they would change how
+    the server renders and tokenises, not the template's variables."""
+    parameters = inspect.signature(tokenizer.apply_chat_template).parameters
+    names = {
+        name for name, p in parameters.items()
+        if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+    }
+    return frozenset(names - {"self", "conversation"})

@@ -3,17 +3,56 @@
 Fields OpenAI defines and the engine cannot honour (``n > 1``, logprobs, penalties, tools,
 JSON mode, ...) are accepted only at their neutral value; anything else is refused with a
 400 naming the field, never silently ignored. Unknown extra fields are ignored, as OpenAI
-and vLLM do. vLLM's extensions ``top_k``, ``stop_token_ids``, ``ignore_eos`` and
-``chat_template_kwargs`` are supported.
+and vLLM do. vLLM's extensions ``top_k``, ``stop_token_ids``, ``ignore_eos``,
+``chat_template_kwargs`` and ``chat_template`` are supported (a request's own template only
+when the operator trusts them: ``--trust-request-chat-template``).
+
+Every number must be one the engine can take (``onecat.runtime.sampling_params``' limits:
+int32 counts and token ids, an int64 seed, finite floats) and every string valid Unicode;
+anything else is a 400 naming the field before the request reaches the engine.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from onecat.runtime.errors import RequestError
+from onecat.runtime.sampling_params import (
+    MAX_INT32,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SEED_MAX,
+    SEED_MIN,
+    check_text,
+)
 from onecat.runtime.server.api_errors import bad_request
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
+Count = Annotated[int, Field(ge=1, le=MAX_INT32)]
+
+
+def refuse_invalid_unicode(data: Any) -> None:
+    """Raise a 400 naming the field when any string (or key) in the raw request body is not
+    valid Unicode, e.g. a lone surrogate from a ``\ud800`` JSON escape: such text cannot be
+    tokenised, and an answer quoting it could not be encoded."""
+    stack: list[tuple[Any, str]] = [(data, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            try:
+                check_text(value, path or "body")
+            except RequestError as exc:
+                raise bad_request(str(exc), param=path.split(".")[0] or None) from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                where = f"{path}.{key}" if path else str(key)
+                if isinstance(key, str):
+                    stack.append((key, where))
+                stack.append((item, where))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}.{i}") for i, item in enumerate(value) if isinstance(item, str | dict | list))
 
 
 class StreamOptions(BaseModel):
@@ -25,24 +64,30 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Count | None = None
     temperature: float | None = Field(default=None, ge=0.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_INT32)
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
-    n: int = Field(default=1, ge=1)
+    n: Count = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        refuse_invalid_unicode(data)
+        return data
 
     def stop_strings(self) -> list[str]:
         """``stop`` as a list (OpenAI accepts one string or a list)."""
@@ -70,7 +115,7 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     """A /v1/completions request. ``prompt`` is text or token ids (one prompt per request)."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
@@ -138,13 +183,14 @@ class ChatCompletionRequest(SamplingFields):
     """A /v1/chat/completions request."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # the request's own template (vLLM's extension)
 
     def refuse_unsupported(self) -> None:
         """Also refuse logprobs, tools and structured output."""
