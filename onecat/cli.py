@@ -367,6 +367,10 @@ def bench() -> None:
 @click.option("--ignore-eos/--no-ignore-eos", default=None,
               help="Send ignore_eos so outputs have exactly the asked length (default: on for "
                    "random).")
+@click.option("--temperature", type=float, default=None,
+              help="Sampling temperature sent with each request (default: the server's).")
+@click.option("--top-p", type=float, default=None, help="top_p sent with each request.")
+@click.option("--top-k", type=int, default=None, help="top_k sent with each request.")
 @click.option("--percentile-metrics", default="ttft,tpot,itl", show_default=True,
               help="Metrics to report: ttft, tpot, itl, e2el.")
 @click.option("--metric-percentiles", default="99", show_default=True,

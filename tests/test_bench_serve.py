@@ -235,6 +235,9 @@ def test_payloads_follow_vllm():
     chat = build_payload(Endpoint("http://h", "/v1/chat/completions", "chat", "m"), request, False)
     assert chat["messages"] == [{"role": "user", "content": "hello"}]
     assert chat["max_completion_tokens"] == 16 and "ignore_eos" not in chat
+    greedy = build_payload(Endpoint("http://h", "/v1/completions", "completions", "m"), request, True,
+                           {"temperature": 0.0, "top_k": 1})
+    assert greedy["temperature"] == 0.0 and greedy["top_k"] == 1 and greedy["max_tokens"] == 16
 
 
 def sse(*events: object) -> bytes:

@@ -77,6 +77,9 @@ class BenchServeConfig:
     max_concurrency: int | None = None
     num_warmups: int = 0
     ignore_eos: bool | None = None  # None: on for the random dataset (exact output lengths)
+    temperature: float | None = None  # sampling fields, sent only when given
+    top_p: float | None = None
+    top_k: int | None = None
     percentile_metrics: str = DEFAULT_PERCENTILE_METRICS
     metric_percentiles: str = DEFAULT_PERCENTILES
     result_json: str | None = None
@@ -170,7 +173,9 @@ async def _benchmark(endpoint: Endpoint, requests: list[SampleRequest], config: 
                      ignore_eos: bool, console: Console) -> tuple[list[RequestResult], float]:
     """Warm up, then send every request at its arrival time; the results (start times
     relative to the benchmark's start) and the benchmark's duration in seconds."""
-    payloads = [build_payload(endpoint, r, ignore_eos) for r in requests]
+    sampling = {k: v for k, v in (("temperature", config.temperature), ("top_p", config.top_p),
+                                  ("top_k", config.top_k)) if v is not None}
+    payloads = [build_payload(endpoint, r, ignore_eos, sampling) for r in requests]
     cap = config.max_concurrency
     limits = httpx.Limits(max_connections=cap, max_keepalive_connections=cap)
     timeout = httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)

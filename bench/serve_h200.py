@@ -1,0 +1,239 @@
+"""onecat's HTTP server under `onecat bench serve` on Qwen3.5-27B- and 35B-A3B-shaped random
+packed models (GPU), next to the engine's own decode speed in the same server process.
+
+For each model a server process builds the model at full depth with random packed 4-bit
+weights directly on the GPU (``bench/e2e.py``'s shapes and weights, the real 248,320-token
+vocabulary), times the engine's decode with each benchmarked concurrency as the batch size
+(``e2e.timed_decode``: 128-token prompts, greedy), then serves that engine with onecat's
+OpenAI server (the code path of ``onecat serve`` after loading). The driver runs
+``onecat bench serve`` against it at each concurrency (random prompts of 128-512 tokens, 64
+output tokens with ``ignore_eos``, greedy like the engine figure, ``max(8, 2 * concurrency)``
+prompts after ``concurrency`` warm-up requests) and prints one table.
+
+Why build in the server process instead of ``onecat serve ARTIFACT``: a packed 27B written
+to disk is ~14 GB (minutes to write and to load, disk the GPU machine may not spare), while
+random weights generated on the GPU take seconds; what is measured, the server and the
+engine, is the same code either way.
+
+The tokenizer is synthetic and word-level over the same vocabulary (``w123`` is token 123):
+every token decodes to text on its own, so each generated token is one streamed chunk and
+prompts re-encode to exactly their drawn length. (The real tokenizer is not downloaded.)
+
+    ONECAT_KERNEL_ARCH=70 python bench/serve_h200.py --out serve_h200.json
+    python bench/serve_h200.py --models 27b --layers 8 --concurrency 1,8   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+VOCAB = 248320
+SPECIAL = ("<|endoftext|>", "<|im_end|>")
+
+
+def build_word_tokenizer(out_dir: Path, vocab_size: int = VOCAB) -> Path:
+    """A word-level tokenizer of ``vocab_size`` ids (special tokens first, then ``w{id}``)
+    saved as a transformers fast tokenizer in ``out_dir``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL)}
+    vocab.update({f"w{i}": i for i in range(len(SPECIAL), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=SPECIAL[0]))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIAL[1], pad_token=SPECIAL[0])
+    fast.save_pretrained(out_dir)
+    return out_dir
+
+
+# ----- the server process ------------------------------------------------------------------
+
+
+def serve_random_model(args: argparse.Namespace) -> None:
+    """Build the random model, time the engine, write its figures, then serve until killed."""
+    import e2e  # bench/e2e.py: model shapes, random packed weights, decode timing
+    import torch
+    from transformers import AutoTokenizer
+
+    from onecat.runtime.config import EngineConfig
+    from onecat.runtime.engine import LLMEngine
+    from onecat.runtime.models.config import ModelConfig
+    from onecat.runtime.models.qwen3_5 import Qwen3_5ForCausalLM
+    from onecat.runtime.quant_plan import QuantPlan
+    from onecat.runtime.server.launcher import serve
+
+    raw = e2e.text_config(args.serve_model, args.layers)
+    raw["vocab_size"] = VOCAB
+    t0 = time.perf_counter()
+    with torch.device("cuda"):
+        model = Qwen3_5ForCausalLM(ModelConfig.from_dict(raw), QuantPlan(default=e2e.GROUP), torch.float16)
+    e2e.fill_random(model)
+    name = f"random-{args.serve_model}"
+    engine = LLMEngine.from_model(
+        EngineConfig(model=name, served_model_name=name, device="cuda", max_num_seqs=args.max_num_seqs,
+                     max_model_len=args.max_model_len),
+        model, AutoTokenizer.from_pretrained(args.tokenizer),
+    )
+    figures = {"model": args.serve_model, "layers": raw["num_hidden_layers"],
+               "setup_s": time.perf_counter() - t0, "engine_decode_tok_s": {}}
+    for batch in args.engine_batches:
+        figures["engine_decode_tok_s"][batch] = e2e.timed_decode(engine, batch, 128, 24, 1000 * batch)
+        print(f"  engine batch {batch}: {figures['engine_decode_tok_s'][batch]:.1f} tok/s", flush=True)
+    Path(args.engine_json).write_text(json.dumps(figures))
+    serve(engine, host="127.0.0.1", port=args.port, log_level="warning")
+
+
+# ----- the driver --------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the server was not up after {timeout:.0f} s:\n{log.read_text()[-4000:]}")
+        time.sleep(1)
+
+
+def bench_model(name: str, args: argparse.Namespace, tokenizer: Path, work: Path) -> dict:
+    """Start the server for ``name``, run ``onecat bench serve`` at each concurrency, stop."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    engine_json, log = work / f"{name}-engine.json", work / f"{name}-server.log"
+    command = [sys.executable, str(Path(__file__).resolve()), "--serve-model", name, "--port", str(port),
+               "--tokenizer", str(tokenizer), "--engine-json", str(engine_json),
+               "--max-num-seqs", str(max(args.concurrency)), "--max-model-len", str(args.max_model_len),
+               "--engine-batches", ",".join(map(str, args.concurrency))]
+    if args.layers:
+        command += ["--layers", str(args.layers)]
+    t0 = time.perf_counter()
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_ready(proc, url, log, args.server_timeout)
+        engine = json.loads(engine_json.read_text())
+        print(f"{name}: server up in {time.perf_counter() - t0:.0f} s; engine "
+              + ", ".join(f"b{b} {v:.0f}" for b, v in engine["engine_decode_tok_s"].items()) + " tok/s",
+              flush=True)
+        runs = []
+        for c in args.concurrency:
+            result_json = work / f"{name}-c{c}.json"
+            prompts = max(8, 2 * c)
+            bench = [sys.executable, "-m", "onecat.cli", "bench", "serve", "--base-url", url,
+                     "--tokenizer", str(tokenizer), "--dataset-name", "random",
+                     "--random-input-len", str(args.input_len), "--random-range-ratio", str(args.range_ratio),
+                     "--random-output-len", str(args.output_len), "--num-prompts", str(prompts),
+                     "--max-concurrency", str(c), "--num-warmups", str(c), "--temperature", "0",
+                     "--metric-percentiles", "50,99", "--result-json", str(result_json), "--no-progress"]
+            done = subprocess.run(bench, capture_output=True, text=True)
+            (work / f"{name}-c{c}.log").write_text(done.stdout + done.stderr)
+            if not result_json.exists():
+                raise SystemExit(f"onecat bench serve failed at concurrency {c}:\n{done.stdout}{done.stderr}")
+            result = json.loads(result_json.read_text())
+            result = {k: v for k, v in result.items() if not isinstance(v, list)}  # no per-request lists
+            runs.append({"concurrency": c, **result})
+            print(f"  c{c}: {result['completed']}/{prompts} ok, {result['output_throughput']:.1f} output tok/s, "
+                  f"TTFT median {result['median_ttft_ms']:.0f} ms", flush=True)
+        return {"engine": engine, "runs": runs, "wall_s": time.perf_counter() - t0}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def print_table(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="onecat serve under onecat bench serve (output tokens/s; latencies ms, median / p99)")
+    for column in ("model", "conc.", "ok/fail", "req/s", "output tok/s", "engine tok/s", "server/engine",
+                   "TTFT", "TPOT", "ITL"):
+        table.add_column(column, justify="left" if column == "model" else "right")
+    for name, entry in report["models"].items():
+        engine = entry["engine"]["engine_decode_tok_s"]
+        for r in entry["runs"]:
+            c = r["concurrency"]
+            eng = engine.get(str(c))
+            table.add_row(
+                name, str(c), f"{r['completed']}/{r['failed']}", f"{r['request_throughput']:.2f}",
+                f"{r['output_throughput']:.1f}", f"{eng:.1f}" if eng else "-",
+                f"{r['output_throughput'] / eng:.0%}" if eng else "-",
+                f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f}",
+                f"{r['median_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f}",
+                f"{r['median_itl_ms']:.1f} / {r['p99_itl_ms']:.1f}",
+            )
+    Console(width=160).print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="27b,35b-a3b")
+    parser.add_argument("--layers", type=int, default=None, help="fewer layers (smoke runs)")
+    parser.add_argument("--concurrency", default="1,8,32,64")
+    parser.add_argument("--input-len", type=int, default=320)
+    parser.add_argument("--range-ratio", type=float, default=0.6, help="inputs of 128..512 tokens")
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--server-timeout", type=float, default=600.0)
+    parser.add_argument("--out", default=None, help="write every figure to this JSON file")
+    # the server process (started by the driver)
+    parser.add_argument("--serve-model", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--tokenizer", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--engine-json", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--engine-batches", default="1,8,32,64", help=argparse.SUPPRESS)
+    parser.add_argument("--max-num-seqs", type=int, default=64, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.engine_batches = [int(b) for b in args.engine_batches.split(",")]
+    if args.serve_model:
+        serve_random_model(args)
+        return
+    import torch
+
+    from onecat.benchmarks.report import write_result_json
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/serve_h200.py needs a CUDA GPU")
+    report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "kernel_arch": os.environ.get("ONECAT_KERNEL_ARCH"), "input_len": args.input_len,
+              "range_ratio": args.range_ratio, "output_len": args.output_len, "models": {}}
+    with tempfile.TemporaryDirectory(prefix="onecat-serve-bench-") as tmp:
+        work = Path(tmp)
+        tokenizer = build_word_tokenizer(work / "tokenizer")
+        for name in args.models.split(","):
+            report["models"][name] = bench_model(name, args, tokenizer, work)
+            if args.out:
+                write_result_json(args.out, report)
+    print_table(report)
+
+
+if __name__ == "__main__":
+    main()
