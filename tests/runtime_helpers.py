@@ -155,3 +155,36 @@ def write_text_only_checkpoint(src: Path, out: Path) -> None:
         if side.is_file() and not side.name.endswith((".safetensors", ".index.json", "config.json")):
             shutil.copy2(side, out / side.name)
     shutil.copy2(src / "generation_config.json", out / "generation_config.json")
+
+
+def assert_same_greedy_runs(
+    ref: tuple[dict, dict], got: tuple[dict, dict], atol: float, *, relative: bool = False, label: str = ""
+) -> float:
+    """Two greedy runs of the same requests (``(tokens, logits)`` by request id, as
+    :func:`record_logits` and :func:`drain` give them) agree: while their tokens agree (same
+    context), every logits row within ``atol`` (times the request's largest |logit| if
+    ``relative``). The tokens may part only at a near tie -- the token the reference chose
+    leads the other run's token by at most twice the tolerance (random-weight models have
+    nearly flat next-token distributions, so such steps occur) -- and the comparison of that
+    request stops there, since the contexts differ from then on. Returns the largest
+    difference seen (relative if ``relative``)."""
+    (ref_tokens, ref_logits), (tokens, logits) = ref, got
+    assert ref_tokens.keys() == tokens.keys(), f"{label}: requests differ"
+    worst = 0.0
+    for rid, expected in ref_tokens.items():
+        actual, rows, ref_rows = tokens[rid], logits[rid], ref_logits[rid]
+        assert len(actual) == len(expected), f"{label} {rid}: {len(actual)} tokens, expected {len(expected)}"
+        scale = ref_rows.abs().max().item() if relative else 1.0
+        tol = atol * scale
+        for step, (a, b) in enumerate(zip(expected, actual, strict=True)):
+            diff = (rows[step] - ref_rows[step]).abs().max().item()
+            worst = max(worst, diff / scale)
+            assert diff <= tol, f"{label} {rid} step {step}: logits differ by {diff:.3g} (tolerance {tol:.3g})"
+            if a != b:
+                lead = (ref_rows[step][a] - ref_rows[step][b]).item()
+                assert lead <= 2 * tol, (
+                    f"{label} {rid} step {step}: token {b} instead of {a}, which leads it by {lead:.3g} "
+                    f"(more than twice the tolerance {tol:.3g}): {actual} vs {expected}"
+                )
+                break
+    return worst

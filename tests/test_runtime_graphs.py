@@ -3,7 +3,9 @@
 The emulation runs the runner's real capture (static buffers, padding rows pointing at the
 scratch KV block and state slot, batch and KV-length buckets, the MoE gathered-expert path)
 and "replays" by running the captured forward again on the same static buffers with the
-context of the capture. Logits and greedy tokens must equal the eager engine's.
+context of the capture. Logits must equal the eager engine's within 1e-4 and greedy tokens
+too, but at a near tie (``runtime_helpers.assert_same_greedy_runs``); the MoE models route
+with ``onecat.tiny.SeparatedRouting``, so their expert choices cannot flip.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import dataclasses
 
 import pytest
 import torch
-from runtime_helpers import drain, record_logits, write_awq_checkpoint
+from runtime_helpers import assert_same_greedy_runs, drain, record_logits, write_awq_checkpoint
 
 from onecat.pack.writer import pack_checkpoint
 from onecat.runtime.config import EngineConfig
@@ -93,7 +95,4 @@ def test_graph_decode_matches_eager(tmp_path, monkeypatch, name):
             assert {key[0] for key in engine.runner.graphs} >= {1, 4}
         stats = engine.stats()
         assert stats["free_kv_blocks"] == stats["total_kv_blocks"]
-    (eager_tokens, eager_logits), (graph_tokens, graph_logits) = results
-    assert graph_tokens == eager_tokens
-    for rid in prompts:
-        assert (graph_logits[rid] - eager_logits[rid]).abs().max().item() < 1e-4
+    assert_same_greedy_runs(results[0], results[1], 1e-4, label=f"{name} graphs vs eager")
