@@ -1,17 +1,16 @@
 """Expert parallelism: each tensor-parallel rank owns a contiguous share of the routed experts.
 
 Every rank routes every token (the router is replicated), then runs only the (token, expert)
-pairs whose expert it owns; the others add nothing on this rank. The all-reduce after the
-MoE block sums the ranks' partial outputs. Eagerly, pairs of other ranks' experts are
-skipped (their ids are mapped past the local experts); in CUDA graphs, where shapes are
-static, they run on local expert 0 with routing weight 0.
+pairs whose expert it owns: global ids are shifted to local ones, and ids that land outside
+``[0, num_experts)`` (other ranks' experts) contribute nothing in :class:`FusedExperts` (the
+``w4a16_moe`` op skips them, eagerly and in CUDA graphs alike). The all-reduce after the MoE
+block sums the ranks' partial outputs.
 """
 
 from __future__ import annotations
 
 import torch
 
-from onecat.runtime.context import get_context
 from onecat.runtime.distributed.parallel_state import tp_rank, tp_size
 from onecat.runtime.layers.moe import FusedExperts
 
@@ -37,11 +36,7 @@ class LocalExperts(FusedExperts):
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Like :meth:`FusedExperts.forward` with global ``expert_ids``; returns this rank's
         partial sum (only its experts' contributions)."""
-        local = expert_ids - self.first_expert
-        owned = (local >= 0) & (local < self.num_experts)
-        weights = weights * owned.to(weights.dtype)
-        elsewhere = 0 if get_context().capturing_graph else self.num_experts
-        return super().forward(x, torch.where(owned, local, elsewhere), weights)
+        return super().forward(x, expert_ids - self.first_expert, weights)
 
 
 def routed_experts(

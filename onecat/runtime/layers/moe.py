@@ -4,14 +4,13 @@
 projection (``[E, H, I]``), either as float weights or in the Volta packed layout with an
 expert dimension in front (``[E, N/32, K/32, 32, 4]`` and ``[E, N/32, K/g, 32, 2]``).
 
-Two ways to run them:
-
-- grouped (eager): sort the (token, expert) pairs by expert, read the expert ids on the host
-  once, and run each chosen expert on its tokens; every expert's weights are read once;
-- gathered (for CUDA graph capture and its warm-up, where the host cannot see the routing):
-  copy each token's chosen experts' weights into one merged linear per projection and run
-  two matmuls per token. It moves each chosen expert's bytes three times but launches few
-  kernels, so the runner captures MoE decode graphs only for batches up to 32.
+Packed experts run ``torch.ops.onecat.w4a16_moe`` (onecat.kernels.moe): on CUDA a few
+launches that read the chosen experts' weights in place, with no host sync, so the same call
+serves eager steps and CUDA-graph capture; on the CPU its reference. Float experts (fp16/bf16
+checkpoints) keep plain torch: eagerly each expert that received tokens runs on them (the
+counts are read on the host); under graph capture each token's chosen experts are gathered
+into one merged weight per projection (copies; fine for the small float models that use it).
+Expert ids outside ``[0, E)`` (other ranks' experts) contribute nothing on every path.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from onecat.kernels.ops import packed_linear
+from onecat.kernels.moe import w4a16_moe
 from onecat.pack.volta_layout import TILE
 from onecat.runtime.context import get_context
 from onecat.runtime.layers.fusion import fused
@@ -96,29 +95,29 @@ class FusedExperts(nn.Module):
             param = getattr(self, name)
             param.weight_loader(param, weights.dense(), (expert, which))
 
-    def _project(self, x: torch.Tensor, params: dict[str, torch.Tensor], name: str, index: int) -> torch.Tensor:
-        if self.is_packed:
-            qweight, scales_zeros = params[f"{name}_qweight"][index], params[f"{name}_scales_zeros"][index]
-            return packed_linear(x, qweight, scales_zeros, self.group_size)
-        return F.linear(x, params[name][index])
-
-    def _expert(self, x: torch.Tensor, params: dict[str, torch.Tensor], index: int) -> torch.Tensor:
-        """SwiGLU of expert ``index`` of the stacked ``params`` on ``x [M, H]``."""
-        return self._project(silu_and_mul(self._project(x, params, "w13", index)), params, "w2", index)
-
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """``x [T, H]``, routing ``expert_ids``/``weights`` ``[T, k]`` -> weighted sum ``[T, H]``."""
+        """``x [T, H]``, routing ``expert_ids``/``weights`` ``[T, k]`` -> weighted sum ``[T, H]``.
+        Ids outside ``[0, num_experts)`` contribute nothing."""
+        if self.is_packed:
+            return w4a16_moe(
+                x, expert_ids, weights, self.w13_qweight, self.w13_scales_zeros,
+                self.w2_qweight, self.w2_scales_zeros, self.group_size,
+            )  # fmt: skip
         if get_context().capturing_graph:
             return self._forward_gathered(x, expert_ids, weights)
         return self._forward_grouped(x, expert_ids, weights)
 
+    def _expert(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """SwiGLU of float expert ``index`` on ``x [M, H]``."""
+        return F.linear(silu_and_mul(F.linear(x, self.w13[index])), self.w2[index])
+
     def _forward_grouped(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         top_k = expert_ids.shape[1]
-        flat_ids = expert_ids.flatten()
+        flat_ids = expert_ids.flatten().long()
+        flat_ids = torch.where((flat_ids >= 0) & (flat_ids < self.num_experts), flat_ids, self.num_experts)
         order = torch.argsort(flat_ids, stable=True)
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
         flat_weights = weights.flatten()
-        params = dict(self.named_parameters(recurse=False))
         out = torch.zeros_like(x)
         start = 0
         for expert, count in enumerate(counts[: self.num_experts]):  # ids beyond: other ranks' experts
@@ -127,43 +126,22 @@ class FusedExperts(nn.Module):
             pairs = order[start : start + count]
             start += count
             tokens = pairs // top_k
-            y = self._expert(x[tokens], params, expert) * flat_weights[pairs, None].to(x.dtype)
+            y = self._expert(x[tokens], expert) * flat_weights[pairs, None].to(x.dtype)
             out.index_add_(0, tokens, y)
         return out
 
-    def _token_weights(self, expert_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _forward_gathered(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Per token, its chosen experts' weights merged into one linear each (copies):
         ``w13`` stacked along N (``[T, k*2I, H]``: all experts see the same input) and ``w2``
         along K (``[T, H, k*I]``: fed the concatenated, routing-weighted expert activations,
-        it sums the experts' outputs). In the packed layout N is tile dimension 0 and K tile
-        dimension 1 (groups follow K), so both are plain gathers and permutes."""
+        it sums the experts' outputs). Fixed shapes and no host reads: capturable."""
         tokens, top_k = expert_ids.shape
         i, h = self.intermediate_size, self.hidden_size
-        flat = expert_ids.flatten()
-        if not self.is_packed:
-            return {
-                "w13": self.w13.index_select(0, flat).view(tokens, top_k * 2 * i, h),
-                "w2": self.w2[expert_ids].permute(0, 2, 1, 3).reshape(tokens, h, top_k * i),
-            }
-        g = self.group_size
-        w13_q = self.w13_qweight.index_select(0, flat)
-        w13_s = self.w13_scales_zeros.index_select(0, flat)
-        w2_q = self.w2_qweight[expert_ids].permute(0, 2, 1, 3, 4, 5)  # [T, H/32, k, I/32, 32, 4]
-        w2_s = self.w2_scales_zeros[expert_ids].permute(0, 2, 1, 3, 4, 5)
-        return {
-            "w13_qweight": w13_q.view(tokens, top_k * 2 * i // TILE, h // TILE, TILE, 4),
-            "w13_scales_zeros": w13_s.view(tokens, top_k * 2 * i // TILE, h // g, TILE, 2),
-            "w2_qweight": w2_q.reshape(tokens, h // TILE, top_k * i // TILE, TILE, 4),
-            "w2_scales_zeros": w2_s.reshape(tokens, h // TILE, top_k * i // g, TILE, 2),
-        }
-
-    def _forward_gathered(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Two matmuls per token over its experts' merged weights (see :meth:`_token_weights`)."""
-        num_tokens, top_k = expert_ids.shape
-        merged = self._token_weights(expert_ids)
-        rows = []
-        for token in range(num_tokens):
-            gate_up = self._project(x[token : token + 1], merged, "w13", token)  # [1, k*2I]
-            hidden = silu_and_mul(gate_up.view(top_k, -1)) * weights[token, :, None].to(x.dtype)
-            rows.append(self._project(hidden.reshape(1, -1), merged, "w2", token))
-        return torch.cat(rows)
+        ids = expert_ids.long()
+        owned = (ids >= 0) & (ids < self.num_experts)
+        ids, weights = torch.where(owned, ids, 0), weights * owned.to(weights.dtype)
+        w13 = self.w13.index_select(0, ids.flatten()).view(tokens, top_k * 2 * i, h)
+        w2 = self.w2[ids].permute(0, 2, 1, 3).reshape(tokens, h, top_k * i)
+        gate_up = torch.bmm(w13, x.unsqueeze(-1)).view(tokens, top_k, 2 * i)
+        hidden = silu_and_mul(gate_up) * weights.unsqueeze(-1).to(x.dtype)
+        return torch.bmm(w2, hidden.reshape(tokens, top_k * i, 1)).squeeze(-1)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from onecat.kernels import gdn as gdn_kernel
+from onecat.kernels.moe import moe_route
 from onecat.runtime.context import get_context
 from onecat.runtime.distributed.parallel_state import all_reduce
 from onecat.runtime.layers.attention import PagedAttention
@@ -373,9 +374,14 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = merged_linear(plan, [f"{prefix}.shared_expert_gate"], hidden, [1], dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, hidden]`` -> ``[T, hidden]``."""
-        weights, expert_ids = route(self.gate(x), self.top_k)
-        routed = self.experts(x, expert_ids, weights.to(x.dtype))
+        """``x [T, hidden]`` -> ``[T, hidden]``. On CUDA the router is one kernel
+        (``moe_route``: the same softmax / top-k / renormalisation, ties lowest index first)."""
+        logits = self.gate(x)
+        if logits.is_cuda:
+            weights, expert_ids = moe_route(logits, self.top_k)
+        else:
+            weights, expert_ids = route(logits, self.top_k)
+        routed = self.experts(x, expert_ids, weights)
         return add_gated(routed, self.shared_expert_gate(x), self.shared_expert(x))
 
 

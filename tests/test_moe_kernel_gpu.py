@@ -1,0 +1,253 @@
+"""GPU tests of the MoE ops (``w4a16_moe_gemv.cu``, ``w4a16_moe_wmma.cu``,
+``w4a16_moe_route.cu``) against an fp64 reference with the kernels' dequant contract.
+
+Run on a GPU (the H200 runs a V100's code with ``ONECAT_KERNEL_ARCH=70``):
+
+    ONECAT_KERNEL_ARCH=70 .venv/bin/python -m pytest -q tests/test_moe_kernel_gpu.py
+
+``ref`` is, per (token, expert) pair in fp64, ``down(h)`` with ``h = fp16(silu(gate) * up)``
+(the kernels round h to fp16 between the projections) and weights ``fp16(q*s + fp16(-z*s))``,
+summed with the routing weights. Tolerance as for the linear op's kernels: every output
+finite, elementwise ``|y - ref| <= 4e-3 * |ref| + 4e-3 * rms(ref)`` and
+``||y - ref|| / ||ref|| <= 2e-3`` (two chained projections; the decode GEMV forms fp16
+partial sums of 8 products). The caching allocator's free blocks are filled with NaN before
+each call, so an output or hidden row the kernels never write fails the finiteness check.
+Shapes are Qwen3.5-35B-A3B's (E = 256, H = 2048, I = 512, top-8, g = 128) unless noted;
+T <= 32 takes the gather-GEMV path, more tokens the grouped wmma path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+E, H, INTER, TOP_K, G = 256, 2048, 512, 8, 128
+RTOL = 4e-3
+NORM_RTOL = 2e-3
+
+
+def random_stacked(e: int, n: int, k: int, g: int, gen: torch.Generator):
+    """Random stacked packed weights [E, N/32, K/32, 32, 4] + scales_zeros (any nibbles are
+    valid q; s in [0.001, 0.021], z in 0..15, nzs = fp16(-z*s))."""
+    qweight = torch.randint(-(2**31), 2**31 - 1, (e, n // 32, k // 32, 32, 4), dtype=torch.int32,
+                            device="cuda", generator=gen)
+    s = (torch.rand(e, n // 32, k // g, 32, 1, device="cuda", generator=gen) * 0.02 + 0.001).half()
+    z = torch.randint(0, 16, s.shape, device="cuda", generator=gen)
+    nzs = (-(z.double() * s.double())).half()
+    return qweight, torch.cat([s, nzs], dim=-1).contiguous()
+
+
+@pytest.fixture(scope="module")
+def experts_35b():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13 = random_stacked(E, 2 * INTER, H, G, gen)
+    w2 = random_stacked(E, H, INTER, G, gen)
+    return (*w13, *w2)
+
+
+def reference(x, ids, weights, tensors, g):
+    """fp64 per expert: contract weights, h rounded to fp16, routing-weighted sum."""
+    from onecat.pack.volta_layout import dequantize_volta
+
+    w13_q, w13_sz, w2_q, w2_sz = tensors
+    num_experts, inter = w13_q.shape[0], w13_q.shape[1] * 16
+    out = torch.zeros(x.shape[0], w2_q.shape[1] * 32, dtype=torch.float64, device=x.device)
+    ids = ids.long()
+    valid = (ids >= 0) & (ids < num_experts)
+    for e in torch.unique(ids[valid]).tolist():
+        tokens, slots = (ids == e).nonzero(as_tuple=True)
+        gate_up = x[tokens].double() @ dequantize_volta(w13_q[e], w13_sz[e], g, torch.float64).t()
+        h = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).half().double()
+        y = h @ dequantize_volta(w2_q[e], w2_sz[e], g, torch.float64).t()
+        out.index_add_(0, tokens, y * weights[tokens, slots].double()[:, None])
+    return out
+
+
+def poison_allocator() -> None:
+    """Fill free blocks of the caching allocator (small and large pools) with NaN."""
+    blocks = [torch.full((n,), float("nan"), dtype=torch.float16, device="cuda")
+              for n in [1 << 14] * 32 + [1 << 18] * 16 + [1 << 24] * 4]
+    del blocks
+
+
+def check_close(y: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    assert torch.isfinite(y).all(), (
+        f"{what}: {int((~torch.isfinite(y)).sum())} non-finite outputs (unwritten rows or "
+        f"columns, or a NaN hidden row read back), first at {(~torch.isfinite(y)).nonzero()[:4].tolist()}"
+    )
+    y64 = y.double()
+    rms = ref.pow(2).mean().sqrt()
+    err = (y64 - ref).abs()
+    bound = RTOL * ref.abs() + RTOL * rms
+    worst = int((err - bound).argmax())
+    rel_norm = float((y64 - ref).norm() / ref.norm())
+    assert (err <= bound).all() and rel_norm <= NORM_RTOL, (
+        f"{what}: max error {err.max():.3e} (rms of ref {rms:.3e}); worst element {divmod(worst, y.shape[1])} "
+        f"got {y.flatten()[worst].item():.4f} want {ref.flatten()[worst].item():.4f}; "
+        f"{int((err > bound).sum())} elements over the bound; rel norm {rel_norm:.2e} (limit {NORM_RTOL})"
+    )
+
+
+def random_routing(t: int, e: int, top_k: int, seed: int, ids_dtype=torch.int32, weights_dtype=torch.float32):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    ids = torch.rand(t, e, device="cuda", generator=gen).argsort(dim=-1)[:, :top_k].to(ids_dtype)
+    weights = torch.softmax(torch.randn(t, top_k, device="cuda", generator=gen), -1).to(weights_dtype)
+    x = torch.randn(t, H, device="cuda", generator=gen).half()
+    return x, ids.contiguous(), weights
+
+
+def run_op(x, ids, weights, tensors, g=G):
+    from onecat.kernels.moe import w4a16_moe
+
+    poison_allocator()
+    y = w4a16_moe(x, ids, weights, *tensors, g)
+    torch.cuda.synchronize()
+    return y
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8, 32, 256, 2048])
+def test_moe_op_matches_fp64_at_35b_shapes(experts_35b, tokens):
+    x, ids, weights = random_routing(tokens, E, TOP_K, seed=tokens)
+    y = run_op(x, ids, weights, experts_35b)
+    assert y.shape == (tokens, H) and y.dtype == torch.float16
+    path = "gather-GEMV" if tokens * TOP_K <= 256 else "grouped wmma"
+    check_close(y, reference(x, ids, weights, experts_35b, G), f"T={tokens} ({path})")
+
+
+@pytest.mark.parametrize("tokens", [5, 200])
+@pytest.mark.parametrize("ids_dtype, weights_dtype", [(torch.int64, torch.float16), (torch.int32, torch.float32)])
+def test_moe_op_id_and_weight_dtypes(experts_35b, tokens, ids_dtype, weights_dtype):
+    x, ids, weights = random_routing(tokens, E, TOP_K, seed=7, ids_dtype=ids_dtype, weights_dtype=weights_dtype)
+    y = run_op(x, ids, weights, experts_35b)
+    check_close(y, reference(x, ids, weights, experts_35b, G), f"T={tokens} ids {ids_dtype} weights {weights_dtype}")
+
+
+@pytest.mark.parametrize("tokens", [8, 300])
+def test_all_tokens_on_one_expert_others_empty(experts_35b, tokens):
+    """Slot 0 of every token is expert 7 (300 rows: several row tiles of one expert), the
+    other slots are spread over experts 200..203; the other 251 experts are empty."""
+    x, _, weights = random_routing(tokens, E, TOP_K, seed=3)
+    ids = torch.empty(tokens, TOP_K, dtype=torch.int32, device="cuda")
+    ids[:, 0] = 7
+    ids[:, 1:] = 200 + torch.arange(TOP_K - 1, device="cuda") % 4
+    y = run_op(x, ids, weights, experts_35b)
+    check_close(y, reference(x, ids, weights, experts_35b, G), f"T={tokens}, one expert for all")
+
+
+@pytest.mark.parametrize("tokens", [4, 100])
+def test_ids_outside_the_experts_contribute_nothing(experts_35b, tokens):
+    """Other ranks' experts (ids < 0 or >= E, as expert parallelism and vLLM's -1 give) add
+    nothing; a token whose every id is outside gets zeros."""
+    x, ids, weights = random_routing(tokens, E, TOP_K, seed=11, ids_dtype=torch.int64)
+    ids[:, ::2] = -1
+    ids[:, 1] += E  # >= E
+    ids[0] = torch.tensor([-5, E, E + 3, -1, 10**10, -(10**10), E, -2], device="cuda")
+    y = run_op(x, ids, weights, experts_35b)
+    ref = reference(x, ids, weights, experts_35b, G)
+    assert torch.equal(y[0], torch.zeros_like(y[0])), "a token without a local expert must get zeros"
+    check_close(y[1:], ref[1:], f"T={tokens}, ids outside [0, E)")
+
+
+@pytest.mark.parametrize("tokens", [4, 64])
+def test_moe_op_under_cuda_graph_capture(experts_35b, tokens):
+    """Captured once; replayed after new inputs and routing are copied into the static
+    tensors: the results follow the new routing (nothing was read on the host)."""
+    from onecat.kernels.moe import w4a16_moe
+
+    x, ids, weights = random_routing(tokens, E, TOP_K, seed=1)
+    w4a16_moe(x, ids, weights, *experts_35b, G)  # load the kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = w4a16_moe(x, ids, weights, *experts_35b, G)
+    for seed in (2, 3):
+        x2, ids2, weights2 = random_routing(tokens, E, TOP_K, seed=seed)
+        x.copy_(x2)
+        ids.copy_(ids2)
+        weights.copy_(weights2)
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_close(y, reference(x2, ids2, weights2, experts_35b, G), f"graph replay T={tokens} seed {seed}")
+
+
+def test_small_shapes_and_odd_tile_counts():
+    """Sizes off the 35B grid: E = 6, H = 96 (3 k tiles), I = 96 (3 column tiles, an odd
+    count: the grouped kernel's last column group is half empty), g = 32."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    h, inter, e, g = 96, 96, 6, 32
+    tensors = (*random_stacked(e, 2 * inter, h, g, gen), *random_stacked(e, h, inter, g, gen))
+    for tokens in (3, 150):
+        ids = torch.randint(-1, e + 1, (tokens, 2), device="cuda", generator=gen)
+        weights = torch.rand(tokens, 2, device="cuda", generator=gen)
+        x = torch.randn(tokens, h, device="cuda", generator=gen).half()
+        y = run_op(x, ids, weights, tensors, g)
+        check_close(y, reference(x, ids, weights, tensors, g), f"E={e} H={h} I={inter} T={tokens}")
+
+
+# --- router ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 7, 2048])
+def test_route_kernel_matches_reference(dtype, tokens):
+    from onecat.kernels.moe import moe_route, reference_route
+
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    wide = (torch.randn(tokens, E + 16, device="cuda", generator=gen) * 2).to(dtype)
+    logits = wide[:, :E]  # strided rows, as a view of a wider projection
+    weights, ids = moe_route(logits, TOP_K)
+    ref_w, ref_ids = reference_route(logits.cpu(), TOP_K)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert torch.equal(ids.cpu(), ref_ids), f"expert ids differ in {int((ids.cpu() != ref_ids).any(-1).sum())} rows"
+    err = (weights.cpu() - ref_w).abs().max()
+    assert err <= 2e-6, f"routing weights: max error {err:.2e}"
+    probs = torch.softmax(logits.float(), -1)
+    top, top_ids = torch.topk(probs, TOP_K, -1)
+    assert torch.allclose(weights, top / top.sum(-1, keepdim=True), rtol=1e-5, atol=1e-7)
+
+
+def test_route_kernel_breaks_ties_lowest_index_first():
+    from onecat.kernels.moe import moe_route
+
+    logits = torch.zeros(3, E, device="cuda", dtype=torch.float16)
+    logits[0, [3, 40, 77, 200]] = 2.0
+    logits[1] = 1.0
+    logits[2, [255, 31, 32, 1]] = 5.0
+    _, ids = moe_route(logits, TOP_K)
+    expected = [[3, 40, 77, 200, 0, 1, 2, 4], list(range(8)), [1, 31, 32, 255, 0, 2, 3, 4]]
+    assert ids.tolist() == expected
+
+
+# --- the runtime's MoE layer -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tokens", [2, 100])
+def test_runtime_experts_on_cuda_match_their_cpu_reference(tokens):
+    """FusedExperts (and an expert-parallel LocalExperts share) on CUDA vs the same module on
+    the CPU (the op's reference), with routing from the runtime's router kernel."""
+    from onecat.kernels.moe import moe_route
+    from onecat.runtime.layers.expert_parallel import LocalExperts
+    from onecat.runtime.layers.moe import FusedExperts
+
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    e, h, inter, g = 64, 256, 128, 64
+    full = FusedExperts(e, h, inter, group_size=g, dtype=torch.float16)
+    share = LocalExperts(e, 16, 32, h, inter, group_size=g, dtype=torch.float16)
+    w13 = random_stacked(e, 2 * inter, h, g, gen)
+    w2 = random_stacked(e, h, inter, g, gen)
+    for module, first, count in ((full, 0, e), (share, 16, 32)):
+        for name, value in zip(("w13_qweight", "w13_scales_zeros", "w2_qweight", "w2_scales_zeros"), (*w13, *w2), strict=True):
+            getattr(module, name).data = value[first : first + count].clone()
+    x = torch.randn(tokens, h, device="cuda", generator=gen).half()
+    weights, ids = moe_route(torch.randn(tokens, e, device="cuda", generator=gen), 4)
+    for module in (full, share):
+        y = module.cuda()(x, ids, weights)
+        ref = module.cpu()(x.cpu(), ids.cpu(), weights.cpu())
+        check_close(y, ref.double().cuda(), f"{type(module).__name__} T={tokens}")
