@@ -312,3 +312,13 @@ def test_failed_requests_carry_the_reason():
     assert not result.success and "engine died" in result.error
     result, _ = run_request(sse("[DONE]"))
     assert not result.success and "without output" in result.error
+
+
+def test_the_client_imports_no_engine():
+    import subprocess
+    import sys
+
+    code = ("import sys, onecat.benchmarks.serve; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('onecat.runtime')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
