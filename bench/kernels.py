@@ -1,6 +1,6 @@
 """Benchmark onecat's W4A16 op against fp16 cuBLAS and PyTorch's int4 weight-only kernel.
 
-    python bench/kernels.py [--quick] [--m 1,2,4] [--out results.md]
+    python bench/kernels.py [--quick] [--m 1,2,4] [--out results.md] [--moe-tokens 1,8] [--moe-only]
 
 For each Qwen3.5 shape (onecat.kernels.shapes.BENCH_SHAPES) and M it reports, all measured in
 the same run on the same GPU: microseconds per call (median of CUDA-graph replays, weights
@@ -9,6 +9,15 @@ bandwidth (a 2 GiB device-to-device copy, bytes read + written), TFLOP/s (2*M*N*
 speed-up over fp16 ``torch.matmul`` and over ``torch.ops.aten._weight_int4pack_mm`` (bf16,
 g128, prepared with ``_convert_weight_to_int4pack``).  Writes a markdown table (``--out``) and
 prints the targets of issue 3 with met / not met.
+
+The MoE section times ``torch.ops.onecat.w4a16_moe`` (routed experts of one Qwen3.5-35B-A3B
+layer: 256 experts, H=2048, I=512, top-8, g128) at 1/8/32/256/2048 tokens against the bytes
+of the experts each call touches (distinct experts x their packed bytes, + x and out) at the
+device copy bandwidth, and against an fp16 grouped matmul of the same routing
+(``torch._grouped_mm`` on tokens already sorted by expert where this torch and GPU run it,
+else a per-expert ``torch.matmul`` loop over the routed experts, captured in a graph): both
+baselines leave out the routing and sorting that the op includes. Each call rotates over 8
+routings and 2 weight copies so that touched experts are mostly cold in L2.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import sys
 
 import torch
 
+from onecat.kernels.moe import GATHER_MAX_PAIRS, w4a16_moe
 from onecat.kernels.ops import w4a16_linear
 from onecat.kernels.shapes import BENCH_SHAPES
 from onecat.kernels.timing import copies_for, graph_time_us
@@ -30,6 +40,8 @@ from onecat.kernels.tuning import choose_variant
 
 M_VALUES = (1, 2, 4, 8, 16, 32, 64, 128, 512, 2048, 8192)
 GROUP = 128
+MOE_TOKENS = (1, 8, 32, 256, 2048)
+MOE_EXPERTS, MOE_HIDDEN, MOE_INTER, MOE_TOP_K = 256, 2048, 512, 8
 
 
 def copy_bandwidth_gbs() -> float:
@@ -124,6 +136,118 @@ def bench_shape(label: str, n: int, k: int, ms: list[int], copy_gbs: float) -> l
     return rows
 
 
+def random_experts(e: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked packed experts ``[E, N/32, K/32, 32, 4]`` and scales ``[E, N/32, K/g, 32, 2]``."""
+    qweight, scales_zeros = random_packed(e * n, k)
+    return qweight.view(e, n // 32, k // 32, 32, 4), scales_zeros.view(e, n // 32, k // GROUP, 32, 2)
+
+
+def moe_expert_bytes(h: int, i: int) -> int:
+    """Packed bytes of one expert: gate+up and down weights with their (s, -z*s) pairs."""
+    return 2 * i * h // 2 + 2 * i * (h // GROUP) * 4 + h * i // 2 + h * (i // GROUP) * 4
+
+
+def moe_routing(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    scores = torch.rand(tokens, MOE_EXPERTS, device="cuda", generator=gen)
+    ids = scores.argsort(dim=-1)[:, :MOE_TOP_K].to(torch.int32).contiguous()
+    weights = torch.softmax(torch.randn(tokens, MOE_TOP_K, device="cuda", generator=gen), -1)
+    return ids, weights
+
+
+def _fp16_grouped_call(x, ids, w13_t, w2_t):
+    """An fp16 grouped-matmul MoE of this routing (tokens pre-sorted by expert), as a
+    zero-argument callable, and its name."""
+    top_k = ids.shape[1]
+    flat = ids.flatten().long()
+    order = torch.argsort(flat, stable=True)
+    xs = x[order // top_k].contiguous()
+    counts = torch.bincount(flat, minlength=MOE_EXPERTS)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    inter = w2_t.shape[1]
+
+    def grouped():
+        gate_up = torch._grouped_mm(xs, w13_t, offs=offs)
+        hidden = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        return torch._grouped_mm(hidden, w2_t, offs=offs)
+
+    try:
+        if not hasattr(torch, "_grouped_mm"):
+            raise RuntimeError("torch._grouped_mm missing")
+        grouped()
+        torch.cuda.synchronize()
+        return grouped, "torch._grouped_mm"
+    except (RuntimeError, NotImplementedError) as exc:
+        print(f"torch._grouped_mm unusable here ({str(exc).splitlines()[0]}): per-expert loop", file=sys.stderr)
+    bounds = [0] + torch.cumsum(counts, 0).tolist()
+    pieces = [(e, bounds[e], bounds[e + 1]) for e in range(MOE_EXPERTS) if bounds[e + 1] > bounds[e]]
+
+    def loop():
+        for e, lo, hi in pieces:
+            gate_up = xs[lo:hi] @ w13_t[e]
+            hidden = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            hidden @ w2_t[e]
+
+    return loop, "per-expert torch.matmul loop"
+
+
+def bench_moe(tokens_list: list[int], copy_gbs: float) -> list[dict]:
+    """The MoE op at 35B-A3B shapes vs touched-expert bytes and an fp16 grouped matmul."""
+    e, h, i = MOE_EXPERTS, MOE_HIDDEN, MOE_INTER
+    packed = [(*random_experts(e, 2 * i, h), *random_experts(e, h, i)) for _ in range(2)]
+    w13_t = torch.randn(e, h, 2 * i, device="cuda", dtype=torch.float16) * 0.02  # [E, K, N]
+    w2_t = torch.randn(e, i, h, device="cuda", dtype=torch.float16) * 0.02
+    per_expert = moe_expert_bytes(h, i)
+    rows = []
+    for tokens in tokens_list:
+        x = torch.randn(tokens, h, dtype=torch.float16, device="cuda")
+        routings = [moe_routing(tokens, seed) for seed in range(8)]
+        calls = [
+            functools.partial(w4a16_moe, x, ids, w, *packed[n % 2], GROUP)
+            for n, (ids, w) in enumerate(routings)
+        ]
+        t_ours = graph_time_us(calls)
+        touched = sum(torch.unique(ids).numel() for ids, _ in routings) / len(routings)
+        moved = touched * per_expert + 2 * 2 * tokens * h
+        gbs = moved / (t_ours * 1e-6) / 1e9
+        baseline, how = _fp16_grouped_call(x, routings[0][0], w13_t, w2_t)
+        t_fp16 = graph_time_us([baseline])
+        pairs = tokens * MOE_TOP_K
+        path = "gather-GEMV" if pairs <= GATHER_MAX_PAIRS else "grouped wmma"
+        rows.append(dict(tokens=tokens, path=path, us=t_ours, experts=touched, mb=moved / 1e6, gbs=gbs,
+                         pct_copy=100 * gbs / copy_gbs, tflops=2 * pairs * 3 * h * i / (t_ours * 1e-6) / 1e12,
+                         fp16_us=t_fp16, fp16_how=how, vs_fp16=t_fp16 / t_ours))  # fmt: skip
+        print(
+            f"moe T={tokens:<5d} {path:13s} {t_ours:9.1f} us  {touched:5.1f} experts {moved / 1e6:7.1f} MB "
+            f"{gbs:7.0f} GB/s {100 * gbs / copy_gbs:5.1f}%  fp16 {how} {t_fp16:9.1f} us x{t_fp16 / t_ours:5.2f}",
+            flush=True,
+        )
+    return rows
+
+
+def moe_markdown(rows: list[dict]) -> str:
+    """The MoE table and issue 11's op target (>= 60% of copy bandwidth at 1..32 tokens)."""
+    out = [
+        f"MoE routed experts, one Qwen3.5-35B-A3B layer (E={MOE_EXPERTS}, H={MOE_HIDDEN}, "
+        f"I={MOE_INTER}, top-{MOE_TOP_K}, g{GROUP}):",
+        "",
+        "| tokens | path | us | experts touched | MB touched | GB/s | % copy BW | TFLOP/s | fp16 baseline | fp16 us | x fp16 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['tokens']} | {r['path']} | {r['us']:.1f} | {r['experts']:.1f} | {r['mb']:.1f} | "
+            f"{r['gbs']:.0f} | {r['pct_copy']:.1f} | {r['tflops']:.1f} | {r['fp16_how']} | "
+            f"{r['fp16_us']:.1f} | {r['vs_fp16']:.2f} |"
+        )
+    out += ["", "Targets:", ""]
+    for r in rows:
+        if r["tokens"] <= 32:
+            ok = r["pct_copy"] >= 60
+            out.append(f"- MoE op T={r['tokens']} >= 60% of copy BW over touched experts: {r['pct_copy']:.1f}% {'MET' if ok else 'NOT MET'}")  # fmt: skip
+    return "\n".join(out) + "\n"
+
+
 def markdown(rows: list[dict], header: str) -> str:
     out = [header, "", "| shape | N x K | M | variant | us | GB/s | % copy BW | TFLOP/s | fp16 matmul us | x fp16 | int4mm us | x int4mm |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
@@ -165,6 +289,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="only the first three shapes")
     parser.add_argument("--out", default="bench-kernels.md", help="markdown output file")
     parser.add_argument("--json", default=None, help="also write the raw rows as JSON")
+    parser.add_argument(
+        "--moe-tokens", default=",".join(map(str, MOE_TOKENS)),
+        help="comma-separated token counts for the MoE op (empty: skip it)",
+    )  # fmt: skip
+    parser.add_argument("--moe-only", action="store_true", help="only the MoE section")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA GPU")
@@ -174,9 +303,11 @@ def main() -> None:
     name = torch.cuda.get_device_name()
     print(f"{name}: device copy {copy_gbs:.0f} GB/s", flush=True)
     rows = []
-    for label, n, k in shapes:
+    for label, n, k in [] if args.moe_only else shapes:
         rows += bench_shape(label, n, k, ms, copy_gbs)
         torch.cuda.empty_cache()
+    moe_tokens = [int(v) for v in args.moe_tokens.split(",") if v]
+    moe_rows = bench_moe(moe_tokens, copy_gbs) if moe_tokens else []
     env = {
         key: os.environ[key]
         for key in ("ONECAT_KERNEL_ARCH", "ONECAT_KERNEL_DIR")
@@ -187,12 +318,14 @@ def main() -> None:
         f"(torch {torch.__version__}, Python {platform.python_version()}, env {env}); "
         f"device copy {copy_gbs:.0f} GB/s; command: `{' '.join(['python'] + sys.argv)}`"
     )
-    text = markdown(rows, header) + "\nTargets:\n\n" + targets(rows)
+    text = markdown(rows, header) + "\nTargets:\n\n" + targets(rows) if rows else header + "\n"
+    if moe_rows:
+        text += "\n" + moe_markdown(moe_rows)
     with open(args.out, "w") as f:
         f.write(text)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"linear": rows, "moe": moe_rows}, f, indent=1)
     print(text)
 
 
