@@ -145,11 +145,16 @@ def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
 
 
 def timed_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: int, seed: int) -> float:
-    """Decode tokens/s of ``batch`` sequences over ``steps`` steps after their prefill."""
-    params = SamplingParams(max_tokens=steps + 3, temperature=0.0, ignore_eos=True)
+    """Decode tokens/s of ``batch`` sequences over ``steps`` steps after their prefill.
+
+    Prompts are prefilled a few per step, so the first ones decode meanwhile: their budget
+    is large enough that none finishes inside the timed window (the batch would shrink and
+    the window would time another batch size); they are aborted after it."""
+    params = SamplingParams(max_tokens=4 * steps + prompt_len + 16, temperature=0.0, ignore_eos=True)
     vocab = engine.runner.model_config.vocab_size
-    for i in range(batch):
-        engine.add_request(f"d{batch}-{seed}-{i}", random_prompt(prompt_len, vocab, seed + i), params)
+    ids = [f"d{batch}-{seed}-{i}" for i in range(batch)]
+    for i, rid in enumerate(ids):
+        engine.add_request(rid, random_prompt(prompt_len, vocab, seed + i), params)
     while engine.num_waiting() or any(s.num_pending_tokens > 1 for s in engine.scheduler.running):
         engine.step()
     engine.step()  # first decode step of the bucket may capture its graph
@@ -160,8 +165,9 @@ def timed_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: int, see
         engine.step()
     sync()
     elapsed = time.perf_counter() - start
-    while engine.has_unfinished_requests():
-        engine.step()
+    assert len(engine.scheduler.running) == batch, "a sequence finished inside the timed window"
+    for rid in ids:
+        engine.abort_request(rid)
     return batch * steps / elapsed
 
 

@@ -196,6 +196,10 @@ class TensorParallelRunner:
         self._send("run", [(ShippedSequence(seq, count), count) for seq, count in scheduled])
         return self.local.run(scheduled)
 
+    def warmup(self) -> None:
+        """Capture the decode graphs on every rank at once (their collectives pair up)."""
+        self.call_all(_warm_up)
+
     def call_all(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(runner, *args)`` on every rank with that rank's ModelRunner (``fn`` must
         be picklable: a module-level function); returns rank 0's result. For benchmarks and
@@ -227,6 +231,10 @@ class TensorParallelRunner:
             self.local.release_graphs()  # else tearing NCCL down hangs (pytorch#115388)
         destroy_tensor_parallel()
         shutil.rmtree(self._rendezvous, ignore_errors=True)
+
+
+def _warm_up(runner: ModelRunner) -> None:
+    runner.warmup()
 
 
 def create_runner(

@@ -130,6 +130,7 @@ class LLMEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos_ids.add(tokenizer.eos_token_id)
         self.eos_token_ids = eos_ids
+        runner.warmup()  # decode graphs of every batch size, before any request waits on them
         self._sequences: dict[str, Sequence] = {}
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0

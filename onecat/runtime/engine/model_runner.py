@@ -217,14 +217,22 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
         """Compute the scheduled tokens; returns the sequences that completed their pending
-        tokens (and now need a sample) and their logits ``[n, vocab]``."""
+        tokens (and now need a sample) and their logits ``[n, vocab]``.
+
+        The decode tokens of a step replay a CUDA graph even when prompts are prefilled in
+        the same step: the prompt chunks then run eagerly in a second pass (a server admits
+        new prompts while others decode, so most of its steps are such mixed steps)."""
         seqs = [seq for seq, _ in scheduled]
         self._reset_fresh_slots(seqs)
         decodes = [seq for seq, count in scheduled if count == 1]
         logits = None
-        if self.use_graphs and len(decodes) == len(scheduled) and self._graph_fits(len(decodes)):
+        if self.use_graphs and decodes and self._graph_fits(len(decodes)):
             logits = self._run_graph(decodes)
             sampled = decodes
+            if logits is not None and len(decodes) < len(scheduled):
+                more, more_logits = self._run_eager([item for item in scheduled if item[1] != 1])
+                sampled = decodes + more
+                logits = torch.cat([logits, more_logits]) if more else logits
         if logits is None:
             sampled, logits = self._run_eager(scheduled)
         if self.dtype == torch.float16 and not self._overflow_warned and not bool(torch.isfinite(logits).all()):
@@ -273,6 +281,17 @@ class ModelRunner:
         finally:
             set_context(None)
         return sampled, logits
+
+    def warmup(self) -> None:
+        """Capture the decode graphs of every batch-size bucket now (at the smallest KV
+        width), so that serving does not pause to capture them when traffic first reaches
+        a batch size. A no-op without CUDA graphs."""
+        if not self.use_graphs:
+            return
+        for batch in self.graph_batch_sizes:
+            if not self._graph_fits(batch) or self._graph_for(batch, 1) is None:
+                break
+        torch.cuda.synchronize(self.device)
 
     def _graph_for(self, batch: int, blocks: int) -> _DecodeGraph | None:
         bucket = next(b for b in self.graph_batch_sizes if b >= batch)
