@@ -8,12 +8,11 @@ the full-attention layers. On CPU the KV cache gets a fixed byte budget.
 
 Inside decode graphs the small elementwise steps run fused (``layers/fusion.py``).
 
-CUDA graphs: a batch of decode tokens only runs as a replayed graph, captured on first use
-for its (batch-size bucket, KV-length bucket): batch sizes 1, 2, 4, 8, 16, 32, ... up to
+CUDA graphs: the decode tokens of a step run as a replayed graph (beside an eager pass for
+prompt chunks in the same step), captured at start (``warmup``) or on first use for its (batch-size bucket, KV-length bucket): batch sizes 1, 2, 4, 8, 16, 32, ... up to
 ``max_num_seqs``, KV lengths in powers of two of blocks. Padding rows write their key/value
-to a scratch block and their state to a scratch slot. MoE models capture graphs only while
-``batch x top_k <= 256`` (the captured expert path copies the chosen experts' weights); larger
-MoE decode batches run eagerly.
+to a scratch block and their state to a scratch slot. MoE layers run the grouped expert op,
+which routes on the GPU, so MoE decode batches of any size run as graphs too.
 """
 
 from __future__ import annotations
@@ -39,8 +38,6 @@ CPU_KV_CACHE_BYTES = 64 << 20
 """KV cache size on CPU unless ``num_kv_blocks`` is given."""
 GRAPH_RESERVE_BYTES = 512 << 20
 """GPU memory kept free for CUDA graph pools and allocator slack."""
-MOE_GRAPH_MAX_PAIRS = 256
-"""Largest ``batch x top_k`` a MoE decode graph is captured for."""
 MIN_GRAPH_BLOCKS = 16
 
 
@@ -209,10 +206,7 @@ class ModelRunner:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
 
     def _graph_fits(self, batch: int) -> bool:
-        if batch > self.graph_batch_sizes[-1]:
-            return False
-        cfg = self.model_config
-        return not cfg.is_moe or batch * cfg.num_experts_per_tok <= MOE_GRAPH_MAX_PAIRS
+        return batch <= self.graph_batch_sizes[-1]
 
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
