@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from onecat.pack.awq_gemm import pack_awq_gemm
+from onecat.formats.awq_gemm import pack_awq_gemm
 from onecat.pack.volta_layout import dequantize_volta, fits_layout, pack_volta
 
 WRAPPER = "model.language_model."

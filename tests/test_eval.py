@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from onecat.cli import main
 from onecat.errors import OnecatError
-from onecat.pack.awq_gemm import pack_awq_gemm
+from onecat.formats.awq_gemm import pack_awq_gemm
 from onecat.quantize import evaluate as ev
 from onecat.quantize.awq_reader import read_awq_float_tensors
 from onecat.tiny import build_tiny_model, pydoc_text

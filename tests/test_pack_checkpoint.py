@@ -16,10 +16,10 @@ from safetensors.torch import load_file, save_file
 
 from onecat.cli import main as cli_main
 from onecat.errors import OnecatError
+from onecat.formats.awq_gemm import decode_awq_gemm, pack_awq_gemm
+from onecat.formats.checkpoint import Checkpoint
+from onecat.formats.staging import copy_side_files
 from onecat.pack.artifact import open_packed
-from onecat.pack.awq_gemm import pack_awq_gemm
-from onecat.pack.checkpoint import Checkpoint, copy_side_files
-from onecat.pack.readers import decode_awq_gemm
 from onecat.pack.unpack import unpack_artifact
 from onecat.pack.volta_layout import dequantize_volta, unpack_volta
 from onecat.pack.writer import pack_checkpoint
@@ -429,7 +429,7 @@ def test_cli_pack(tiny_moe, tmp_path):
 @pytest.mark.slow  # runs the AWQ search on a tiny model (about 10 s)
 def test_pack_output_of_onecat_quantize(tmp_path):
     pipeline = pytest.importorskip("onecat.quantize.pipeline")
-    from onecat.pack.awq_gemm import dequantize_awq_gemm
+    from onecat.formats.awq_gemm import dequantize_awq_gemm
     from onecat.pack.volta_layout import reference_linear
 
     tiny = build_tiny_model("qwen3_5", tmp_path / "tiny")

@@ -7,13 +7,9 @@ import pytest
 import torch
 
 from onecat.errors import OnecatError
-from onecat.pack.awq_gemm import pack_awq_gemm
-from onecat.pack.readers import (
-    awq_to_volta,
-    compressed_tensors_to_volta,
-    decode_awq_gemm,
-    decode_compressed_tensors,
-)
+from onecat.formats.awq_gemm import decode_awq_gemm, pack_awq_gemm
+from onecat.formats.compressed_tensors import decode_compressed_tensors
+from onecat.pack.repack import awq_to_volta, compressed_tensors_to_volta
 from onecat.pack.volta_layout import pack_volta, slice_volta, unpack_volta
 
 

@@ -1,6 +1,6 @@
 """`onecat quantize` end to end on tiny checkpoints, checked by an independent reader.
 
-The reader below unpacks AutoAWQ GEMM tensors with its own code (not onecat.pack.awq_gemm),
+The reader below unpacks AutoAWQ GEMM tensors with its own code (not onecat.formats.awq_gemm),
 rebuilds an fp checkpoint in the source's key layout (re-fusing MoE experts), and the
 transformers model loaded from it is compared with the original model.
 """
@@ -343,9 +343,9 @@ def test_folding_scales_preserves_the_layer(tiny, family: str, norm_style: str) 
     ((1 + w) / s - 1 for Qwen3.5's norms, w / s for Llama's)."""
     from transformers import AutoConfig
 
+    from onecat.formats.checkpoint import Checkpoint as CheckpointReader
     from onecat.quantize.layer_build import LayerFactory
     from onecat.quantize.recipe import recipe_for_model_type
-    from onecat.quantize.shards import CheckpointReader
     from onecat.quantize.smoothing import fold_into_balance, fold_into_smooth
 
     src = tiny(family)
@@ -394,7 +394,7 @@ def _rss_gib() -> float:
 def test_host_memory_does_not_grow_with_depth(tmp_path: Path, monkeypatch) -> None:
     """Six layers of about 100 MB each: RSS after every layer stays flat. (Before shards were
     released per layer, every layer's mmapped source pages stayed resident: +0.47 GiB here.)"""
-    from onecat.quantize.shards import CheckpointReader
+    from onecat.formats.checkpoint import Checkpoint as CheckpointReader
 
     src = build_tiny_model(
         "llama", tmp_path / "src", num_layers=6, max_shard_size="120MB",

@@ -4,6 +4,7 @@ status 1, and leaves neither OUT nor its work directory behind."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -13,6 +14,8 @@ import yaml
 from click.testing import CliRunner
 
 from onecat.cli import main
+from onecat.errors import OnecatError
+from onecat.quantize.pipeline import quantize_rtn
 from onecat.quantize.recipe import shipped_recipes
 from onecat.tiny import build_tiny_model
 
@@ -77,15 +80,45 @@ def test_indivisible_group_fails_when_the_recipe_says_so(model: Path, tmp_path: 
 
 def test_indivisible_group_keeps_fp16_with_a_warning(model: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    with pytest.warns(UserWarning, match="in-features 256 do not divide by group size 96; kept in fp16"):
-        code, output = run_quantize(model, out, "--group-size", "96")
+    # hidden 128 does not divide by 256; the MLP's 256 in-features (down_proj) do
+    with pytest.warns(UserWarning, match="in-features 128 do not divide by group size 256; kept in fp16"):
+        code, output = run_quantize(model, out, "--group-size", "256")
     assert code == 0, output
     config = json.loads((out / "config.json").read_text())
     kept = config["quantization_config"]["modules_to_not_convert"]
-    assert "model.layers.0.mlp.down_proj" in kept and "model.layers.1.mlp.down_proj" in kept
+    assert "model.layers.0.mlp.up_proj" in kept and "model.layers.1.self_attn.q_proj" in kept
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
-    assert "model.layers.0.mlp.down_proj.weight" in index  # kept fp
-    assert "model.layers.0.mlp.up_proj.qweight" not in index  # 128 % 96 != 0 as well
+    assert "model.layers.0.mlp.up_proj.weight" in index  # kept fp
+    assert "model.layers.0.mlp.down_proj.qweight" in index  # 256 % 256 == 0
+
+
+@pytest.mark.parametrize("group,expected", [
+    ("0", ["--group-size 0", "positive multiple of 32"]),
+    ("-32", ["--group-size -32", "positive multiple of 32"]),
+    ("48", ["--group-size 48", "positive multiple of 32"]),
+    # a valid size that divides none of the in-features (128, 256): the output would be a
+    # float model labelled AWQ
+    ("96", ["nothing would be quantized with group size 96", "128, 256"]),
+    ("512", ["nothing would be quantized with group size 512"]),
+])
+def test_bad_group_size_is_refused_before_any_work(model: Path, tmp_path: Path, group: str,
+                                                   expected: list[str]) -> None:
+    assert_fails_cleanly(model, tmp_path / "out", expected, "--group-size", group)
+    with pytest.raises(OnecatError, match=re.escape(expected[0])):
+        quantize_rtn(model, tmp_path / "rtn", group_size=int(group), show_progress=False)
+    assert not (tmp_path / "rtn").exists() and not (tmp_path / "rtn.partial").exists()
+
+
+def test_recipe_group_size_must_be_a_multiple_of_32(model: Path, tmp_path: Path) -> None:
+    data = yaml.safe_load(shipped_recipes()["llama"].read_text())
+    data["quantization"]["group_size"] = 40
+    recipe = tmp_path / "g40.yaml"
+    recipe.write_text(yaml.safe_dump(data))
+    result = CliRunner().invoke(main, ["quantize", str(model), "--out", str(tmp_path / "out"),
+                                       "--recipe", str(recipe)])
+    assert result.exit_code == 1
+    assert "quantization.group_size" in result.output and "multiple of 32" in result.output
+    assert not (tmp_path / "out").exists()
 
 
 def test_missing_shard(model: Path, tmp_path: Path) -> None:

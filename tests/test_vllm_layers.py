@@ -24,7 +24,7 @@ import vllm.model_executor.parameter as vllm_parameter  # noqa: E402
 from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
 
 from onecat.errors import OnecatError  # noqa: E402
-from onecat.pack.awq_gemm import pack_awq_gemm  # noqa: E402
+from onecat.formats.awq_gemm import pack_awq_gemm  # noqa: E402
 from onecat.pack.volta_layout import dequantize_volta, pack_volta  # noqa: E402
 from onecat.vllm_plugin import register  # noqa: E402
 from onecat.vllm_plugin.config import OnecatAwqConfig, OnecatConfig  # noqa: E402
@@ -232,9 +232,13 @@ def test_moe_loader_and_experts(world):
             assert torch.equal(layer.w13_qweight[e], pack_volta(*gate_up)[0])
             assert torch.equal(layer.w2_scales_zeros[e], pack_volta(*down)[1])
         routed = method.apply(layer, x, topk_weights, topk_ids, None, None)
-        # the CUDA-graph branch (every expert on every token) computes the same
-        everyone = method.routed_all_experts(layer, x, topk_weights.float(), topk_ids.long())
-        assert torch.allclose(routed.float(), everyone.float(), rtol=1e-3, atol=1e-3)
+        # expert parallelism: experts the expert map sends to -1 (other ranks') add nothing
+        layer.expert_map = torch.tensor([0, -1, 2, -1], dtype=torch.int32)
+        partial = method.apply(layer, x, topk_weights, topk_ids, None, None)
+        layer.expert_map = None
+        kept = topk_weights * (topk_ids % 2 == 0)
+        assert torch.allclose(partial.float(), method.apply(layer, x, kept, topk_ids, None, None).float(),
+                              rtol=1e-3, atol=1e-3)
         total += routed.float()
     expected = torch.zeros(5, hidden)
     for t in range(5):
@@ -248,7 +252,7 @@ def test_moe_loader_and_experts(world):
 
 def test_awq_slice_outside_the_layout_runs_dequantised(tensor_parallel):
     """An AWQ linear whose N is not a multiple of 32 (e.g. a 48-head in_proj_b) stays usable."""
-    from onecat.vllm_plugin.awq_repack import dequantize_awq
+    from onecat.formats.awq_gemm import dequantize_awq_gemm
 
     tensor_parallel(0, 1)
     ints = random_ints(48, 256, G, 9)
@@ -261,7 +265,7 @@ def test_awq_slice_outside_the_layout_runs_dequantised(tensor_parallel):
     layer.quant_method.process_weights_after_loading(layer)
     assert layer.onecat_dense and not hasattr(layer, "qweight")
     x = torch.randn(2, 256)
-    expected = x @ dequantize_awq(awq["qweight"], awq["qzeros"], awq["scales"], torch.float32).t()
+    expected = x @ dequantize_awq_gemm(awq["qweight"], awq["qzeros"], awq["scales"], torch.float32).t()
     assert torch.allclose(layer.quant_method.apply(layer, x), expected, rtol=1e-5, atol=1e-5)
 
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from onecat.errors import OnecatError
-from onecat.pack.awq_gemm import pack_awq_gemm, unpack_int4_columns
+from onecat.formats.awq_gemm import dequantize_awq_gemm, pack_awq_gemm
+from onecat.pack.repack import awq_to_volta
 from onecat.pack.volta_layout import pack_volta, slice_volta
 from onecat.vllm_plugin import version as vllm_version
-from onecat.vllm_plugin.awq_repack import awq_to_volta, dequantize_awq, unpack_awq_words
 from onecat.vllm_plugin.launcher import (
     check_vllm_in,
     serve_with_vllm,
@@ -26,11 +26,11 @@ from onecat.vllm_plugin.launcher import (
 )
 from onecat.vllm_plugin.partition_checks import check_expert_partition, check_partition
 from onecat.vllm_plugin.quantized_modules import (
+    checkpoint_tensor_names,
     experts_quantized,
     is_quantized,
     module_key,
     quantized_module_keys,
-    safetensors_tensor_names,
 )
 from onecat.vllm_plugin.tp_slicing import slice_volta_part
 
@@ -142,9 +142,8 @@ def test_awq_repack_equals_packing_the_integers(g):
     n, k = 96, 256
     q, z, s = random_ints(n, k, g, seed=g + 5)
     awq = pack_awq_gemm(q, z, s)
-    assert torch.equal(unpack_awq_words(awq["qweight"]), unpack_int4_columns(awq["qweight"]))
     assert_packed_equal(awq_to_volta(awq["qweight"], awq["qzeros"], awq["scales"]), pack_volta(q, z, s))
-    dense = dequantize_awq(awq["qweight"], awq["qzeros"], awq["scales"], torch.float32)
+    dense = dequantize_awq_gemm(awq["qweight"], awq["qzeros"], awq["scales"], torch.float32)
     expected = (q.float() - z.float().repeat_interleave(g, 1)) * s.float().repeat_interleave(g, 1)
     assert torch.equal(dense, expected)
 
@@ -194,9 +193,12 @@ def _write_safetensors_header(path: Path, names: list[str]) -> None:
 def test_safetensors_names_and_missing_files(tmp_path):
     _write_safetensors_header(tmp_path / "a.safetensors", ["x.qweight", "x.scales_zeros"])
     _write_safetensors_header(tmp_path / "b.safetensors", ["y.weight"])
-    assert sorted(safetensors_tensor_names(tmp_path)) == ["x.qweight", "x.scales_zeros", "y.weight"]
+    assert checkpoint_tensor_names(tmp_path) == ["x.qweight", "x.scales_zeros", "y.weight"]
+    with pytest.raises(OnecatError, match="not a directory"):
+        checkpoint_tensor_names(tmp_path / "a.safetensors.d")
+    (tmp_path / "c").mkdir()
     with pytest.raises(OnecatError, match="no \\*.safetensors"):
-        safetensors_tensor_names(tmp_path / "a.safetensors.d")
+        checkpoint_tensor_names(tmp_path / "c")
 
 
 # --- version pin and launcher -------------------------------------------------------------

@@ -8,7 +8,9 @@ Used by the runtime and the vLLM plugin::
     emb = art.get_tensor("model.language_model.embed_tokens.weight")
 
 Opening validates the format name and version and that every tensor the manifest lists is in
-its shard with the recorded dtype and shape (headers only). Checksums are verified lazily: the
+its shard with the recorded dtype and shape (headers only); every file the manifest names must
+lie inside the artifact directory (no ``..``, no absolute path, no symlink leading out).
+Checksums are verified lazily: the
 first read of each tensor hashes its bytes and compares them with the manifest's sha256 (a
 mismatch is an OnecatError naming the tensor and file); :meth:`PackedArtifact.verify` checks
 every tensor up front.
@@ -24,19 +26,10 @@ import torch
 from safetensors import safe_open
 
 from onecat.errors import OnecatError
-from onecat.pack.checkpoint import read_json
-from onecat.pack.output import tensor_sha256
-from onecat.pack.readers import awq_to_volta, compressed_tensors_to_volta
+from onecat.formats.files import contained_file, read_checkpoint_json
+from onecat.formats.staging import tensor_sha256
 from onecat.pack.volta_layout import FORMAT_NAME, LAYOUT_VERSION
 from onecat.pack.writer import MANIFEST_NAME
-
-__all__ = [
-    "PackedArtifact",
-    "PackedLinear",
-    "awq_to_volta",
-    "compressed_tensors_to_volta",
-    "open_packed",
-]
 
 
 @dataclass
@@ -147,7 +140,7 @@ def open_packed(path: str | Path) -> PackedArtifact:
             f"{path} is not a onecat packed artifact ({MANIFEST_NAME} is missing); create one "
             "with `onecat pack SRC --out DST`"
         )
-    manifest = read_json(manifest_path)
+    manifest = read_checkpoint_json(path, MANIFEST_NAME)
     fmt, ver = manifest.get("format"), manifest.get("format_version")
     if fmt != FORMAT_NAME:
         raise OnecatError(
@@ -160,7 +153,7 @@ def open_packed(path: str | Path) -> PackedArtifact:
             f"version {LAYOUT_VERSION}); re-run `onecat pack` on the source checkpoint with "
             "this onecat, or install the onecat version that wrote the artifact"
         )
-    config = read_json(path / "config.json")
+    config = read_checkpoint_json(path, "config.json")
     qc = config.get("quantization_config") or {}
     if (qc.get("quant_method"), qc.get("format"), qc.get("format_version")) != (
         "onecat",
@@ -173,14 +166,28 @@ def open_packed(path: str | Path) -> PackedArtifact:
             f"{qc.get('format')!r}, {qc.get('format_version')!r}); re-run `onecat pack`"
         )
     artifact = PackedArtifact(path, manifest, config)
-    _check_headers(artifact)
+    _check_headers(artifact, _files_by_name(path, manifest, manifest_path))
     return artifact
 
 
-def _check_headers(artifact: PackedArtifact) -> None:
+def _files_by_name(path: Path, manifest: dict[str, Any], manifest_path: Path) -> dict[str, list[str]]:
+    """The manifest's tensor names grouped by file, every file checked to lie inside ``path``."""
+    tensors, linears = manifest.get("tensors"), manifest.get("linears")
+    if not isinstance(tensors, dict) or not isinstance(linears, dict):
+        raise OnecatError(
+            f"{manifest_path}: 'tensors' and 'linears' must be JSON objects; the manifest is "
+            "damaged, re-run `onecat pack`"
+        )
     by_file: dict[str, list[str]] = {}
-    for name, entry in artifact.manifest["tensors"].items():
-        by_file.setdefault(entry["file"], []).append(name)
+    for name, entry in tensors.items():
+        file = entry.get("file") if isinstance(entry, dict) else None
+        if file not in by_file:
+            contained_file(path, file, where=str(manifest_path), entry=f"tensors[{name!r}].file")
+        by_file.setdefault(file, []).append(name)
+    return by_file
+
+
+def _check_headers(artifact: PackedArtifact, by_file: dict[str, list[str]]) -> None:
     for file, names in sorted(by_file.items()):
         if not (artifact.path / file).is_file():
             raise OnecatError(

@@ -13,16 +13,16 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from onecat.errors import OnecatError
-from onecat.pack.artifact import open_packed
-from onecat.pack.awq_gemm import awq_config, pack_awq_gemm
-from onecat.pack.checkpoint import copy_side_files
-from onecat.pack.output import (
+from onecat.formats.awq_gemm import awq_config, pack_awq_gemm
+from onecat.formats.files import write_json
+from onecat.formats.staging import (
     DEFAULT_SHARD_BYTES,
     ShardWriter,
-    check_output_path,
+    check_output,
+    copy_side_files,
     staged_directory,
-    write_json,
 )
+from onecat.pack.artifact import open_packed
 from onecat.pack.volta_layout import unpack_volta
 
 
@@ -40,8 +40,8 @@ def unpack_artifact(
     linears use several group sizes (AWQ GEMM has one per checkpoint).
     """
     path, out = Path(path), Path(out)
+    check_output(out, path, overwrite=overwrite)
     art = open_packed(path)
-    check_output_path(out, path, overwrite)
     groups = Counter(art.manifest["linears"][p]["group_size"] for p in art.linear_prefixes())
     if len(groups) > 1:
         raise OnecatError(
@@ -49,7 +49,7 @@ def unpack_artifact(
             "checkpoint has a single group_size"
         )
     group_size = next(iter(groups)) if groups else art.quantization["group_size"]
-    with staged_directory(out, overwrite) as stage:
+    with staged_directory(out, path, overwrite) as stage:
         writer = ShardWriter(stage, max_shard_bytes)
         prefixes = art.linear_prefixes()
         for prefix in tqdm(prefixes, desc="unpacking", disable=not show_progress):

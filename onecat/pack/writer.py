@@ -16,23 +16,29 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from onecat.errors import OnecatError
-from onecat.pack.checkpoint import Checkpoint, copy_side_files
-from onecat.pack.output import (
+from onecat.formats.checkpoint import Checkpoint
+from onecat.formats.files import write_json
+from onecat.formats.integers import dequantize
+from onecat.formats.quant_config import (
+    SourceFormat,
+    detect_source_format,
+    without_quantization_config,
+)
+from onecat.formats.quantized_linears import (
+    find_quantized_linears,
+    marker_part,
+    read_quantized_linear,
+)
+from onecat.formats.staging import (
     DEFAULT_SHARD_BYTES,
     ShardWriter,
-    check_output_path,
+    check_output,
+    copy_side_files,
     staged_directory,
-    write_json,
-)
-from onecat.pack.readers import (
-    SourceFormat,
-    dequantize_exact,
-    detect_source_format,
-    find_quantized_linears,
-    read_quantized_linear,
 )
 from onecat.pack.volta_layout import FORMAT_NAME, LAYOUT_VERSION, check_shape, pack_volta
 
@@ -65,7 +71,7 @@ def _work_items(ckpt: Checkpoint, linears: dict[str, list[str]]) -> list[tuple[s
     """``("linear", prefix)`` / ``("tensor", name)`` in source shard order, each once."""
     owner = {name: prefix for prefix, names in linears.items() for name in names}
     items, seen = [], set()
-    for name in ckpt.names():
+    for name in sorted(ckpt.names(), key=lambda n: (ckpt.shard_of(n), n)):
         if name in owner:
             if owner[name] not in seen:
                 seen.add(owner[name])
@@ -87,7 +93,7 @@ def _pack_linear(
     except ValueError as exc:
         reason = str(exc)
         logger.warning("%s [%d x %d, group %d] stays fp16: %s", prefix, n, k, group_size, reason)
-        writer.add(f"{prefix}.weight", dequantize_exact(q, z, s))
+        writer.add(f"{prefix}.weight", dequantize(q, z, s, torch.float16))
         return None, reason
     try:
         qweight, scales_zeros = pack_volta(q, z, s)
@@ -120,19 +126,18 @@ def pack_checkpoint(
     inconsistent input.
     """
     src, out = Path(src), Path(out)
+    check_output(out, src, overwrite=overwrite)
     ckpt = Checkpoint(src)
-    check_output_path(out, src, overwrite)
     fmt = detect_source_format(ckpt.config, str(src / "config.json"))
     linears = find_quantized_linears(ckpt, fmt)
     if not linears:
         raise OnecatError(
             f"{src}: the config declares {fmt.kind} but no quantized tensors were found "
-            f"({'*.qweight' if fmt.kind == 'awq-gemm' else '*.weight_packed'}); the checkpoint "
-            "is incomplete or not quantized"
+            f"(*.{marker_part(fmt)}); the checkpoint is incomplete or not quantized"
         )
     packed: dict[str, dict[str, Any]] = {}
     kept: dict[str, str] = {}
-    with staged_directory(out, overwrite) as stage:
+    with staged_directory(out, src, overwrite) as stage:
         writer = ShardWriter(stage, max_shard_bytes)
         items = _work_items(ckpt, linears)
         for kind, name in tqdm(items, desc="packing", unit="tensor", disable=not show_progress):
@@ -148,15 +153,10 @@ def pack_checkpoint(
 
         groups = Counter(e["group_size"] for e in packed.values())
         group_size = (
-            groups.most_common(1)[0][0] if groups else int(fmt.quantization_config.get("group_size", 128))
+            groups.most_common(1)[0][0] if groups else (fmt.group_size or 128)
         )
         skip = list(dict.fromkeys(fmt.modules_to_not_convert + sorted(kept)))
-        config = dict(ckpt.config)
-        config.pop("compression_config", None)
-        if isinstance(config.get("text_config"), dict):
-            config["text_config"] = {
-                k: v for k, v in config["text_config"].items() if k != "quantization_config"
-            }
+        config = without_quantization_config(ckpt.config)
         config["quantization_config"] = onecat_quantization_config(group_size, skip)
         write_json(stage / "config.json", config)
         side_files = copy_side_files(src, stage)

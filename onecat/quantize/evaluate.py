@@ -15,7 +15,6 @@ key, joined by blank lines) or ``builtin:jargon`` (the glossary body of Debian's
 from __future__ import annotations
 
 import gzip
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,6 +22,9 @@ from pathlib import Path
 import torch
 
 from onecat.errors import OnecatError
+from onecat.formats.checkpoint import Checkpoint
+from onecat.formats.files import read_checkpoint_json
+from onecat.formats.quant_config import AWQ_GEMM, FLOAT, detect_format
 
 JARGON_PATHS = (
     Path("/usr/share/doc/jargon-text/jargon.txt.gz"),
@@ -162,15 +164,11 @@ def perplexity(
 
 
 def _read_config(path: Path) -> dict:
-    config_file = path / "config.json"
-    if not config_file.is_file():
+    if not (path / "config.json").is_file():
         raise OnecatError(
             f"{path} has no config.json: pass a checkpoint directory (fp or AutoAWQ GEMM)"
         )
-    try:
-        return json.loads(config_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise OnecatError(f"{config_file} is not valid JSON: {exc}") from exc
+    return read_checkpoint_json(path, "config.json")
 
 
 def load_eval_model(model_path: str | Path, *, device: str = "cpu"):
@@ -182,24 +180,22 @@ def load_eval_model(model_path: str | Path, *, device: str = "cpu"):
     if not path.is_dir():
         raise OnecatError(f"model {str(model_path)!r} is not a directory: pass a local checkpoint")
     config = _read_config(path)
-    quant = config.get("quantization_config") or config.get("text_config", {}).get(
-        "quantization_config"
-    )
+    fmt = detect_format(config, f"{path}/config.json")
+    if fmt.kind not in (FLOAT, AWQ_GEMM):
+        raise OnecatError(
+            f"{path}/config.json: quantization_config describes a {fmt.kind} checkpoint; "
+            "onecat eval reads fp checkpoints and AutoAWQ GEMM ('awq') artifacts"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise OnecatError(f"{path}: cannot load its tokenizer ({exc})") from exc
-    if quant:
-        method = quant.get("quant_method")
-        if method != "awq":
-            raise OnecatError(
-                f"{path}/config.json: quantization_config.quant_method is {method!r}; "
-                "onecat eval reads fp checkpoints and AutoAWQ GEMM ('awq') artifacts"
-            )
+    if fmt.kind == AWQ_GEMM:
         from onecat.quantize.awq_reader import load_awq_as_float
 
         model = load_awq_as_float(path)
     else:
+        Checkpoint(path)  # every weight file inside the directory, before transformers reads it
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         except (OSError, ValueError) as exc:

@@ -32,12 +32,13 @@ import torch
 from torch import nn
 
 from onecat.errors import OnecatError
-from onecat.pack.awq_gemm import pack_awq_gemm
+from onecat.formats.awq_gemm import pack_awq_gemm
+from onecat.formats.integers import dequantize
 from onecat.quantize.auto_clip import apply_clip, search_clip
 from onecat.quantize.auto_scale import ScaleResult, search_scale, weight_mean
 from onecat.quantize.layer_build import LayerFactory
 from onecat.quantize.moe import ExpertList, split_fused_experts
-from onecat.quantize.quantizer import FP16_MAX, dequantize_groups, pseudo_quantize, quantize_groups
+from onecat.quantize.quantizer import FP16_MAX, pseudo_quantize, quantize_groups
 from onecat.quantize.recipe import Mapping, Recipe
 from onecat.quantize.smoothing import fold_into_balance, fold_into_smooth
 
@@ -313,7 +314,7 @@ class LayerQuantizer:
                     f"{where}{name}: quantization scales overflow fp16 (max {float(s.amax()):.4g}); "
                     f"the smoothed weights are too large for an fp16 checkpoint"
                 )
-            mod.weight.data = dequantize_groups(q, z, s).to(mod.weight.dtype)
+            mod.weight.data = dequantize(q, z, s, mod.weight.dtype)
             packed[name] = pack_awq_gemm(q.cpu(), z.cpu(), s.cpu())
             if mod.bias is not None:
                 packed[name]["bias"] = mod.bias.detach().to("cpu", torch.float16)

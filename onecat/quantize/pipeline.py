@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -30,21 +29,24 @@ from pathlib import Path
 import torch
 
 from onecat.errors import OnecatError
-from onecat.pack.awq_gemm import awq_config
+from onecat.formats.awq_gemm import awq_config
+from onecat.formats.checkpoint import Checkpoint
+from onecat.formats.files import read_checkpoint_json, write_json
+from onecat.formats.quant_config import find_quantization_config
+from onecat.formats.staging import (
+    check_no_overlap,
+    copy_side_files,
+    publish,
+    shard_name,
+    write_index,
+    write_shard,
+)
 from onecat.quantize.calibration import calibration_tokens
 from onecat.quantize.layer_build import LayerFactory
 from onecat.quantize.layer_search import LayerQuantizer
 from onecat.quantize.recipe import Recipe, load_recipe, recipe_for_model_type
-from onecat.quantize.shards import CheckpointReader
 from onecat.quantize.summary import print_summary
-from onecat.quantize.writer import (
-    copy_side_files,
-    plan_rest_shards,
-    shard_name,
-    write_index,
-    write_json,
-    write_shard,
-)
+from onecat.quantize.writer import plan_rest_shards
 
 REPORT_NAME = "onecat_quantize_report.json"
 PROGRESS_NAME = "progress.json"
@@ -97,34 +99,42 @@ def _read_config(model_dir: Path) -> dict:
     path = model_dir / "config.json"
     if not path.is_file():
         raise OnecatError(f"{path} is missing: MODEL must be a transformers checkpoint directory")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise OnecatError(f"{path} is not valid JSON: {exc}") from exc
+    config = read_checkpoint_json(model_dir, "config.json")
     if "model_type" not in config:
         raise OnecatError(f"{path} has no model_type; pass --recipe FILE")
-    if "quantization_config" in config:
+    if find_quantization_config(config) is not None:
         raise OnecatError(f"{path}: the model is already quantized; quantize an fp16/bf16 checkpoint")
     return config
 
 
-def _layer_prefix(recipe: Recipe, reader: CheckpointReader) -> str:
+def check_group_size(group: int, where: str) -> None:
+    """OnecatError unless ``group`` is a positive multiple of 32 (the Volta layout and the
+    kernels work on 32-wide tiles, so other sizes could not be packed or served)."""
+    if isinstance(group, bool) or not isinstance(group, int) or group <= 0 or group % 32:
+        raise OnecatError(
+            f"{where} {group!r}: the group size must be a positive multiple of 32 "
+            "(e.g. 32, 64 or 128, the recipes' default)"
+        )
+
+
+def _layer_prefix(recipe: Recipe, reader: Checkpoint) -> str:
     names = reader.names()
     for prefix in recipe.layer_prefixes:
         if any(n.startswith(f"{prefix}0.") for n in names):
             return prefix
     raise OnecatError(
         f"recipe {recipe.path}: none of architecture.layer_prefixes "
-        f"({', '.join(recipe.layer_prefixes)}) matches the tensors of {reader.dir}"
+        f"({', '.join(recipe.layer_prefixes)}) matches the tensors of {reader.path}"
     )
 
 
-def check_group_divisibility(rcp: Recipe, reader: CheckpointReader, prefix: str,
+def check_group_divisibility(rcp: Recipe, reader: Checkpoint, prefix: str,
                              num_layers: int, group: int) -> None:
-    """Under ``indivisible: fail``, refuse before any work a quantized linear whose in-features
-    do not divide by the group size (or out-features by 8), naming it."""
-    if rcp.indivisible != "fail":
-        return
+    """Before any work: refuse a group size that fits none of the linears the recipe
+    quantizes (the output would be a float model labelled AWQ), and under
+    ``indivisible: fail`` any quantized linear whose in-features do not divide by the group
+    size (or out-features by 8), naming it."""
+    fitting, shapes = 0, set()
     for i in range(num_layers):
         where = f"{prefix}{i}."
         for name in reader.names():
@@ -142,22 +152,37 @@ def check_group_divisibility(rcp: Recipe, reader: CheckpointReader, prefix: str,
                 elif rel == f"{base}.{rcp.experts.down_proj}":
                     linears.append((f"{base}.0.down_proj", shape[1], shape[2]))
             for module, n, k in linears:
-                if rcp.is_quantized(module) and (k % group or n % 8):
+                if not rcp.is_quantized(module):
+                    continue
+                shapes.add(k)
+                if not (k % group or n % 8):
+                    fitting += 1
+                elif rcp.indivisible == "fail":
                     raise OnecatError(
                         f"{where}{module}: in-features {k} (out-features {n}) do not fit group "
                         f"size {group}; recipe {rcp.path} says quantization.indivisible: fail. "
                         f"Pick another --group-size or set indivisible: keep_fp16"
                     )
+    if not fitting:
+        found = (f"their in-features are {', '.join(map(str, sorted(shapes)))}" if shapes else
+                 f"recipe {rcp.path} matches none of the checkpoint's linears")
+        raise OnecatError(
+            f"nothing would be quantized with group size {group} ({found}): the output would "
+            "be a float model labelled AWQ. Pick a --group-size that divides the in-features "
+            "(a multiple of 32 such as 128)"
+        )
 
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _prepare_output(out: Path, work: Path, resume: bool, overwrite: bool) -> bool:
-    """Check OUT / the work dir against the flags. Returns True when OUT is already complete."""
+def _prepare_output(out: Path, work: Path, src: Path, resume: bool, overwrite: bool) -> bool:
+    """Check OUT / the work dir against the source and the flags (before anything is
+    touched). Returns True when OUT is already complete."""
     if resume and overwrite:
         raise OnecatError("pass either --resume or --overwrite, not both")
+    check_no_overlap(out, src, work)
     if out.exists() and not overwrite:
         if resume and (out / REPORT_NAME).is_file():
             return True
@@ -220,24 +245,25 @@ def quantize_rtn(
 def _run(model, out, *, awq, recipe, calib, samples, seqlen, group_size, device, resume,
          overwrite, show_progress) -> Path:
     started = time.perf_counter()
+    if group_size is not None:
+        check_group_size(group_size, "--group-size")
     dev = resolve_device(device)
     out = Path(out).expanduser().absolute()
     work = out.with_name(out.name + ".partial")
-    if _prepare_output(out, work, resume, overwrite):
+    model_dir = resolve_model(model)
+    if _prepare_output(out, work, model_dir, resume, overwrite):
         if show_progress:
             print(f"{out} is already complete")
         return out
-    model_dir = resolve_model(model)
     config = _read_config(model_dir)
     rcp = load_recipe(recipe) if recipe is not None else recipe_for_model_type(
         config["model_type"], model_dir / "config.json")
     if config["model_type"] not in rcp.model_types and recipe is None:
         raise OnecatError(f"recipe {rcp.path} does not list model_type {config['model_type']!r}")
-    reader = CheckpointReader(model_dir)
+    reader = Checkpoint(model_dir)
     prefix = _layer_prefix(rcp, reader)
-    group = group_size or rcp.group_size
-    if group <= 0 or group % 8:
-        raise OnecatError(f"--group-size {group}: must be a positive multiple of 8 (e.g. 32, 64, 128)")
+    group = rcp.group_size if group_size is None else group_size
+    check_group_size(group, f"recipe {rcp.path}: quantization.group_size")
     calib = calib or rcp.calib_source
     samples = samples or rcp.calib_samples
     seqlen = seqlen or rcp.calib_seqlen
@@ -251,7 +277,7 @@ def _run(model, out, *, awq, recipe, calib, samples, seqlen, group_size, device,
     layer_names = {i: [n for n in reader.names() if n.startswith(f"{prefix}{i}.")] for i in range(num_layers)}
     for i, names in layer_names.items():
         if not names:
-            raise OnecatError(f"{reader.dir}: no tensors for layer {i} ({prefix}{i}.*); the checkpoint is incomplete")
+            raise OnecatError(f"{reader.path}: no tensors for layer {i} ({prefix}{i}.*); the checkpoint is incomplete")
     in_layers = {n for names in layer_names.values() for n in names}
     rest_groups = plan_rest_shards(reader, [n for n in reader.names() if n not in in_layers])
     total_shards = len(rest_groups) + num_layers
@@ -333,15 +359,13 @@ def _run(model, out, *, awq, recipe, calib, samples, seqlen, group_size, device,
     }
     write_json(work / REPORT_NAME, report)
     (work / PROGRESS_NAME).unlink()
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(work, out)
+    publish(work, out)
     if show_progress:
         print_summary(report, out)
     return out
 
 
-def _quantize_layers(quantizer: LayerQuantizer, reader: CheckpointReader, layer_names: dict,
+def _quantize_layers(quantizer: LayerQuantizer, reader: Checkpoint, layer_names: dict,
                      prefix: str, hidden: torch.Tensor | None, work: Path, progress: dict, *,
                      first_shard: int, total_shards: int, show_progress: bool) -> dict[str, str]:
     """Quantize (or, when resuming, replay) every decoder layer; returns the weight map."""
@@ -378,7 +402,7 @@ def _quantize_layers(quantizer: LayerQuantizer, reader: CheckpointReader, layer_
     return weight_map
 
 
-def _load_layer(reader: CheckpointReader, names: list[str], where: str) -> dict[str, torch.Tensor]:
+def _load_layer(reader: Checkpoint, names: list[str], where: str) -> dict[str, torch.Tensor]:
     """The source tensors of one layer, keyed by layer-relative names."""
     return {n[len(where):]: reader.get(n) for n in names}
 

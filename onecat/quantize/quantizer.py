@@ -30,14 +30,6 @@ def quantize_groups(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, tor
     return q.reshape(n, k).to(torch.uint8), zeros.to(torch.uint8), scales
 
 
-def dequantize_groups(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``(q - zeros) * scales`` broadcast over groups: float32 [N, K]."""
-    n, k = q.shape
-    groups = zeros.shape[1]
-    qg = q.float().reshape(n, groups, k // groups)
-    return ((qg - zeros.float().unsqueeze(-1)) * scales.float().unsqueeze(-1)).reshape(n, k)
-
-
 def pseudo_quantize(w: torch.Tensor, group_size: int) -> torch.Tensor:
     """Quantize and dequantize W [N, K] in one pass (same values as the written checkpoint).
 

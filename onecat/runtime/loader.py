@@ -24,16 +24,18 @@ import torch
 from torch import nn
 
 from onecat.errors import OnecatError
-from onecat.pack.artifact import open_packed
-from onecat.pack.checkpoint import Checkpoint, read_json
-from onecat.pack.readers import (
-    AWQ_GEMM,
-    dequantize_exact,
-    detect_source_format,
+from onecat.formats.checkpoint import Checkpoint
+from onecat.formats.files import read_checkpoint_json
+from onecat.formats.integers import dequantize, group_size_of
+from onecat.formats.quant_config import ONECAT, detect_format
+from onecat.formats.quantized_linears import (
     find_quantized_linears,
     read_quantized_linear,
+    stored_group_size,
 )
-from onecat.pack.volta_layout import fits_layout, pack_volta
+from onecat.pack.artifact import open_packed
+from onecat.pack.repack import to_volta
+from onecat.pack.volta_layout import fits_layout
 from onecat.runtime.layers.linear import Linear, LinearWeights
 from onecat.runtime.layers.moe import DOWN, GATE, UP, FusedExperts
 from onecat.runtime.models.config import ModelConfig
@@ -49,16 +51,12 @@ class WeightSource:
     def __init__(self, path: Path, config: dict[str, Any]) -> None:
         self.path = path
         self.config = config
-        quant = config.get("quantization_config") or (config.get("text_config") or {}).get(
-            "quantization_config"
-        )
-        self.kind = "float"
+        self._format = detect_format(config, str(path / "config.json"))
+        self.kind = self._format.kind
         self._packed = None
         self._ckpt = None
-        self._format = None
         self._quantized: dict[str, int] = {}
-        if quant and quant.get("quant_method") == "onecat":
-            self.kind = "onecat"
+        if self.kind == ONECAT:
             self._packed = open_packed(path)
             names = self._packed.tensor_names()
             for prefix in self._packed.linear_prefixes():
@@ -67,21 +65,12 @@ class WeightSource:
         else:
             self._ckpt = Checkpoint(path)
             names = self._ckpt.names()
-            if quant:
-                self._format = detect_source_format(config, str(path / "config.json"))
-                self.kind = self._format.kind
+            if self._format.quantized_source:
                 for prefix in find_quantized_linears(self._ckpt, self._format):
-                    self._quantized[prefix] = self._group_size(prefix)
+                    self._quantized[prefix] = stored_group_size(self._ckpt, self._format, prefix)
         self._names = set(names)
         self._wrapped = any(n.startswith(WRAPPER_PREFIX) for n in names)
         self._fused_cache: dict[str, torch.Tensor] = {}
-
-    def _group_size(self, prefix: str) -> int:
-        shape = self._ckpt.shape
-        if self._format.kind == AWQ_GEMM:  # qweight [K, N/8], scales [K/g, N]
-            return shape(f"{prefix}.qweight")[0] // shape(f"{prefix}.scales")[0]
-        k = shape(f"{prefix}.weight_packed")[1] * 8  # weight_packed [N, K/8], weight_scale [N, K/g]
-        return k // shape(f"{prefix}.weight_scale")[1]
 
     def actual(self, name: str) -> str:
         """The checkpoint's key for text-model name ``name``."""
@@ -122,13 +111,10 @@ class WeightSource:
                     bias=packed.bias,
                 )
             q, zeros, scales = read_quantized_linear(self._ckpt, self._format, key)
-            group = q.shape[1] // zeros.shape[1]
+            group = group_size_of(q, zeros)
             if not fits_layout(q.shape[0], q.shape[1], group):
-                return LinearWeights(weight=dequantize_exact(q, zeros, scales), bias=bias)
-            try:
-                qweight, scales_zeros = pack_volta(q, zeros, scales)
-            except ValueError as exc:
-                raise OnecatError(f"{key} in {self.path}: cannot pack it ({exc})") from None
+                return LinearWeights(weight=dequantize(q, zeros, scales, torch.float16), bias=bias)
+            qweight, scales_zeros = to_volta(q, zeros, scales, f"{key} in {self.path}")
             return LinearWeights(qweight=qweight, scales_zeros=scales_zeros, group_size=group, bias=bias)
         if self.has(f"{name}.weight"):
             return LinearWeights(weight=self.tensor(f"{name}.weight"), bias=bias)
@@ -160,7 +146,7 @@ def read_model_config(path: str | Path) -> tuple[dict[str, Any], ModelConfig]:
     path = Path(path)
     if not path.is_dir():
         raise OnecatError(f"{path} is not a directory; give a checkpoint or packed artifact directory")
-    raw = read_json(path / "config.json")
+    raw = read_checkpoint_json(path, "config.json")
     return raw, ModelConfig.from_dict(raw, str(path / "config.json"))
 
 

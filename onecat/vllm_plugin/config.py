@@ -27,14 +27,15 @@ from vllm.model_executor.layers.quantization.base_config import (
 from vllm.platforms import current_platform
 
 from onecat.errors import OnecatError
+from onecat.formats.awq_gemm import check_awq_config
 from onecat.pack.volta_layout import FORMAT_NAME, LAYOUT_VERSION, TILE
 from onecat.vllm_plugin.linear_method import OnecatAwqLinearMethod, OnecatLinearMethod
 from onecat.vllm_plugin.moe_method import OnecatAwqMoEMethod, OnecatMoEMethod
 from onecat.vllm_plugin.quantized_modules import (
+    checkpoint_tensor_names,
     experts_quantized,
     is_quantized,
     quantized_module_keys,
-    safetensors_tensor_names,
 )
 
 ONECAT = "onecat"
@@ -87,7 +88,7 @@ class _OnecatConfigBase(QuantizationConfig):
     def maybe_update_config(self, model_name: str, hf_config=None, revision=None) -> None:
         """Read which modules are 4-bit from the checkpoint's safetensors headers."""
         if Path(model_name).is_dir():
-            names = safetensors_tensor_names(model_name)
+            names = checkpoint_tensor_names(model_name)
         else:  # a hub id: vLLM reads the headers from its cache or the hub
             from vllm.transformers_utils.config import get_safetensors_params_metadata
 
@@ -168,15 +169,8 @@ class OnecatAwqConfig(_OnecatConfigBase):
     def from_config(cls, config: dict[str, Any]) -> OnecatAwqConfig:
         """Validate an AutoAWQ ``quantization_config`` (4 bits, zero point, GEMM)."""
         where = "config.json quantization_config"
-        bits = config.get("bits", config.get("w_bit"))
-        group_size = config.get("group_size", config.get("q_group_size"))
-        version = str(config.get("version", "gemm")).lower()
-        if bits != 4 or not config.get("zero_point", True) or version != "gemm":
-            raise OnecatError(
-                f"{where}: onecat repacks 4-bit AutoAWQ GEMM checkpoints with zero points, got "
-                f"bits={bits!r} zero_point={config.get('zero_point')!r} version={version!r}"
-            )
-        if not isinstance(group_size, int) or group_size <= 0 or group_size % TILE:
+        group_size = check_awq_config(config, where)
+        if group_size is None or group_size % TILE:
             raise OnecatError(
                 f"{where}: group_size {group_size!r}; the Volta layout needs a positive multiple "
                 f"of {TILE} (g128 checkpoints work)"

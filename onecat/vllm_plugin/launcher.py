@@ -11,7 +11,6 @@ unsupported vLLM gives one clear error instead of a traceback from vLLM.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -19,6 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from onecat.errors import OnecatError
+from onecat.formats.files import read_checkpoint_json
+from onecat.formats.quant_config import text_config
 from onecat.vllm_plugin.version import check_vllm_version
 
 PLUGIN_NAME = "onecat"
@@ -163,8 +164,7 @@ def is_moe_checkpoint(model: str) -> bool:
     """Whether ``model``'s config.json describes a mixture-of-experts model (False when it
     cannot be read, e.g. a hub id)."""
     try:
-        config = json.loads((Path(model) / "config.json").read_text())
-    except (OSError, ValueError):
+        config = read_checkpoint_json(Path(model), "config.json")
+    except OnecatError:
         return False
-    text = config.get("text_config", config)
-    return bool(text.get("num_experts") or config.get("num_experts"))
+    return bool(text_config(config).get("num_experts") or config.get("num_experts"))

@@ -30,9 +30,10 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
 
 from onecat.errors import OnecatError
+from onecat.formats.awq_gemm import dequantize_awq_gemm
 from onecat.kernels.ops import packed_linear
+from onecat.pack.repack import awq_to_volta
 from onecat.pack.volta_layout import TILE, fits_layout
-from onecat.vllm_plugin.awq_repack import awq_to_volta, dequantize_awq
 from onecat.vllm_plugin.partition_checks import check_partition
 
 logger = logging.getLogger(__name__)
@@ -166,7 +167,7 @@ class OnecatAwqLinearMethod(LinearMethodBase):
         for name in ("qweight", "qzeros", "scales"):
             delattr(layer, name)
         if fits_layout(n, k, self.group_size):
-            packed_q, packed_sz = awq_to_volta(qweight, qzeros, scales)
+            packed_q, packed_sz = awq_to_volta(qweight, qzeros, scales, self.prefix)
             _replace(layer, "qweight", packed_q)
             _replace(layer, "scales_zeros", packed_sz)
             layer.onecat_dense = False
@@ -178,7 +179,8 @@ class OnecatAwqLinearMethod(LinearMethodBase):
                 k,
                 layer.onecat_dtype,
             )
-            _replace(layer, "weight", dequantize_awq(qweight, qzeros, scales, layer.onecat_dtype))
+            dense = dequantize_awq_gemm(qweight, qzeros, scales, layer.onecat_dtype, self.prefix)
+            _replace(layer, "weight", dense)
             layer.onecat_dense = True
 
     def apply(

@@ -11,12 +11,11 @@ modules are expanded through the model's ``packed_modules_mapping``.
 
 from __future__ import annotations
 
-import json
-import struct
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from onecat.errors import OnecatError
+from onecat.formats.checkpoint import Checkpoint
 
 QWEIGHT_SUFFIX = ".qweight"
 
@@ -30,21 +29,10 @@ def module_key(name: str) -> str:
     return ("mtp." if head.startswith("mtp") else "") + "layers." + tail
 
 
-def safetensors_tensor_names(model_dir: str | Path) -> list[str]:
-    """Every tensor name in the ``*.safetensors`` files of ``model_dir`` (headers only)."""
-    names: list[str] = []
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise OnecatError(
-            f"{model_dir}: no *.safetensors files; the vLLM plugin reads which modules are "
-            "quantized from them (point vLLM at a local onecat or AWQ checkpoint directory)"
-        )
-    for path in files:
-        with open(path, "rb") as handle:
-            (length,) = struct.unpack("<Q", handle.read(8))
-            header = json.loads(handle.read(length))
-        names.extend(key for key in header if key != "__metadata__")
-    return names
+def checkpoint_tensor_names(model_dir: str | Path) -> list[str]:
+    """Every tensor name of the local checkpoint ``model_dir`` (shard headers only, through
+    onecat's checkpoint reader: every shard the index names must lie inside the directory)."""
+    return Checkpoint(model_dir).names()
 
 
 def quantized_module_keys(tensor_names: Iterable[str]) -> set[str]:
