@@ -51,7 +51,8 @@ def test_serve_flags_follow_vllm(tmp_path):
     for flag in (
         "--host", "--port", "--api-key", "--max-model-len", "--max-num-seqs",
         "--max-num-batched-tokens", "--gpu-memory-utilization", "--served-model-name",
-        "--enforce-eager", "--device", "--max-queue-len",
+        "--enforce-eager", "--device", "--max-queue-len", "--trust-request-chat-template",
+        "--max-request-body-bytes", "--shutdown-timeout",
     ):
         assert flag in help_text, flag
     assert "127.0.0.1" in help_text and "8000" in help_text and "0.92" in help_text
@@ -101,3 +102,106 @@ def test_serve_command_serves_and_stops_on_ctrl_c(model):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# `onecat serve` whose engine steps take 50 ms at least, so that requests run for seconds
+SLOW_SERVE = """
+import sys, time
+from onecat.runtime.engine.model_runner import ModelRunner
+real_run = ModelRunner.run
+def slow_run(self, scheduled):
+    time.sleep(0.05)
+    return real_run(self, scheduled)
+ModelRunner.run = slow_run
+from onecat.cli import main
+sys.argv[0] = "onecat"
+main()
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_drains_running_requests_then_exits_0(model):
+    """SIGTERM: new requests are refused at once, a request that finishes within
+    --shutdown-timeout completes normally, one that does not gets an SSE error event and
+    [DONE], and the process exits 0."""
+    import json
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    import httpx
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    command = [
+        sys.executable, "-c", SLOW_SERVE, "serve", str(model), "--port", str(port), "--device", "cpu",
+        "--max-model-len", "256", "--served-model-name", "tiny", "--shutdown-timeout", "2",
+        "--log-level", "info",
+    ]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "onecat serve did not come up"
+            time.sleep(0.2)
+
+        streams: dict[str, list[str]] = {"short": [], "long": []}
+        first_chunk = {name: threading.Event() for name in streams}
+
+        def stream(name: str, max_tokens: int) -> None:
+            body = {"prompt": "def", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+                assert response.status_code == 200
+                for line in response.iter_lines():
+                    streams[name].append(line)
+                    first_chunk[name].set()
+
+        threads = [threading.Thread(target=stream, args=("short", 10)),  # ~0.5 s of steps
+                   threading.Thread(target=stream, args=("long", 100))]  # ~5 s of steps
+        for thread in threads:
+            thread.start()
+        for event in first_chunk.values():
+            assert event.wait(30), "the streams did not start"
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        for path, call in (("/health", httpx.get), ("/v1/completions", httpx.post)):
+            try:  # the listening socket is closed (refused) or, on a kept connection, 503
+                kwargs = {"json": {"prompt": "x", "max_tokens": 1}} if call is httpx.post else {}
+                refused = call(url + path, timeout=5, **kwargs).status_code == 503
+            except httpx.TransportError:
+                refused = True
+            assert refused, path
+        for thread in threads:
+            thread.join(30)
+        assert proc.wait(timeout=30) == 0
+        elapsed = time.monotonic() - sent
+        output = proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+    def payloads(lines: list[str]) -> list[str]:
+        data = [line[len("data: "):] for line in lines if line]
+        assert data and data[-1] == "[DONE]", lines[-3:]
+        return data[:-1]
+
+    short = [json.loads(p) for p in payloads(streams["short"])]
+    assert short[-1]["choices"][0]["finish_reason"] == "length", short[-1]
+    long = [json.loads(p) for p in payloads(streams["long"])]
+    error = long[-1]["error"]
+    assert error["code"] == "server_shutting_down" and "--shutdown-timeout" in error["message"]
+    assert all("choices" in chunk for chunk in long[:-1]) and len(long) > 2
+    assert 2 <= elapsed < 20, elapsed
+    assert "shutdown timeout (2 s) reached" in output, output[-2000:]

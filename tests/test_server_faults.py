@@ -321,3 +321,127 @@ def test_client_disconnect_during_prefill_frees_everything(slow_prefill_server, 
     assert_all_free(stats)
     assert stats["generation_tokens_total"] == before, "a token was sampled: the abort came too late"
     assert_metrics_idle(server.url)
+
+
+# ----- request chat templates ---------------------------------------------------------------
+
+PLAIN_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"chat_template": PLAIN_TEMPLATE}, "chat_template"),
+        ({"chat_template_kwargs": {"chat_template": PLAIN_TEMPLATE}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"return_dict": True}}, "chat_template_kwargs"),
+    ],
+)
+def test_request_template_is_refused_without_the_flag(client, server, fields, param):
+    response = client.post(CHAT, json={"messages": HELLO, "max_tokens": 2, **fields})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    if "chat_template" in {**fields, **fields.get("chat_template_kwargs", {})}:
+        assert error["code"] == "chat_template_not_allowed"
+        assert "--trust-request-chat-template" in error["message"]
+    assert_still_serving(client, server)
+
+
+def test_template_variables_are_still_accepted(client, server):
+    response = client.post(
+        CHAT, json={"messages": HELLO, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False}}
+    )
+    assert response.status_code == 200, response.text
+
+
+def test_request_template_is_used_with_the_flag(tiny_model):
+    engine = make_engine(tiny_model)
+    with BackgroundServer(engine, trust_request_chat_template=True) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as client:
+        tokenizer = srv.async_engine.tokenizer
+        rendered = "<user>Hello, who are you?<assistant>"
+        expected = len(tokenizer.encode(rendered, add_special_tokens=False))
+        default = client.post(CHAT, json={"messages": HELLO, "max_tokens": 1}).json()
+        assert default["usage"]["prompt_tokens"] != expected, "pick a template unlike the model's"
+        for fields in ({"chat_template": PLAIN_TEMPLATE},
+                       {"chat_template_kwargs": {"chat_template": PLAIN_TEMPLATE}}):
+            reply = client.post(CHAT, json={"messages": HELLO, "max_tokens": 1, **fields})
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["usage"]["prompt_tokens"] == expected
+        broken = client.post(CHAT, json={"messages": HELLO, "chat_template": "{% for %}"})
+        assert broken.status_code == 400 and broken.json()["error"]["param"] == "messages"
+
+
+# ----- body size and tokenisation off the event loop ----------------------------------------
+
+
+def health_latencies(url: str, busy: threading.Thread, min_probes: int = 3) -> list[float]:
+    """Probe /health every 50 ms while ``busy`` runs; the latencies of the probes answered
+    while it was still running (at least ``min_probes`` of them)."""
+    latencies = []
+    with httpx.Client(base_url=url, timeout=30) as probe:
+        while busy.is_alive() or len(latencies) < min_probes:
+            start = time.monotonic()
+            assert probe.get("/health").status_code == 200
+            if busy.is_alive():
+                latencies.append(time.monotonic() - start)
+            elif len(latencies) < min_probes:
+                break
+            time.sleep(0.05)
+    return latencies
+
+
+def in_background(fn) -> tuple[threading.Thread, list]:
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(fn()))
+    thread.start()
+    return thread, result
+
+
+def test_oversized_body_is_413_and_health_keeps_answering(tiny_model):
+    limit = 1024 * 1024
+    with BackgroundServer(make_engine(tiny_model), max_request_body_bytes=limit) as srv:
+        big = json.dumps({"messages": [{"role": "user", "content": "x" * (50 * limit)}]}).encode()
+
+        def send_big() -> httpx.Response:
+            return httpx.post(srv.url + CHAT, content=big, headers={"Content-Type": "application/json"},
+                              timeout=60)
+
+        thread, result = in_background(send_big)
+        latencies = health_latencies(srv.url, thread, min_probes=0)
+        thread.join()
+        response = result[0]
+        assert response.status_code == 413, response.text[:200]
+        error = response.json()["error"]
+        assert error["code"] == "request_too_large" and "--max-request-body-bytes" in error["message"]
+        assert all(t < 1.0 for t in latencies), latencies
+
+        def chunks():  # no Content-Length: counted as it arrives
+            for _ in range(3):
+                yield b" " * limit
+
+        chunked = httpx.post(srv.url + CHAT, content=chunks(), headers={"Content-Type": "application/json"})
+        assert chunked.status_code == 413 and "so far" in chunked.json()["error"]["message"]
+        small = json.dumps({"messages": HELLO, "max_tokens": 2}).encode()
+        ok = httpx.post(srv.url + CHAT, content=iter([small[:10], small[10:]]),
+                        headers={"Content-Type": "application/json"}, timeout=60)
+        assert ok.status_code == 200, ok.text
+        assert_all_free(wait_idle(srv))
+
+
+def test_large_prompt_is_tokenised_while_health_answers(server):
+    """A 1 MB prompt (under the 4 MiB default limit) takes seconds to tokenise: the event
+    loop keeps answering /health meanwhile, then the prompt is refused as too long."""
+    prompt = "lists and tuples are sequences; " * (1_000_000 // 32)
+
+    def send() -> httpx.Response:
+        return httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1},
+                          timeout=120)
+
+    thread, result = in_background(send)
+    latencies = health_latencies(server.url, thread)
+    thread.join()
+    assert result[0].status_code == 400 and "tokens" in result[0].json()["error"]["message"]
+    assert len(latencies) >= 3, "the prompt was handled before /health could be probed"
+    assert max(latencies) < 1.0, latencies

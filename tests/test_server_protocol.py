@@ -89,3 +89,59 @@ def test_completion_prompt_shapes():
     for field in ({"echo": True}, {"logprobs": 1}, {"best_of": 2}, {"suffix": "x"}):
         with pytest.raises(APIError):
             CompletionRequest.model_validate({"prompt": "x", **field}).refuse_unsupported()
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"top_k": 2**70}, "top_k"),
+        ({"top_k": -1}, "top_k"),
+        ({"seed": 2**63}, "seed"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 2**31}, "max_tokens"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"stop": ["a"] * 65}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": ["\ud800"]}, "stop"),
+        ({"stop_token_ids": [2**31]}, "stop_token_ids"),
+        ({"stop_token_ids": [1] * 1025}, "stop_token_ids"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+    ],
+)
+def test_sampling_params_refuse_what_the_engine_cannot_take(fields, param):
+    """The engine's own check (for callers other than the server): a RequestError naming the
+    field, never an exception inside the engine loop."""
+    from onecat.runtime.errors import RequestError
+    from onecat.runtime.sampling_params import SamplingParams
+
+    with pytest.raises(RequestError) as info:
+        SamplingParams(**fields).validate()
+    assert info.value.param == param
+    SamplingParams(top_k=2**31 - 1, seed=-(2**63), stop=["a"] * 64, stop_token_ids=[0] * 1024).validate()
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": [{"role": "user", "content": "a\ud800"}]}, "messages"),
+        ({"messages": HELLO, "user": "\udfff"}, "user"),
+        ({"messages": HELLO, "chat_template_kwargs": {"\ud800": 1}}, "chat_template_kwargs"),
+    ],
+)
+def test_lone_surrogates_are_refused_naming_the_field(body, param):
+    with pytest.raises(APIError) as info:
+        ChatCompletionRequest.model_validate(body)
+    assert info.value.status == 400 and info.value.param == param
+    assert "Unicode" in info.value.message
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"top_k": 2**70}, {"seed": 2**64}, {"n": 2**70}, {"max_completion_tokens": 2**40},
+     {"stop_token_ids": [-1]}, {"temperature": float("inf")}],
+)
+def test_chat_request_bounds(fields):
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate({"messages": HELLO, **fields})
