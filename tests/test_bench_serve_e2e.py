@@ -148,6 +148,8 @@ def test_wrong_key_and_unreachable_server_are_clear(server):
     run = bench("--base-url", server, "--api-key", "wrong", "--num-prompts", "1")
     assert run.exit_code == 1
     assert f"{server}/v1/models answered 401" in run.output and "--api-key" in run.output
+    run = bench("--base-url", server, "--result-json", "/nonexistent/dir/r.json")
+    assert run.exit_code == 1 and "--result-json /nonexistent/dir/r.json" in run.output
     dead = f"http://127.0.0.1:{free_port()}"
     run = bench("--base-url", dead, "--num-prompts", "1")
     assert run.exit_code == 1

@@ -110,6 +110,8 @@ def run_bench_serve(config: BenchServeConfig, console: Console | None = None) ->
     if config.num_warmups < 0:
         raise OnecatError(f"--num-warmups must be >= 0; got {config.num_warmups}")
     arrival_times(1, config.request_rate, config.burstiness)  # validates the rate flags
+    if config.result_json and not Path(config.result_json).parent.is_dir():
+        raise OnecatError(f"--result-json {config.result_json}: its directory does not exist")
     base, path = split_base_url(config.base_url, config.endpoint)
     kind = endpoint_kind(path, config.endpoint_type)
     models = list_models(base, config.api_key)
