@@ -15,6 +15,7 @@ import torch
 
 from onecat.errors import OnecatError
 from onecat.formats.awq_gemm import dequantize_awq_gemm, pack_awq_gemm
+from onecat.pack.partitions import check_expert_partition, check_partition
 from onecat.pack.repack import awq_to_volta
 from onecat.pack.volta_layout import pack_volta, slice_volta
 from onecat.vllm_plugin import version as vllm_version
@@ -24,7 +25,6 @@ from onecat.vllm_plugin.launcher import (
     vllm_environment,
     vllm_serve_command,
 )
-from onecat.vllm_plugin.partition_checks import check_expert_partition, check_partition
 from onecat.vllm_plugin.quantized_modules import (
     checkpoint_tensor_names,
     experts_quantized,

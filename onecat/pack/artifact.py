@@ -27,8 +27,9 @@ from safetensors import safe_open
 
 from onecat.errors import OnecatError
 from onecat.formats.files import contained_file, read_checkpoint_json
+from onecat.formats.quant_config import find_quantization_config
 from onecat.formats.staging import tensor_sha256
-from onecat.pack.volta_layout import FORMAT_NAME, LAYOUT_VERSION
+from onecat.pack.volta_layout import FORMAT_NAME, LAYOUT_VERSION, TILE
 from onecat.pack.writer import MANIFEST_NAME
 
 
@@ -127,6 +128,25 @@ class PackedArtifact:
             self.get_tensor(name)
 
 
+def check_onecat_config(qc: dict[str, Any], where: str) -> int:
+    """Validate a packed artifact's ``quantization_config`` (``quant_method: onecat``, this
+    format and version, 4 bits, a group size that is a positive multiple of 32); returns the
+    group size. Used by :func:`open_packed` and the vLLM plugin."""
+    found = (qc.get("quant_method"), qc.get("format"), qc.get("format_version"))
+    if found != ("onecat", FORMAT_NAME, LAYOUT_VERSION):
+        raise OnecatError(
+            f"{where}: quant_method {found[0]!r} format {found[1]!r} version {found[2]!r}, but "
+            f"this onecat reads 'onecat' {FORMAT_NAME!r} version {LAYOUT_VERSION}; re-pack the "
+            "source checkpoint with this onecat's `onecat pack`"
+        )
+    if qc.get("bits") != 4:
+        raise OnecatError(f"{where}: bits {qc.get('bits')!r}; onecat packs 4-bit weights only")
+    group = qc.get("group_size")
+    if isinstance(group, bool) or not isinstance(group, int) or group <= 0 or group % TILE:
+        raise OnecatError(f"{where}: group_size {group!r} must be a positive multiple of {TILE}")
+    return group
+
+
 def open_packed(path: str | Path) -> PackedArtifact:
     """Open and validate the packed artifact at ``path`` (format name, version, tensor list).
 
@@ -154,17 +174,8 @@ def open_packed(path: str | Path) -> PackedArtifact:
             "this onecat, or install the onecat version that wrote the artifact"
         )
     config = read_checkpoint_json(path, "config.json")
-    qc = config.get("quantization_config") or {}
-    if (qc.get("quant_method"), qc.get("format"), qc.get("format_version")) != (
-        "onecat",
-        FORMAT_NAME,
-        LAYOUT_VERSION,
-    ):
-        raise OnecatError(
-            f"{path / 'config.json'}: quantization_config does not describe a onecat "
-            f"{FORMAT_NAME} v{LAYOUT_VERSION} artifact (found {qc.get('quant_method')!r}, "
-            f"{qc.get('format')!r}, {qc.get('format_version')!r}); re-run `onecat pack`"
-        )
+    check_onecat_config(find_quantization_config(config) or {},
+                        f"{path / 'config.json'}: quantization_config")
     artifact = PackedArtifact(path, manifest, config)
     _check_headers(artifact, _files_by_name(path, manifest, manifest_path))
     return artifact

@@ -28,7 +28,8 @@ from vllm.platforms import current_platform
 
 from onecat.errors import OnecatError
 from onecat.formats.awq_gemm import check_awq_config
-from onecat.pack.volta_layout import FORMAT_NAME, LAYOUT_VERSION, TILE
+from onecat.pack.artifact import check_onecat_config
+from onecat.pack.volta_layout import TILE
 from onecat.vllm_plugin.linear_method import OnecatAwqLinearMethod, OnecatLinearMethod
 from onecat.vllm_plugin.moe_method import OnecatAwqMoEMethod, OnecatMoEMethod
 from onecat.vllm_plugin.quantized_modules import (
@@ -134,24 +135,7 @@ class OnecatConfig(_OnecatConfigBase):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> OnecatConfig:
         """Validate the artifact's ``quantization_config`` and build the config."""
-        where = "config.json quantization_config"
-        fmt = config.get("format")
-        version = config.get("format_version")
-        if fmt != FORMAT_NAME or version != LAYOUT_VERSION:
-            raise OnecatError(
-                f"{where}: format {fmt!r} version {version!r}, but this onecat reads "
-                f"{FORMAT_NAME!r} version {LAYOUT_VERSION}; re-pack with this onecat's `onecat pack`"
-            )
-        if config.get("bits") != 4:
-            raise OnecatError(
-                f"{where}: bits {config.get('bits')!r}; onecat packs 4-bit weights only"
-            )
-        group_size = config.get("group_size")
-        if not isinstance(group_size, int) or group_size <= 0 or group_size % TILE:
-            raise OnecatError(
-                f"{where}: group_size {group_size!r} must be a positive multiple of {TILE}"
-            )
-        return cls(group_size)
+        return cls(check_onecat_config(config, "config.json quantization_config"))
 
 
 class OnecatAwqConfig(_OnecatConfigBase):

@@ -32,9 +32,9 @@ from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMPa
 from onecat.errors import OnecatError
 from onecat.formats.awq_gemm import dequantize_awq_gemm
 from onecat.kernels.ops import packed_linear
+from onecat.pack.partitions import check_partition
 from onecat.pack.repack import awq_to_volta
 from onecat.pack.volta_layout import TILE, fits_layout
-from onecat.vllm_plugin.partition_checks import check_partition
 
 logger = logging.getLogger(__name__)
 

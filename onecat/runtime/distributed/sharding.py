@@ -22,8 +22,8 @@ knowing about ranks. The split follows Megatron / vLLM:
   rank 0 samples).
 
 Packed linears are cut with :func:`onecat.pack.volta_layout.slice_volta`, the rule the vLLM
-plugin uses; a slice the Volta layout cannot hold is refused by the plugin's
-:func:`~onecat.vllm_plugin.partition_checks.check_partition`.
+plugin uses; a slice the Volta layout cannot hold is refused by
+:func:`~onecat.pack.partitions.check_partition`.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from onecat.errors import OnecatError
+from onecat.pack.partitions import check_partition
 from onecat.pack.volta_layout import TILE, slice_volta
 from onecat.runtime.distributed.parallel_state import tp_rank, tp_size
 from onecat.runtime.layers.linear import LinearWeights
@@ -42,7 +43,6 @@ from onecat.runtime.loader import WeightSource, load_weights, read_model_config
 from onecat.runtime.models.config import ModelConfig
 from onecat.runtime.models.qwen3_5 import Qwen3_5ForCausalLM
 from onecat.runtime.quant_plan import QuantPlan
-from onecat.vllm_plugin.partition_checks import check_partition
 
 COLUMN_BY_HEADS = (".self_attn.q_proj", ".linear_attn.in_proj_z", ".linear_attn.in_proj_a",
                    ".linear_attn.in_proj_b", ".mlp.gate_proj", ".mlp.up_proj",
