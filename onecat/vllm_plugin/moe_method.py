@@ -1,4 +1,4 @@
-"""vLLM MoE methods for Qwen3.5-35B-A3B's routed experts, one onecat W4A16 call per expert.
+"""vLLM MoE methods for Qwen3.5-35B-A3B's routed experts on onecat's grouped W4A16 MoE op.
 
 Per local expert the layer holds ``w13`` (gate rows, then up rows: ``[2*I_p, H]``) and ``w2``
 (``[H, I_p]``) in the Volta layout, stacked along a leading expert dimension:
@@ -12,11 +12,10 @@ expert parallelism gives each rank whole experts (vLLM's expert map).
 - ``OnecatAwqMoEMethod`` (plain AWQ): vLLM's expert loader fills AWQ-shaped parameters as
   for its own AWQ method; ``process_weights_after_loading`` repacks expert by expert.
 
-``apply`` groups the routed (token, expert) pairs by expert and runs gate/up, SiLU-and-mul
-and down for each expert that received tokens. While a CUDA graph is being captured the
-token counts are unknown, so every local expert runs on all tokens with zero weights for
-the unrouted ones (correct, and slow: prefer ``--enforce-eager`` for the MoE model until a
-grouped kernel exists).
+``apply`` runs ``torch.ops.onecat.w4a16_moe`` (onecat.kernels.moe): all routed experts in a
+few launches that read the stacked expert weights in place, with no host sync, so the same
+call serves eager steps and CUDA-graph capture; experts that vLLM's expert map marks ``-1``
+(other ranks') contribute nothing. On the CPU the op's reference runs.
 """
 
 from __future__ import annotations
@@ -24,11 +23,10 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from vllm.model_executor.layers.fused_moe import FusedMoEConfig, FusedMoEMethodBase
 
 from onecat.errors import OnecatError
-from onecat.kernels.ops import packed_linear
+from onecat.kernels.moe import w4a16_moe
 from onecat.pack.partitions import check_expert_partition
 from onecat.pack.repack import awq_to_volta
 from onecat.pack.volta_layout import TILE
@@ -51,7 +49,7 @@ def _register(layer: torch.nn.Module, name: str, data: torch.Tensor, attrs: dict
 
 
 class _OnecatExpertsBase(FusedMoEMethodBase):
-    """Shared ``apply``: per-expert W4A16 calls on the Volta-layout expert weights."""
+    """Shared ``apply``: the grouped W4A16 MoE op on the Volta-layout expert weights."""
 
     def __init__(self, moe: FusedMoEConfig | None, group_size: int, prefix: str = "") -> None:
         super().__init__(moe)
@@ -80,12 +78,6 @@ class _OnecatExpertsBase(FusedMoEMethodBase):
                 f"weights applied to the output (Qwen3.5), got activation {activation!r}"
             )
 
-    def _expert(self, layer: torch.nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
-        g = self.group_size
-        h = packed_linear(x, layer.w13_qweight[e], layer.w13_scales_zeros[e], g)
-        gate, up = h.chunk(2, dim=-1)
-        return packed_linear(F.silu(gate) * up, layer.w2_qweight[e], layer.w2_scales_zeros[e], g)
-
     def apply(
         self,
         layer: torch.nn.Module,
@@ -96,43 +88,13 @@ class _OnecatExpertsBase(FusedMoEMethodBase):
         shared_experts_input: torch.Tensor | None,
     ) -> torch.Tensor:
         """Routed experts' output ``[T, H]`` (vLLM adds the shared expert and all-reduces)."""
-        ids = topk_ids.to(torch.long)
+        ids = topk_ids
         if layer.expert_map is not None:
-            ids = layer.expert_map[ids]  # global -> local expert, -1 when not on this rank
-        weights = topk_weights.to(torch.float32)
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            return self.routed_all_experts(layer, x, weights, ids)
-        return self.routed_by_expert(layer, x, weights, ids)
-
-    def routed_by_expert(
-        self, layer: torch.nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-    ) -> torch.Tensor:
-        """Run each expert that received tokens on exactly those tokens (needs the counts on
-        the host: not capturable)."""
-        num_tokens, top_k = ids.shape
-        flat_ids = ids.reshape(-1)
-        token_of = torch.arange(num_tokens, device=x.device).repeat_interleave(top_k)
-        weight_of = weights.reshape(-1)
-        out = torch.zeros(num_tokens, x.shape[-1], dtype=torch.float32, device=x.device)
-        for e in torch.unique(flat_ids).tolist():
-            if e < 0:
-                continue
-            pairs = (flat_ids == e).nonzero().squeeze(1)
-            tokens = token_of[pairs]
-            y = self._expert(layer, e, x.index_select(0, tokens)).to(torch.float32)
-            out.index_add_(0, tokens, y * weight_of[pairs, None])
-        return out.to(x.dtype)
-
-    def routed_all_experts(
-        self, layer: torch.nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-    ) -> torch.Tensor:
-        """Run every local expert on all tokens, weighting unrouted ones by zero (fixed
-        shapes, so CUDA graphs can capture it; costs E_local expert passes)."""
-        out = torch.zeros(x.shape[0], x.shape[-1], dtype=torch.float32, device=x.device)
-        for e in range(layer.w13_qweight.shape[0]):
-            routed = (weights * (ids == e)).sum(dim=1, keepdim=True)  # [T, 1]
-            out += self._expert(layer, e, x).to(torch.float32) * routed
-        return out.to(x.dtype)
+            ids = layer.expert_map[ids.long()]  # global -> local expert, -1 when not on this rank
+        return w4a16_moe(
+            x, ids, topk_weights, layer.w13_qweight, layer.w13_scales_zeros,
+            layer.w2_qweight, layer.w2_scales_zeros, self.group_size,
+        )  # fmt: skip
 
 
 class OnecatMoEMethod(_OnecatExpertsBase):
