@@ -7,10 +7,13 @@ Run on a GPU (the H200 runs a V100's code with ``ONECAT_KERNEL_ARCH=70``):
 
 ``ref`` is, per (token, expert) pair in fp64, ``down(h)`` with ``h = fp16(silu(gate) * up)``
 (the kernels round h to fp16 between the projections) and weights ``fp16(q*s + fp16(-z*s))``,
-summed with the routing weights. Tolerance as for the linear op's kernels: every output
-finite, elementwise ``|y - ref| <= 4e-3 * |ref| + 4e-3 * rms(ref)`` and
-``||y - ref|| / ||ref|| <= 2e-3`` (two chained projections; the decode GEMV forms fp16
-partial sums of 8 products). The caching allocator's free blocks are filled with NaN before
+summed with the routing weights. Tolerance: every output finite, elementwise
+``|y - ref| <= 4e-3 * |ref| + c * rms(ref)`` and ``||y - ref|| / ||ref|| <= n`` with
+c = 4e-3, n = 2e-3 on the grouped wmma path (fp32 accumulation, as the linear op's tests)
+and c = 1e-2, n = 3e-3 on the gather-GEMV path: its two chained projections each form fp16
+partial sums of 8 products (about 5e-4 of the rms per projection, estimated from the linear
+GEMV's measured 2e-3 worst case at K = 128), and the worst of 10^4..10^5 outputs lies
+about 4.5 sigma out. A wrong expert, column or routing weight is off by O(rms). The caching allocator's free blocks are filled with NaN before
 each call, so an output or hidden row the kernels never write fails the finiteness check.
 Shapes are Qwen3.5-35B-A3B's (E = 256, H = 2048, I = 512, top-8, g = 128) unless noted;
 T <= 32 takes the gather-GEMV path, more tokens the grouped wmma path.
@@ -28,8 +31,8 @@ pytestmark = [
 ]
 
 E, H, INTER, TOP_K, G = 256, 2048, 512, 8, 128
-RTOL = 4e-3
-NORM_RTOL = 2e-3
+RTOL = 4e-3  # elementwise, relative to |ref|
+TOLERANCES = {"grouped wmma": (4e-3, 2e-3), "gather-GEMV": (1e-2, 3e-3)}  # (x rms(ref), norm)
 
 
 def random_stacked(e: int, n: int, k: int, g: int, gen: torch.Generator):
@@ -76,7 +79,15 @@ def poison_allocator() -> None:
     del blocks
 
 
-def check_close(y: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+def path_of(tokens: int, top_k: int = TOP_K) -> str:
+    from onecat.kernels.moe import GATHER_MAX_PAIRS
+
+    return "gather-GEMV" if tokens * top_k <= GATHER_MAX_PAIRS else "grouped wmma"
+
+
+def check_close(y: torch.Tensor, ref: torch.Tensor, what: str, path: str) -> None:
+    rms_rtol, norm_rtol = TOLERANCES[path]
+    what = f"{what} [{path}]"
     assert torch.isfinite(y).all(), (
         f"{what}: {int((~torch.isfinite(y)).sum())} non-finite outputs (unwritten rows or "
         f"columns, or a NaN hidden row read back), first at {(~torch.isfinite(y)).nonzero()[:4].tolist()}"
@@ -84,13 +95,13 @@ def check_close(y: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     y64 = y.double()
     rms = ref.pow(2).mean().sqrt()
     err = (y64 - ref).abs()
-    bound = RTOL * ref.abs() + RTOL * rms
+    bound = RTOL * ref.abs() + rms_rtol * rms
     worst = int((err - bound).argmax())
     rel_norm = float((y64 - ref).norm() / ref.norm())
-    assert (err <= bound).all() and rel_norm <= NORM_RTOL, (
+    assert (err <= bound).all() and rel_norm <= norm_rtol, (
         f"{what}: max error {err.max():.3e} (rms of ref {rms:.3e}); worst element {divmod(worst, y.shape[1])} "
         f"got {y.flatten()[worst].item():.4f} want {ref.flatten()[worst].item():.4f}; "
-        f"{int((err > bound).sum())} elements over the bound; rel norm {rel_norm:.2e} (limit {NORM_RTOL})"
+        f"{int((err > bound).sum())} elements over the bound; rel norm {rel_norm:.2e} (limit {norm_rtol})"
     )
 
 
@@ -116,8 +127,7 @@ def test_moe_op_matches_fp64_at_35b_shapes(experts_35b, tokens):
     x, ids, weights = random_routing(tokens, E, TOP_K, seed=tokens)
     y = run_op(x, ids, weights, experts_35b)
     assert y.shape == (tokens, H) and y.dtype == torch.float16
-    path = "gather-GEMV" if tokens * TOP_K <= 256 else "grouped wmma"
-    check_close(y, reference(x, ids, weights, experts_35b, G), f"T={tokens} ({path})")
+    check_close(y, reference(x, ids, weights, experts_35b, G), f"T={tokens}", path_of(tokens))
 
 
 @pytest.mark.parametrize("tokens", [5, 200])
@@ -125,7 +135,8 @@ def test_moe_op_matches_fp64_at_35b_shapes(experts_35b, tokens):
 def test_moe_op_id_and_weight_dtypes(experts_35b, tokens, ids_dtype, weights_dtype):
     x, ids, weights = random_routing(tokens, E, TOP_K, seed=7, ids_dtype=ids_dtype, weights_dtype=weights_dtype)
     y = run_op(x, ids, weights, experts_35b)
-    check_close(y, reference(x, ids, weights, experts_35b, G), f"T={tokens} ids {ids_dtype} weights {weights_dtype}")
+    check_close(y, reference(x, ids, weights, experts_35b, G), f"T={tokens} ids {ids_dtype} weights {weights_dtype}",
+                path_of(tokens))
 
 
 @pytest.mark.parametrize("tokens", [8, 300])
@@ -137,7 +148,7 @@ def test_all_tokens_on_one_expert_others_empty(experts_35b, tokens):
     ids[:, 0] = 7
     ids[:, 1:] = 200 + torch.arange(TOP_K - 1, device="cuda") % 4
     y = run_op(x, ids, weights, experts_35b)
-    check_close(y, reference(x, ids, weights, experts_35b, G), f"T={tokens}, one expert for all")
+    check_close(y, reference(x, ids, weights, experts_35b, G), f"T={tokens}, one expert for all", path_of(tokens))
 
 
 @pytest.mark.parametrize("tokens", [4, 100])
@@ -151,7 +162,7 @@ def test_ids_outside_the_experts_contribute_nothing(experts_35b, tokens):
     y = run_op(x, ids, weights, experts_35b)
     ref = reference(x, ids, weights, experts_35b, G)
     assert torch.equal(y[0], torch.zeros_like(y[0])), "a token without a local expert must get zeros"
-    check_close(y[1:], ref[1:], f"T={tokens}, ids outside [0, E)")
+    check_close(y[1:], ref[1:], f"T={tokens}, ids outside [0, E)", path_of(tokens))
 
 
 @pytest.mark.parametrize("tokens", [4, 64])
@@ -174,7 +185,8 @@ def test_moe_op_under_cuda_graph_capture(experts_35b, tokens):
         y.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        check_close(y, reference(x2, ids2, weights2, experts_35b, G), f"graph replay T={tokens} seed {seed}")
+        check_close(y, reference(x2, ids2, weights2, experts_35b, G), f"graph replay T={tokens} seed {seed}",
+                    path_of(tokens))
 
 
 def test_small_shapes_and_odd_tile_counts():
@@ -188,7 +200,8 @@ def test_small_shapes_and_odd_tile_counts():
         weights = torch.rand(tokens, 2, device="cuda", generator=gen)
         x = torch.randn(tokens, h, device="cuda", generator=gen).half()
         y = run_op(x, ids, weights, tensors, g)
-        check_close(y, reference(x, ids, weights, tensors, g), f"E={e} H={h} I={inter} T={tokens}")
+        check_close(y, reference(x, ids, weights, tensors, g), f"E={e} H={h} I={inter} T={tokens}",
+                    path_of(tokens, 2))
 
 
 # --- router ------------------------------------------------------------------------------
@@ -250,4 +263,4 @@ def test_runtime_experts_on_cuda_match_their_cpu_reference(tokens):
     for module in (full, share):
         y = module.cuda()(x, ids, weights)
         ref = module.cpu()(x.cpu(), ids.cpu(), weights.cpu())
-        check_close(y, ref.double().cuda(), f"{type(module).__name__} T={tokens}")
+        check_close(y, ref.double().cuda(), f"{type(module).__name__} T={tokens}", path_of(tokens, 4))
