@@ -192,9 +192,9 @@ class OpenAIServing:
             )
         if template is not None and not isinstance(template, str):
             raise bad_request("chat_template must be a string (a Jinja template)", param=param)
-        if self._reserved_kwargs is None:
+        if kwargs and self._reserved_kwargs is None:
             self._reserved_kwargs = reserved_template_kwargs(self.engine.tokenizer)
-        reserved = sorted(self._reserved_kwargs & kwargs.keys())
+        reserved = sorted(self._reserved_kwargs & kwargs.keys()) if kwargs else []
         if reserved:
             raise bad_request(
                 f"chat_template_kwargs may not set {', '.join(reserved)}: these are arguments of "
