@@ -209,11 +209,13 @@ class SeparatedRouting:
     def router(self, layer: int, gain: float | None = None) -> torch.Tensor:
         """``[E, H]`` float32 router weight of layer ``layer``: one non-zero, ``gain``, per row.
 
-        The default gain spreads a token's chosen scores over about 2 (nats) when the
-        routing channels hold half of the hidden state's energy."""
+        The default gain scores a token's first expert about 2 when the routing channels hold
+        half of the hidden state's energy (its k-th about 1): the unchosen experts (score 0)
+        keep a good share of the softmax, so the top-k renormalisation matters, and the
+        chosen experts' weights differ."""
         if gain is None:
-            h = self.relative * (self.hidden_size / (2 * self.relative.pow(2).sum().item())) ** 0.5
-            gain = 2.0 / (h[0] - h[-1]).item()
+            first = (self.hidden_size / (2 * self.relative.pow(2).sum().item())) ** 0.5
+            gain = 2.0 / first
         weight = torch.zeros(self.num_experts, self.hidden_size)
         weight[torch.arange(self.num_experts), self.permutation(layer)] = gain
         return weight

@@ -111,6 +111,6 @@ def test_tiny_moe_routes_with_separated_scores(tmp_path):
     for layer, logits in enumerate(router_logits):
         scores = logits.float().sort(-1, descending=True).values
         assert (scores[:, k:] == 0).all(), f"layer {layer}: an unchosen expert scored non-zero"
-        assert scores[:, k - 1].min() > 1.0, f"layer {layer}: chosen scores {scores[:, :k]}"
+        assert scores[:, k - 1].min() > 0.3, f"layer {layer}: chosen scores {scores[:, :k]}"
         chosen = logits.float().topk(k, -1).indices.sort(-1).values
         assert torch.equal(chosen, routing.experts(layer, ids[0], cfg.vocab_size).sort(-1).values)
