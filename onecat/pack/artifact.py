@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from onecat.errors import OnecatError
+from onecat.formats.checkpoint import open_safetensors
 from onecat.formats.files import contained_file, read_checkpoint_json
 from onecat.formats.quant_config import find_quantization_config
 from onecat.formats.staging import tensor_sha256
@@ -80,13 +80,7 @@ class PackedArtifact:
 
     def _handle(self, file: str) -> Any:
         if file not in self._handles:
-            try:
-                self._handles[file] = safe_open(self.path / file, framework="pt")
-            except Exception as exc:
-                raise OnecatError(
-                    f"cannot read {self.path / file}: {exc}; the artifact is damaged, "
-                    "re-run `onecat pack`"
-                ) from None
+            self._handles[file] = open_safetensors(self.path / file)
         return self._handles[file]
 
     def get_tensor(self, name: str) -> torch.Tensor:
