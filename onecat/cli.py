@@ -226,6 +226,21 @@ def _engine_config(artifact: str, served_model_name: str | None = None, **flags:
     return EngineConfig(model=artifact, served_model_name=served_model_name, **flags)
 
 
+def _server_flags_for_vllm(trust_request_chat_template: bool, max_request_body_bytes: int,
+                           shutdown_timeout: float) -> tuple[str, ...]:
+    """vLLM's spelling of the HTTP server flags given explicitly; a flag vLLM lacks is refused
+    rather than silently dropped."""
+    source = click.get_current_context().get_parameter_source
+    if source("max_request_body_bytes") != click.core.ParameterSource.DEFAULT:
+        raise OnecatError("--max-request-body-bytes applies to the embedded engine only: vLLM's "
+                          "server has no body limit (put a reverse proxy's, e.g. nginx's "
+                          "client_max_body_size, in front of it)")
+    args: tuple[str, ...] = ("--trust-request-chat-template",) if trust_request_chat_template else ()
+    if source("shutdown_timeout") != click.core.ParameterSource.DEFAULT:
+        args += ("--shutdown-timeout", f"{shutdown_timeout:g}")
+    return args
+
+
 @main.command()
 @_engine_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
@@ -266,9 +281,11 @@ def serve(artifact: str, host: str, port: int, api_key: str | None, served_model
     if engine_name == "vllm":
         from onecat.vllm_plugin.launcher import serve_from_onecat_flags
 
+        server_args = _server_flags_for_vllm(trust_request_chat_template, max_request_body_bytes,
+                                             shutdown_timeout)
         serve_from_onecat_flags(  # replaces this process with vLLM's server
             artifact, host=host, port=port, api_key=api_key, served_model_name=served_model_name,
-            log_level=log_level, vllm_args=vllm_args, tensor_parallel_size=tensor_parallel_size,
+            log_level=log_level, vllm_args=(*server_args, *vllm_args), tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size, **engine_flags)
     if pipeline_parallel_size != 1 or vllm_args:
         raise OnecatError("--pipeline-parallel-size and --vllm-arg need --engine vllm (the "

@@ -60,6 +60,29 @@ def test_serve_flags_follow_vllm(tmp_path):
     assert missing.exit_code != 0 and "does not exist" in missing.output
 
 
+def test_server_flags_reach_vllm_or_are_refused(tmp_path, monkeypatch):
+    """With --engine vllm the HTTP server flags are vLLM's own (forwarded when given), and
+    one vLLM lacks is refused rather than dropped."""
+    calls = []
+
+    class Replaced(Exception):
+        pass
+
+    def fake_serve(artifact, **kwargs):
+        calls.append(kwargs["vllm_args"])
+        raise Replaced  # the real one replaces the process
+
+    monkeypatch.setattr("onecat.vllm_plugin.launcher.serve_from_onecat_flags", fake_serve)
+    runner = CliRunner()
+    base = ["serve", str(tmp_path), "--engine", "vllm"]
+    runner.invoke(main, base)
+    runner.invoke(main, [*base, "--trust-request-chat-template", "--shutdown-timeout", "12",
+                         "--vllm-arg=--x"])
+    assert calls == [(), ("--trust-request-chat-template", "--shutdown-timeout", "12", "--x")]
+    refused = runner.invoke(main, [*base, "--max-request-body-bytes", "1000"])
+    assert refused.exit_code == 1 and "--max-request-body-bytes" in refused.output
+
+
 def test_serve_command_serves_and_stops_on_ctrl_c(model):
     import signal
     import socket
