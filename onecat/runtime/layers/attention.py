@@ -5,13 +5,14 @@ head_dim]``; a sequence's tokens live in the blocks of its block table, token ``
 ``block_table[t // block_size] * block_size + t % block_size``. Each call first writes the new
 keys and values at the context's ``slot_mapping``, then:
 
-- decode tokens (one per sequence, batched): gather each sequence's blocks, mask the slots
-  beyond its length, and run SDPA with the query heads of one KV head as the "query length"
-  axis (grouped-query attention without repeating K and V);
+- decode tokens (one per sequence, batched): on CUDA with an fp16 cache, the paged
+  decode-attention kernel (``onecat.kernels.attention``) reads each sequence's blocks in place,
+  up to its own length, and its launch does not depend on the lengths or on how many blocks
+  the table rows hold beyond them; elsewhere (CPU, fp32, other head sizes) gather each
+  sequence's blocks, mask the slots beyond its length, and run SDPA with the query heads of
+  one KV head as the "query length" axis (grouped-query attention without repeating K and V);
 - prefill chunks (one sequence at a time): causal SDPA of the chunk's queries over the
   sequence's past and current keys.
-
-This module is the interface a fused paged-attention kernel would replace.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from onecat.kernels import attention as attention_kernel
 from onecat.runtime.context import ForwardContext, get_context
 
 
@@ -49,7 +51,22 @@ class PagedAttention(nn.Module):
         shape = (*block_table.shape[:-1], -1, self.num_kv_heads, self.head_dim)
         return k.reshape(shape), v.reshape(shape)
 
+    def uses_decode_kernel(self) -> bool:
+        """True when decode runs the paged-attention kernel: then a decode step's work and
+        launches do not depend on the block-table width (CUDA graphs need not be keyed by it)."""
+        return attention_kernel.supports(
+            self.k_cache.device, self.k_cache.dtype, self.head_dim, self.k_cache.shape[1]
+        ) if self.k_cache.dim() == 4 else False
+
     def _decode(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if q.dtype == self.k_cache.dtype and self.uses_decode_kernel():
+            return attention_kernel.paged_decode_attention(
+                q, self.k_cache, self.v_cache, ctx.decode_block_tables, ctx.decode_context_lens, self.scale
+            )
+        return self._decode_torch(q, ctx)
+
+    def _decode_torch(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Decode attention in torch: gather the table's blocks, mask, SDPA (CPU, fp32, tests)."""
         batch = q.shape[0]
         group = self.num_heads // self.num_kv_heads
         k, v = self._gather(ctx.decode_block_tables)  # [B, L, kvh, d]

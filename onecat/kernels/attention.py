@@ -1,0 +1,208 @@
+"""Paged decode attention on the GPU (``paged_attention.cu``): one query token per sequence
+over its keys and values in the paged KV cache, read in place through the block table
+(flash-decoding: a split kernel over ranges of the context, then a reduce kernel).
+
+The launch depends on the batch size, the head configuration and the block-table width only,
+never on the context lengths (they stay on the device), so a decode step that calls it can be
+captured once per batch size and replayed at any context length up to the table's width.
+Block-table entries at or past ``ceil(context_len / block_size)`` are never read.
+
+:func:`paged_decode_attention_reference` is the same computation in torch (fp32), for CPUs
+and tests.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+
+from onecat.errors import OnecatError
+from onecat.kernels.driver import PreparedLaunch
+from onecat.kernels.loader import get_kernel
+
+HEAD_DIMS = (32, 64, 128, 256)
+"""Head dimensions the kernel is built for."""
+_HEADS_PER_BLOCK = (1, 2, 4, 8)  # NG instances of the split kernel
+_THREADS = 128  # paged_attention.cu kThreads
+_TILE = 128  # kTile: tokens per tile, the split granularity
+MAX_SPLITS = 64
+"""Most context ranges one sequence is cut into."""
+
+
+def supports(device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
+    """True when :func:`paged_decode_attention` runs this device, cache dtype, head dim and
+    KV block size (a power of two)."""
+    return (
+        device.type == "cuda"
+        and dtype == torch.float16
+        and head_dim in HEAD_DIMS
+        and block_size > 0
+        and block_size & (block_size - 1) == 0
+    )
+
+
+def heads_per_block(group: int) -> int:
+    """Query heads one split block serves (the kernel's NG) for ``group`` query heads per KV head."""
+    return next((g for g in _HEADS_PER_BLOCK if g >= group), _HEADS_PER_BLOCK[-1])
+
+
+def num_splits(blocks: int, context_capacity: int, device_index: int, kernel=None) -> int:
+    """Context ranges per sequence: enough that ``blocks`` (sequences x KV heads x head chunks)
+    times the splits fill the GPU once, at most :data:`MAX_SPLITS` and at most the tiles of
+    ``context_capacity`` tokens (the block table's width)."""
+    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+    resident = kernel.max_active_blocks(_THREADS) if kernel is not None else 2
+    wanted = math.ceil(sms * resident / max(blocks, 1))
+    return max(1, min(wanted, MAX_SPLITS, math.ceil(context_capacity / _TILE)))
+
+
+class _Plan:
+    """The two prepared launches of one (device, batch, heads, head dim, table shape)."""
+
+    def __init__(self, device_index: int, batch: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, width: int, block_size: int, splits: int | None) -> None:
+        group = num_heads // num_kv_heads
+        ng = heads_per_block(group)
+        chunks = math.ceil(group / ng)
+        split_kernel = get_kernel(f"paged_attention_split_d{head_dim}_g{ng}", device_index)
+        reduce_kernel = get_kernel(f"paged_attention_reduce_d{head_dim}", device_index)
+        blocks = batch * num_kv_heads * chunks
+        self.splits = splits or num_splits(blocks, width * block_size, device_index, split_kernel)
+        self.workspace_floats = batch * num_heads * self.splits * (head_dim + 2) if self.splits > 1 else 0
+        p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+        self.split = PreparedLaunch(
+            split_kernel, (self.splits, num_kv_heads * chunks, batch), _THREADS,
+            [p, ll, ll, p, p, p, i, p, p, p, p, i, i, i, i, ctypes.c_float],
+        )  # fmt: skip
+        self.reduce = (
+            PreparedLaunch(reduce_kernel, (num_heads, batch, 1), head_dim, [p, i, p, p, p, i, i, i])
+            if self.splits > 1
+            else None
+        )
+
+
+_plans: dict[tuple, _Plan] = {}
+_MAX_PLANS = 1 << 12  # eager decode makes one per table width: stay bounded
+_workspaces: dict[tuple[int, int], torch.Tensor] = {}
+_retired: list[torch.Tensor] = []  # outgrown workspaces: captured graphs may still use them
+
+
+def _workspace(device: torch.device, stream: int, floats: int) -> torch.Tensor:
+    """An fp32 buffer of at least ``floats`` elements, one per (device, stream), never zeroed:
+    the reduce kernel reads only the partials the split kernel wrote in the same call."""
+    key = (device.index, stream)
+    buf = _workspaces.get(key)
+    if buf is None or buf.numel() < floats:
+        if buf is not None:
+            _retired.append(buf)
+        buf = _workspaces[key] = torch.empty(max(floats, 1 << 16), dtype=torch.float32, device=device)
+    return buf
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged keys and values.
+
+    ``q`` fp16 ``[B, H, D]`` (last dim contiguous, other strides free), ``k_cache`` and
+    ``v_cache`` fp16 ``[num_blocks, block_size, KVH, D]`` contiguous (one layer's cache),
+    ``block_tables`` int64 ``[B, W]`` contiguous (entries past a sequence's blocks are not
+    read), ``context_lens`` int64 ``[B]`` on the device (tokens including the new one, at most
+    ``W * block_size``). ``H`` must be a multiple of ``KVH``; query head ``h`` reads KV head
+    ``h // (H // KVH)``. Returns ``softmax(q k^T * scale) v`` as fp16 ``[B, H, D]`` (fp32
+    softmax and sums), written into ``out`` (contiguous) when given. ``splits`` overrides the
+    number of context ranges per sequence (tests); by default it fills the GPU.
+    """
+    where = "onecat.kernels.attention.paged_decode_attention"
+    batch, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
+    width = block_tables.shape[-1]
+    if not supports(q.device, q.dtype, head_dim, block_size) or num_heads % num_kv_heads:
+        raise OnecatError(
+            f"{where}: needs CUDA fp16 tensors, head dim in {HEAD_DIMS}, a power-of-two block "
+            f"size and query heads a multiple of KV heads; got {q.device} {q.dtype}, head dim "
+            f"{head_dim}, block size {block_size}, {num_heads} / {num_kv_heads} heads"
+        )
+    checks = [
+        ("q", q.stride(2) == 1),
+        ("k_cache", k_cache.dtype == torch.float16 and k_cache.is_contiguous() and cache_dim == head_dim
+         and k_cache.data_ptr() % 16 == 0),
+        ("v_cache", v_cache.dtype == torch.float16 and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
+         and v_cache.data_ptr() % 16 == 0),
+        ("block_tables", block_tables.dtype == torch.int64 and block_tables.is_contiguous()
+         and tuple(block_tables.shape) == (batch, width)),
+        ("context_lens", context_lens.dtype == torch.int64 and context_lens.is_contiguous()
+         and context_lens.numel() == batch),
+        ("out", out is None or (out.dtype == torch.float16 and out.is_contiguous()
+         and tuple(out.shape) == (batch, num_heads, head_dim) and out.data_ptr() % 16 == 0)),
+    ]  # fmt: skip
+    for name, ok in checks:
+        if not ok:
+            raise OnecatError(f"{where}: {name} has the wrong dtype, shape or layout (see the docstring)")
+    if out is None:
+        out = torch.empty(batch, num_heads, head_dim, dtype=torch.float16, device=q.device)
+    if batch == 0:
+        return out
+    if width == 0:
+        return out.zero_()
+    device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    key = (device_index, batch, num_heads, num_kv_heads, head_dim, width, block_size, splits)
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        plan = _plans[key] = _Plan(device_index, batch, num_heads, num_kv_heads, head_dim, width, block_size, splits)
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    ws_acc = ws_ml = 0
+    if plan.reduce is not None:
+        ws = _workspace(q.device, stream, plan.workspace_floats)
+        ws_acc = ws.data_ptr()
+        ws_ml = ws_acc + 4 * batch * num_heads * plan.splits * head_dim
+    log2_block = block_size.bit_length() - 1
+    plan.split(
+        stream, q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+        block_tables.data_ptr(), width, context_lens.data_ptr(), out.data_ptr(), ws_acc, ws_ml,
+        num_heads, num_kv_heads, log2_block, plan.splits, scale * math.log2(math.e),
+    )  # fmt: skip
+    if plan.reduce is not None:
+        plan.reduce(
+            stream, context_lens.data_ptr(), width, out.data_ptr(), ws_acc, ws_ml, num_heads,
+            log2_block, plan.splits,
+        )  # fmt: skip
+    return out
+
+
+def paged_decode_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """:func:`paged_decode_attention` in torch, one sequence at a time in fp32 (reads the
+    context lengths on the host): the reference of the kernel's contract, any device."""
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for b, length in enumerate(context_lens.tolist()):
+        length = min(int(length), block_tables.shape[1] * block_size)
+        if length <= 0:
+            continue
+        blocks = block_tables[b, : math.ceil(length / block_size)]
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].float()
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].float()
+        qb = q[b].float().view(num_kv_heads, group, head_dim)
+        scores = torch.einsum("kgd,tkd->kgt", qb, k) * scale
+        out[b] = torch.einsum("kgt,tkd->kgd", scores.softmax(-1), v).reshape(num_heads, head_dim)
+    return out.to(q.dtype)

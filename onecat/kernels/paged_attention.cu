@@ -1,0 +1,363 @@
+// Paged decode attention for sm_70 (flash-decoding): one query token per sequence attends to
+// that sequence's keys and values in the paged KV cache, read in place through its block
+// table.  Two kernels: `split` walks one range of the context per block and keeps an online
+// softmax; `reduce` merges the ranges' partial results.  Compiled by NVRTC 12 for compute_70 /
+// sm_70; no torch headers, no cp.async / ldmatrix / bf16.  CUDA cores only: decode attention
+// reads every cached key and value once and does 4 flops per fp16 loaded, so it is bound by
+// memory bandwidth, not by arithmetic.
+//
+// Data layout (row-major, innermost dimension contiguous):
+//   q             fp16 [B][H][D]     strides q_sb (sequence) and q_sh (head) in elements
+//   k_cache,
+//   v_cache       fp16 [num_blocks][bs][KVH][D]   one layer's cache; token t of sequence b is
+//                                    row  block_tables[b][t / bs] * bs + t % bs
+//   block_tables  int64 [B][W]       only the first ceil(ctx / bs) entries of a row are read;
+//                                    the rest may hold anything (stale or scratch blocks)
+//   context_lens  int64 [B]          ctx: tokens of the sequence, the new one included
+//                                    (clamped to W * bs; 0 writes a zero output)
+//   out           fp16 [B][H][D]     contiguous
+//   ws_acc        fp32 [B][H][S][D]  per split: sum_t p_t v_t with p_t = 2^(s_t - m)
+//   ws_ml         fp32 [B][H][S][2]  per split: (m, l = sum_t p_t), scores s_t in log2 units
+// Query head h reads KV head h / (H / KVH) (grouped-query attention).
+//
+// Splits: the host fixes S (splits per sequence) from the batch size and the GPU so that
+// B * KVH * S blocks fill it; each sequence's context is cut on the device into chunks of
+// chunk = roundup(ceil(ctx / S), kTile) tokens, so a block whose chunk starts past ctx exits
+// at once and a short context costs what it reads, whatever W is.  Nothing depends on the
+// host knowing ctx: the launch is CUDA-graph safe.  A sequence served by a single chunk is
+// finished by its split block (fp16 output written directly) and the reduce kernel skips it.
+//
+// Thread mapping of `split`: block (split s, KV head x head chunk, sequence b), 128 threads =
+// 4 warps.  A block serves NG query heads of one KV head (NG = 1, 2, 4, 8; more heads per KV
+// head take several head chunks, fewer leave slots idle), so every K and V row it loads is
+// used by all of them.  The chunk is walked in tiles of kTile tokens:
+//   0. the tile's cache rows are read from the block table into shared memory;
+//   1. scores: a token's key row (D halfs) is read by D/8 lanes, 16 bytes each (one warp
+//      reads 256/D tokens per step, warps take steps in turn); each lane holds its 8 query
+//      elements of all NG heads in registers (pre-scaled by scale * log2 e), the D/8 lanes'
+//      partial dots meet by xor shuffles, and the score goes to shared memory [NG][kTile];
+//   2. one warp per head: the tile's max, the running max m, p_t = 2^(s_t - m), the running
+//      sum l and the factor alpha that rescales the older accumulators;
+//   3. values: warp w owns columns [w*D/4, (w+1)*D/4); a lane reads 8 of them (16 bytes) of
+//      one token, so D/32 lanes cover a token's slice and a warp step takes 1024/D tokens;
+//      each lane accumulates p_t * v_t for all NG heads in fp32 registers.
+// After the last tile the lanes that read different tokens of the same columns sum their
+// accumulators by xor shuffles, and the first token group writes them.
+//
+// Thread mapping of `reduce`: block (query head, sequence), D threads, thread d owns column d:
+// out = sum_s 2^(m_s - M) acc_s[d] / sum_s 2^(m_s - M) l_s with M = max_s m_s.
+#include <cuda_fp16.h>
+
+namespace onecat_attn {
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kTile = 128;   // tokens per tile (scores held in shared memory)
+constexpr int kVec = 8;      // halfs per 16-byte load
+constexpr int kUnroll = 4;   // token steps in flight per warp
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ void load8(const half* p, float (&f)[kVec]) {
+  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+  const half2* h = reinterpret_cast<const half2*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 v = __half22float2(h[i]);
+    f[2 * i] = v.x;
+    f[2 * i + 1] = v.y;
+  }
+}
+
+__device__ __forceinline__ int context_of(const long long* context_lens, int b, int width,
+                                          int log2_block) {
+  long long ctx = context_lens[b];
+  const long long cap = (long long)width << log2_block;
+  ctx = ctx < 0 ? 0 : (ctx > cap ? cap : ctx);
+  return (int)ctx;
+}
+
+// tokens per split: ceil(ctx / S) rounded up to whole tiles (the same rule in both kernels)
+__device__ __forceinline__ int chunk_of(int ctx, int num_splits) {
+  const int per = (ctx + num_splits - 1) / num_splits;
+  return ((per + kTile - 1) / kTile) * kTile;
+}
+
+template <int D, int NG>
+__device__ __forceinline__ void split(const half* __restrict__ q, long long q_sb, long long q_sh,
+                                      const half* __restrict__ k_cache,
+                                      const half* __restrict__ v_cache,
+                                      const long long* __restrict__ block_tables, int width,
+                                      const long long* __restrict__ context_lens,
+                                      half* __restrict__ out, float* __restrict__ ws_acc,
+                                      float* __restrict__ ws_ml, int num_heads, int num_kv_heads,
+                                      int log2_block, int num_splits, float scale_log2) {
+  static_assert(D % 32 == 0 && D >= 32 && D <= 256, "head dim: a multiple of 32 up to 256");
+  constexpr int kLanes1 = D / kVec;          // lanes per key row (phase 1)
+  constexpr int kTokens1 = 32 / kLanes1;     // tokens per warp step (phase 1)
+  constexpr int kCols = D / kWarps;          // value columns per warp (phase 3)
+  constexpr int kLanes3 = kCols / kVec;      // lanes per token's column slice (phase 3)
+  constexpr int kTokens3 = 32 / kLanes3;     // tokens per warp step (phase 3)
+  __shared__ float scores[NG][kTile];
+  __shared__ int rows[kTile];
+  __shared__ float m_run[NG], l_run[NG], alpha[NG];
+
+  const int s = blockIdx.x, b = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int group = num_heads / num_kv_heads;
+  const int head_chunks = (group + NG - 1) / NG;
+  const int kvh = blockIdx.y / head_chunks;
+  const int first = blockIdx.y % head_chunks * NG;
+  const int h0 = kvh * group + first;        // first query head of this block
+  const int heads = min(NG, group - first);  // its live query heads
+
+  const int ctx = context_of(context_lens, b, width, log2_block);
+  if (ctx == 0) {  // nothing to attend to: a zero output, written once
+    if (s == 0)
+      for (int i = tid; i < heads * D; i += kThreads)
+        out[((size_t)b * num_heads + h0) * D + i] = __float2half(0.f);
+    return;
+  }
+  const int chunk = chunk_of(ctx, num_splits);
+  const int begin = s * chunk;
+  if (begin >= ctx) return;
+  const int end = min(ctx, begin + chunk);
+  const bool single = chunk >= ctx;  // this block is the sequence's only split
+
+  // query elements of this lane (phase 1 mapping), pre-scaled; idle head slots are zero
+  const int part1 = lane % kLanes1, token1 = lane / kLanes1;
+  float qr[NG][kVec];
+#pragma unroll
+  for (int g = 0; g < NG; ++g) {
+    const half* qh = q + b * q_sb + (h0 + g) * q_sh + part1 * kVec;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) qr[g][e] = g < heads ? __half2float(qh[e]) * scale_log2 : 0.f;
+  }
+  if (tid < NG) {
+    m_run[tid] = neg_inf();
+    l_run[tid] = 0.f;
+  }
+
+  const int part3 = lane % kLanes3, token3 = lane / kLanes3;
+  const int col = warp * kCols + part3 * kVec;  // first value column of this lane
+  float acc[NG][kVec];
+#pragma unroll
+  for (int g = 0; g < NG; ++g)
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) acc[g][e] = 0.f;
+
+  const size_t row_stride = (size_t)num_kv_heads * D;
+  const half* k_head = k_cache + (size_t)kvh * D + part1 * kVec;
+  const half* v_head = v_cache + (size_t)kvh * D + col;
+  const long long* table = block_tables + (size_t)b * width;
+  const int block_mask = (1 << log2_block) - 1;
+
+  for (int t0 = begin; t0 < end; t0 += kTile) {
+    const int n = min(kTile, end - t0);
+    // 0. cache rows of the tile's tokens
+    for (int i = tid; i < n; i += kThreads) {
+      const int t = t0 + i;
+      rows[i] = (int)(table[t >> log2_block] << log2_block) + (t & block_mask);
+    }
+    __syncthreads();
+
+    // 1. scores of the tile (warp-uniform loop: every lane takes part in the shuffles)
+    for (int i0 = warp * kTokens1; i0 < n; i0 += kWarps * kTokens1 * kUnroll) {
+      float kv[kUnroll][kVec];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = i0 + u * kWarps * kTokens1 + token1;
+        if (i < n) {
+          load8(k_head + (size_t)rows[i] * row_stride, kv[u]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) kv[u][e] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = i0 + u * kWarps * kTokens1 + token1;
+#pragma unroll
+        for (int g = 0; g < NG; ++g) {
+          float dot = 0.f;
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) dot = fmaf(qr[g][e], kv[u][e], dot);
+#pragma unroll
+          for (int offset = kLanes1 / 2; offset; offset >>= 1)
+            dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+          if (part1 == 0 && i < n) scores[g][i] = dot;
+        }
+      }
+    }
+    __syncthreads();
+
+    // 2. online softmax, one warp per head
+    for (int g = warp; g < NG; g += kWarps) {
+      float tile_max = neg_inf();
+      for (int i = lane; i < n; i += 32) tile_max = fmaxf(tile_max, scores[g][i]);
+#pragma unroll
+      for (int offset = 16; offset; offset >>= 1)
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, offset));
+      const float m_old = m_run[g];
+      const float m_new = fmaxf(m_old, tile_max);
+      float sum = 0.f;
+      for (int i = lane; i < n; i += 32) {
+        const float p = exp2f(scores[g][i] - m_new);
+        scores[g][i] = p;
+        sum += p;
+      }
+#pragma unroll
+      for (int offset = 16; offset; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+      if (lane == 0) {
+        const float a = exp2f(m_old - m_new);  // 0 on the first tile (m_old = -inf)
+        alpha[g] = a;
+        l_run[g] = l_run[g] * a + sum;
+        m_run[g] = m_new;
+      }
+    }
+    __syncthreads();
+
+    // 3. values: rescale the older sums, then add this tile's p_t v_t
+#pragma unroll
+    for (int g = 0; g < NG; ++g) {
+      const float a = alpha[g];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) acc[g][e] *= a;
+    }
+    for (int i0 = 0; i0 < n; i0 += kTokens3 * kUnroll) {
+      float vv[kUnroll][kVec];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = i0 + u * kTokens3 + token3;
+        if (i < n) {
+          load8(v_head + (size_t)rows[i] * row_stride, vv[u]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) vv[u][e] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = i0 + u * kTokens3 + token3;
+        if (i < n) {
+#pragma unroll
+          for (int g = 0; g < NG; ++g) {
+            const float p = scores[g][i];
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) acc[g][e] = fmaf(p, vv[u][e], acc[g][e]);
+          }
+        }
+      }
+    }
+    __syncthreads();  // rows and scores are rewritten by the next tile
+  }
+
+  // lanes of the same columns (different tokens) sum their accumulators
+#pragma unroll
+  for (int g = 0; g < NG; ++g)
+#pragma unroll
+    for (int e = 0; e < kVec; ++e)
+#pragma unroll
+      for (int offset = kLanes3; offset < 32; offset <<= 1)
+        acc[g][e] += __shfl_xor_sync(0xffffffffu, acc[g][e], offset);
+  if (token3 != 0) return;
+#pragma unroll
+  for (int g = 0; g < NG; ++g) {
+    if (g >= heads) break;
+    const size_t head = (size_t)b * num_heads + h0 + g;
+    if (single) {
+      const float inv = 1.f / l_run[g];
+      half2 o[kVec / 2];
+#pragma unroll
+      for (int e = 0; e < kVec / 2; ++e)
+        o[e] = __floats2half2_rn(acc[g][2 * e] * inv, acc[g][2 * e + 1] * inv);
+      *reinterpret_cast<uint4*>(out + head * D + col) = *reinterpret_cast<const uint4*>(o);
+    } else {
+      float* dst = ws_acc + (head * num_splits + s) * D + col;
+      reinterpret_cast<float4*>(dst)[0] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+      reinterpret_cast<float4*>(dst)[1] = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
+      if (warp == 0 && part3 == 0)
+        reinterpret_cast<float2*>(ws_ml)[head * num_splits + s] = make_float2(m_run[g], l_run[g]);
+    }
+  }
+}
+
+template <int D>
+__device__ __forceinline__ void reduce(const long long* __restrict__ context_lens, int width,
+                                       half* __restrict__ out, const float* __restrict__ ws_acc,
+                                       const float* __restrict__ ws_ml, int num_heads,
+                                       int log2_block, int num_splits) {
+  const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
+  const int ctx = context_of(context_lens, b, width, log2_block);
+  if (ctx == 0) return;
+  const int chunk = chunk_of(ctx, num_splits);
+  const int used = (ctx + chunk - 1) / chunk;
+  if (used <= 1) return;  // finished by the split kernel
+  const size_t head = (size_t)b * num_heads + h;
+  const float2* ml = reinterpret_cast<const float2*>(ws_ml) + head * num_splits;
+  float m = neg_inf();
+  for (int s = 0; s < used; ++s) m = fmaxf(m, ml[s].x);
+  float num = 0.f, den = 0.f;
+  for (int s = 0; s < used; ++s) {
+    const float2 part = ml[s];
+    const float w = exp2f(part.x - m);
+    den = fmaf(w, part.y, den);
+    num = fmaf(w, ws_acc[(head * num_splits + s) * D + d], num);
+  }
+  out[head * D + d] = __float2half(num / den);
+}
+}  // namespace onecat_attn
+
+#define ONECAT_SPLIT_PARAMS                                                                  \
+  const half *q, long long q_sb, long long q_sh, const half *k_cache, const half *v_cache,   \
+      const long long *block_tables, int width, const long long *context_lens, half *out,    \
+      float *ws_acc, float *ws_ml, int num_heads, int num_kv_heads, int log2_block,          \
+      int num_splits, float scale_log2
+#define ONECAT_SPLIT_ARGS                                                                    \
+  q, q_sb, q_sh, k_cache, v_cache, block_tables, width, context_lens, out, ws_acc, ws_ml,    \
+      num_heads, num_kv_heads, log2_block, num_splits, scale_log2
+#define ONECAT_REDUCE_PARAMS                                                                 \
+  const long long *context_lens, int width, half *out, const float *ws_acc,                 \
+      const float *ws_ml, int num_heads, int log2_block, int num_splits
+#define ONECAT_REDUCE_ARGS context_lens, width, out, ws_acc, ws_ml, num_heads, log2_block, num_splits
+
+// One line per kernel (build.kernel_names reads these names): split for head dim D and NG
+// query heads per block, reduce for head dim D.
+extern "C" __global__ void __launch_bounds__(128)
+paged_attention_split_d32_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 1>(ONECAT_SPLIT_ARGS); }
+extern "C" __global__ void __launch_bounds__(128)
+paged_attention_split_d32_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 2>(ONECAT_SPLIT_ARGS); }
+extern "C" __global__ void __launch_bounds__(128)
+paged_attention_split_d32_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 4>(ONECAT_SPLIT_ARGS); }
+extern "C" __global__ void __launch_bounds__(128)
+paged_attention_split_d32_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 8>(ONECAT_SPLIT_ARGS); }
+extern "C" __global__ void __launch_bounds__(128)
+paged_attention_split_d64_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 1>(ONECAT_SPLIT_ARGS); }
+extern "C" __global__ void __launch_bounds__(128)
+paged_attention_split_d64_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 2>(ONECAT_SPLIT_ARGS); }
+extern "C" __global__ void __launch_bounds__(128)
+paged_attention_split_d64_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 4>(ONECAT_SPLIT_ARGS); }
+extern "C" __global__ void __launch_bounds__(128)
+paged_attention_split_d64_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 8>(ONECAT_SPLIT_ARGS); }
+extern "C" __global__ void __launch_bounds__(128)
+paged_attention_split_d128_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 1>(ONECAT_SPLIT_ARGS); }
+extern "C" __global__ void __launch_bounds__(128)
+paged_attention_split_d128_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 2>(ONECAT_SPLIT_ARGS); }
+extern "C" __global__ void __launch_bounds__(128)
+paged_attention_split_d128_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 4>(ONECAT_SPLIT_ARGS); }
+extern "C" __global__ void __launch_bounds__(128)
+paged_attention_split_d128_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 8>(ONECAT_SPLIT_ARGS); }
+extern "C" __global__ void __launch_bounds__(128)
+paged_attention_split_d256_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 1>(ONECAT_SPLIT_ARGS); }
+extern "C" __global__ void __launch_bounds__(128)
+paged_attention_split_d256_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 2>(ONECAT_SPLIT_ARGS); }
+extern "C" __global__ void __launch_bounds__(128)
+paged_attention_split_d256_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 4>(ONECAT_SPLIT_ARGS); }
+extern "C" __global__ void __launch_bounds__(128)
+paged_attention_split_d256_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 8>(ONECAT_SPLIT_ARGS); }
+extern "C" __global__ void __launch_bounds__(256)
+paged_attention_reduce_d32(ONECAT_REDUCE_PARAMS) { onecat_attn::reduce<32>(ONECAT_REDUCE_ARGS); }
+extern "C" __global__ void __launch_bounds__(256)
+paged_attention_reduce_d64(ONECAT_REDUCE_PARAMS) { onecat_attn::reduce<64>(ONECAT_REDUCE_ARGS); }
+extern "C" __global__ void __launch_bounds__(256)
+paged_attention_reduce_d128(ONECAT_REDUCE_PARAMS) { onecat_attn::reduce<128>(ONECAT_REDUCE_ARGS); }
+extern "C" __global__ void __launch_bounds__(256)
+paged_attention_reduce_d256(ONECAT_REDUCE_PARAMS) { onecat_attn::reduce<256>(ONECAT_REDUCE_ARGS); }

@@ -1,0 +1,86 @@
+"""CPU tests of paged decode attention: the torch reference of the kernel's contract
+(``onecat.kernels.attention``) against the runtime's SDPA decode path, and the kernel's
+argument checks and launch-shape rules (the GPU tests are in test_attention_kernel_gpu.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from onecat.errors import OnecatError
+from onecat.kernels import attention, build
+from onecat.runtime.context import ForwardContext
+from onecat.runtime.layers.attention import PagedAttention
+
+BLOCK = 16
+
+
+def paged_inputs(lengths, num_heads, kv_heads, dim, seed, extra_width=2):
+    """fp32 paged cache with ``lengths`` tokens per sequence in shuffled blocks; the last
+    block is scratch (pads every table row)."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = [math.ceil(n / BLOCK) for n in lengths]
+    total = sum(counts)
+    k_cache = torch.randn(total + 1, BLOCK, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(total + 1, BLOCK, kv_heads, dim, generator=gen)
+    tables = torch.full((len(lengths), max(counts) + extra_width), total, dtype=torch.int64)
+    order = torch.randperm(total, generator=gen)
+    start = 0
+    for b, c in enumerate(counts):
+        tables[b, :c] = order[start : start + c]
+        start += c
+    q = torch.randn(len(lengths), num_heads, dim, generator=gen)
+    return q, k_cache, v_cache, tables, torch.tensor(lengths)
+
+
+@pytest.mark.parametrize("num_heads, kv_heads, dim", [(4, 2, 32), (24, 4, 64), (16, 2, 32), (3, 3, 16)])
+def test_reference_matches_the_runtime_sdpa_path(num_heads, kv_heads, dim):
+    lengths = [1, 15, 16, 17, 40, 3]
+    q, k_cache, v_cache, tables, lens = paged_inputs(lengths, num_heads, kv_heads, dim, seed=dim)
+    layer = PagedAttention(num_heads, kv_heads, dim, dim**-0.5)
+    layer.k_cache, layer.v_cache = k_cache, v_cache
+    assert not layer.uses_decode_kernel()  # CPU: the torch path
+    ctx = ForwardContext(
+        slot_mapping=torch.zeros(len(lengths), dtype=torch.int64), num_decodes=len(lengths),
+        decode_block_tables=tables, decode_context_lens=lens,
+    )  # fmt: skip
+    sdpa = layer._decode(q, ctx)
+    ref = attention.paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, dim**-0.5)
+    torch.testing.assert_close(ref, sdpa, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_reads_no_table_entry_past_a_context():
+    q, k_cache, v_cache, tables, lens = paged_inputs([17, 5, 33], 4, 2, 32, seed=1)
+    ref = attention.paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, 0.2)
+    stale = tables.clone()
+    for b, n in enumerate(lens.tolist()):
+        stale[b, math.ceil(n / BLOCK) :] = 10**9  # would raise if read
+    assert torch.equal(attention.paged_decode_attention_reference(q, k_cache, v_cache, stale, lens, 0.2), ref)
+
+
+def test_supports_and_argument_errors():
+    assert attention.supports(torch.device("cuda", 0), torch.float16, 256, 16)
+    assert not attention.supports(torch.device("cpu"), torch.float16, 256, 16)
+    assert not attention.supports(torch.device("cuda", 0), torch.float32, 256, 16)
+    assert not attention.supports(torch.device("cuda", 0), torch.float16, 96, 16)
+    assert not attention.supports(torch.device("cuda", 0), torch.float16, 128, 24)
+    q, k_cache, v_cache, tables, lens = paged_inputs([3], 4, 2, 32, seed=2)
+    with pytest.raises(OnecatError, match="paged_decode_attention"):
+        attention.paged_decode_attention(q.half(), k_cache.half(), v_cache.half(), tables, lens, 0.1)
+
+
+def test_heads_per_block_covers_every_group():
+    assert [attention.heads_per_block(g) for g in (1, 2, 3, 4, 6, 8, 12, 16)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    names = set(build.kernel_names("paged_attention"))
+    for dim in attention.HEAD_DIMS:
+        assert f"paged_attention_reduce_d{dim}" in names
+        for ng in (1, 2, 4, 8):
+            assert f"paged_attention_split_d{dim}_g{ng}" in names
+
+
+def test_kernel_ptx_is_sm70_legal():
+    ptx = build.compile_program("paged_attention", "compute_70").image.decode(errors="replace")
+    for forbidden in ("cp.async", "ldmatrix", "bf16", "mma.sync.aligned.m16n8k16"):
+        assert forbidden not in ptx

@@ -1,0 +1,219 @@
+"""GPU tests of the paged decode-attention kernel (``paged_attention.cu``) against an fp64
+reference.
+
+Every test poisons what the kernel must not read: cache slots past a sequence's length and
+the scratch block that pads the block tables hold NaN, and so does the output before the
+call, so a read past a context or an unwritten output shows up as a non-finite value.
+Outputs must agree with fp64 within fp16 rounding: ``|o - ref| <= 2e-3 * |ref| +
+2e-3 * rms(ref of that sequence)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+BLOCK = 16  # the runtime's kv_block_size
+LENGTHS = (1, 15, 16, 17, 300, 4097, 32768)
+
+
+def reference(q, k_cache, v_cache, tables, lens, scale):
+    """fp64 attention of each sequence over its first ``lens[b]`` cached tokens."""
+    batch, num_heads, dim = q.shape
+    kv_heads = k_cache.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    for b, n in enumerate(lens.tolist()):
+        if n == 0:
+            continue
+        blocks = tables[b, : math.ceil(n / BLOCK)]
+        k = k_cache[blocks].reshape(-1, kv_heads, dim)[:n].double()
+        v = v_cache[blocks].reshape(-1, kv_heads, dim)[:n].double()
+        qb = q[b].double().view(kv_heads, num_heads // kv_heads, dim)
+        p = (torch.einsum("kgd,tkd->kgt", qb, k) * scale).softmax(-1)
+        out[b] = torch.einsum("kgt,tkd->kgd", p, v).reshape(num_heads, dim)
+    return out
+
+
+def make_inputs(lengths, num_heads, kv_heads, dim, seed, extra_width=3, q_scale=1.0, width=None):
+    """A paged cache holding ``lengths`` tokens per sequence in shuffled blocks; slots past a
+    length and the scratch block (the last one, padding every table row) are NaN."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    counts = [math.ceil(n / BLOCK) for n in lengths]
+    total = sum(counts)
+    scratch = total
+    shape = (total + 1, BLOCK, kv_heads, dim)
+    k_cache = torch.randn(shape, generator=gen, device="cuda").half()
+    v_cache = torch.randn(shape, generator=gen, device="cuda").half()
+    width = width or max(max(counts), 1) + extra_width
+    tables = torch.full((len(lengths), width), scratch, dtype=torch.int64, device="cuda")
+    order = torch.randperm(total, generator=gen, device="cuda")
+    start = 0
+    for b, (n, c) in enumerate(zip(lengths, counts, strict=True)):
+        tables[b, :c] = order[start : start + c]
+        start += c
+        if n % BLOCK:
+            last = tables[b, c - 1]
+            k_cache[last, n % BLOCK :] = float("nan")
+            v_cache[last, n % BLOCK :] = float("nan")
+    k_cache[scratch] = float("nan")
+    v_cache[scratch] = float("nan")
+    q = (torch.randn(len(lengths), num_heads, dim, generator=gen, device="cuda") * q_scale).half()
+    lens = torch.tensor(lengths, dtype=torch.int64, device="cuda")
+    return q, k_cache, v_cache, tables, lens
+
+
+def check(out, ref, lens, what, tol=2e-3):
+    lens = lens.tolist()
+    finite = torch.isfinite(out).flatten(1).all(1).tolist()
+    bad = [(b, n) for b, (n, ok) in enumerate(zip(lens, finite, strict=True)) if not ok]
+    assert not bad, f"{what}: non-finite output (unwritten, or a read past the context) in (row, ctx) {bad}"
+    err = (out.double() - ref).abs()
+    rms = ref.pow(2).mean(dim=(1, 2), keepdim=True).sqrt()
+    excess = (err - tol * ref.abs() - tol * rms).flatten(1).amax(1)
+    failing = [
+        f"row {b} ctx {n}: max err {err[b].max().item():.3e}, rms(ref) {rms[b].item():.3e}"
+        for b, n in enumerate(lens)
+        if excess[b] > 0
+    ]
+    assert not failing, f"{what}: outside fp16 rounding of the fp64 reference: " + "; ".join(failing)
+
+
+def lengths_for(batch, shift):
+    return [LENGTHS[(3 * i + shift) % len(LENGTHS)] for i in range(batch)]
+
+
+@pytest.mark.parametrize(
+    "batch, num_heads, kv_heads, dim",
+    [
+        (1, 24, 4, 256),  # Qwen3.5-27B, GQA 6
+        (8, 24, 4, 256),
+        (32, 24, 4, 256),
+        (8, 16, 2, 256),  # Qwen3.5-35B-A3B, GQA 8
+        (32, 16, 2, 256),
+        (8, 4, 2, 32),  # the tiny test models
+        (32, 12, 1, 64),  # GQA 12: two head chunks per KV head, the second half full
+        (8, 4, 4, 128),  # no grouping
+    ],
+)
+def test_matches_fp64_at_mixed_lengths(batch, num_heads, kv_heads, dim):
+    from onecat.kernels.attention import paged_decode_attention
+
+    for shift in (0, 5) if batch == 1 else (0,):  # batch 1: a long and a short context
+        lengths = lengths_for(batch, shift)
+        q, k_cache, v_cache, tables, lens = make_inputs(lengths, num_heads, kv_heads, dim, seed=batch + dim)
+        scale = dim**-0.5
+        ref = reference(q, k_cache, v_cache, tables, lens, scale)
+        out = torch.full_like(q, float("nan"))
+        paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, out=out)
+        torch.cuda.synchronize()
+        check(out, ref, lens, f"B={batch} H={num_heads} KVH={kv_heads} D={dim} lengths {lengths}")
+
+
+@pytest.mark.parametrize("splits", [1, 2, 7, 64])
+def test_any_split_count_matches_fp64(splits):
+    from onecat.kernels.attention import paged_decode_attention
+
+    lengths = list(LENGTHS) + [129, 128, 2048]
+    q, k_cache, v_cache, tables, lens = make_inputs(lengths, 24, 4, 256, seed=splits)
+    ref = reference(q, k_cache, v_cache, tables, lens, 256**-0.5)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, k_cache, v_cache, tables, lens, 256**-0.5, out=out, splits=splits)
+    torch.cuda.synchronize()
+    check(out, ref, lens, f"splits={splits}")
+
+
+def test_sharp_scores_and_strided_queries():
+    """Large scores (a peaked softmax: the running max matters) and q a strided view."""
+    from onecat.kernels.attention import paged_decode_attention
+
+    lengths = [4097, 17, 32768, 300]
+    q, k_cache, v_cache, tables, lens = make_inputs(lengths, 16, 2, 256, seed=3, q_scale=6.0)
+    wide = torch.full((len(lengths), 16, 2 * 256), float("nan"), dtype=torch.float16, device="cuda")
+    wide[..., :256] = q
+    view = wide[..., :256]  # strides (8192, 512, 1)
+    ref = reference(q, k_cache, v_cache, tables, lens, 256**-0.5)
+    out = paged_decode_attention(view, k_cache, v_cache, tables, lens, 256**-0.5)
+    torch.cuda.synchronize()
+    check(out, ref, lens, "sharp scores, strided q")
+
+
+def test_zero_length_context_gives_zeros():
+    from onecat.kernels.attention import paged_decode_attention
+
+    q, k_cache, v_cache, tables, lens = make_inputs([5, 1, 40], 8, 2, 128, seed=4)
+    lens[1] = 0
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, k_cache, v_cache, tables, lens, 128**-0.5, out=out)
+    torch.cuda.synchronize()
+    assert torch.equal(out[1], torch.zeros_like(out[1])), "context 0 must give a zero output"
+    check(out, reference(q, k_cache, v_cache, tables, lens, 128**-0.5), lens, "with a zero-length row")
+
+
+@pytest.mark.parametrize("batch", [1, 8, 32])
+def test_cuda_graph_replay_follows_changed_lengths(batch):
+    """Captured once at a fixed table width, replayed with new context lengths and tables."""
+    from onecat.kernels.attention import paged_decode_attention
+
+    num_heads, kv_heads, dim = 24, 4, 256
+    width = math.ceil(32768 / BLOCK)
+    rounds = [lengths_for(batch, shift) for shift in (0, 3, 6)] + [[1] * batch]
+    cases = [make_inputs(ls, num_heads, kv_heads, dim, seed=10 + r, width=width) for r, ls in enumerate(rounds)]
+    pool = max(c[1].shape[0] for c in cases)
+    static_k = torch.zeros(pool, BLOCK, kv_heads, dim, dtype=torch.float16, device="cuda")
+    static_v = torch.zeros_like(static_k)
+    static_q = torch.zeros(batch, num_heads, dim, dtype=torch.float16, device="cuda")
+    static_tables = torch.zeros(batch, width, dtype=torch.int64, device="cuda")
+    static_lens = torch.ones(batch, dtype=torch.int64, device="cuda")
+    static_out = torch.full_like(static_q, float("nan"))
+
+    def step():
+        paged_decode_attention(static_q, static_k, static_v, static_tables, static_lens, dim**-0.5, out=static_out)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up: loads the kernels and makes the workspace outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for r, (q, k_cache, v_cache, tables, lens) in enumerate(cases):
+        static_k[: k_cache.shape[0]].copy_(k_cache)
+        static_v[: v_cache.shape[0]].copy_(v_cache)
+        static_q.copy_(q)
+        static_tables.copy_(tables)
+        static_lens.copy_(lens)
+        static_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference(q, k_cache, v_cache, tables, lens, dim**-0.5)
+        check(static_out, ref, lens, f"graph replay {r} (B={batch}, lengths {rounds[r]})")
+
+
+def test_runtime_decode_uses_the_kernel_and_matches_the_sdpa_path():
+    from onecat.runtime.context import ForwardContext
+    from onecat.runtime.layers.attention import PagedAttention
+
+    lengths = [1, 17, 300, 4097, 16, 15]
+    q, k_cache, v_cache, tables, lens = make_inputs(lengths, 24, 4, 256, seed=7)
+    k_cache[k_cache.isnan()] = 0  # the SDPA path multiplies masked slots by zero weights
+    v_cache[v_cache.isnan()] = 0
+    layer = PagedAttention(24, 4, 256, 256**-0.5)
+    layer.k_cache, layer.v_cache = k_cache, v_cache
+    assert layer.uses_decode_kernel()
+    ctx = ForwardContext(
+        slot_mapping=torch.zeros(len(lengths), dtype=torch.int64, device="cuda"),
+        num_decodes=len(lengths), decode_block_tables=tables, decode_context_lens=lens,
+    )  # fmt: skip
+    out = layer._decode(q, ctx)
+    sdpa = layer._decode_torch(q, ctx)
+    torch.cuda.synchronize()
+    ref = reference(q, k_cache, v_cache, tables, lens, 256**-0.5)
+    check(out, ref, lens, "runtime kernel path")
+    check(sdpa, ref, lens, "runtime SDPA path (the old decode)", tol=1e-2)
