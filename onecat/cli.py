@@ -49,7 +49,8 @@ def main() -> None:
                    "FILE.jsonl[:FIELD], FILE.parquet[:FIELD] or hf:NAME[,CONFIG][@SPLIT][:FIELD].")
 @click.option("--samples", type=int, default=None, help="Calibration samples (recipe default 128).")
 @click.option("--seqlen", type=int, default=None, help="Tokens per sample (recipe default 512).")
-@click.option("--group-size", type=int, default=None, help="Quantization group size (recipe default 128).")
+@click.option("--group-size", type=int, default=None,
+              help="Quantization group size: a positive multiple of 32 (recipe default 128).")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--resume", is_flag=True, help="Finish an interrupted run into the same OUT.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT (and any interrupted run).")

@@ -109,6 +109,18 @@ def test_bad_group_size_is_refused_before_any_work(model: Path, tmp_path: Path, 
     assert not (tmp_path / "rtn").exists() and not (tmp_path / "rtn.partial").exists()
 
 
+def test_nothing_quantized_is_refused_after_the_layers_too(model: Path, tmp_path: Path,
+                                                          monkeypatch) -> None:
+    """Should the up-front shape check miss a case, the run still refuses to publish a float
+    model labelled AWQ."""
+    import onecat.quantize.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "check_group_divisibility", lambda *args: None)
+    with pytest.warns(UserWarning, match="kept in fp16"):
+        assert_fails_cleanly(model, tmp_path / "out",
+                             ["no linear was quantized with group size 96"], "--group-size", "96")
+
+
 def test_recipe_group_size_must_be_a_multiple_of_32(model: Path, tmp_path: Path) -> None:
     data = yaml.safe_load(shipped_recipes()["llama"].read_text())
     data["quantization"]["group_size"] = 40

@@ -332,6 +332,12 @@ def _run(model, out, *, awq, recipe, calib, samples, seqlen, group_size, device,
             shutil.rmtree(work, ignore_errors=True)  # bad input, nothing worth resuming
         raise
     del hidden
+    if not any(n.endswith(".qweight") for n in weight_map):
+        shutil.rmtree(work, ignore_errors=True)
+        raise OnecatError(
+            f"no linear was quantized with group size {group} (every one was kept in floating "
+            "point): the output would be a float model labelled AWQ. Pick another --group-size"
+        )
 
     for number, names in enumerate(rest_groups, 1):
         shard = shard_name(number, total_shards)
