@@ -33,6 +33,9 @@ TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 Count = Annotated[int, Field(ge=1, le=MAX_INT32)]
 
 
+_SCALARS = frozenset({int, float, bool, type(None)})
+
+
 def refuse_invalid_unicode(data: Any) -> None:
     """Raise a 400 naming the field when any string (or key) in the raw request body is not
     valid Unicode, e.g. a lone surrogate from a ``\ud800`` JSON escape: such text cannot be
@@ -51,7 +54,7 @@ def refuse_invalid_unicode(data: Any) -> None:
                 if isinstance(key, str):
                     stack.append((key, where))
                 stack.append((item, where))
-        elif isinstance(value, list):
+        elif isinstance(value, list) and not _SCALARS.issuperset(map(type, value)):  # fast for token ids
             stack.extend((item, f"{path}.{i}") for i, item in enumerate(value) if isinstance(item, str | dict | list))
 
 
