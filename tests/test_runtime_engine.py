@@ -71,7 +71,9 @@ def check_against_reference(engine_logits, outputs, prompts, reference) -> None:
         assert got.shape == ref.shape
         diff = (got - ref).abs().max().item()
         assert diff < ATOL, f"{rid}: logits differ by {diff}"
-        assert generated == ref.argmax(-1).tolist(), f"{rid}: greedy tokens differ"
+        # teacher-forced: a token other than the reference's argmax only at a near tie
+        lead = ref.max(-1).values - ref[torch.arange(len(generated)), generated]
+        assert (lead <= 2 * ATOL).all(), f"{rid}: greedy tokens {generated} vs {ref.argmax(-1).tolist()}"
 
 
 @pytest.mark.parametrize("name", ["dense", "moe", "dense-awq", "moe-packed"])

@@ -67,9 +67,13 @@ def test_detokenizer_holds_back_possible_stop_string():
 
 @pytest.mark.gpu
 def test_cuda_graph_decode_matches_eager(tmp_path):
-    """Decode under CUDA graphs (fp16) gives the same greedy tokens as eager mode."""
+    """Decode under CUDA graphs (fp16) computes what eager mode computes: logits within 1% of
+    the largest, greedy tokens identical but at near ties (the tiny MoE routes with
+    ``SeparatedRouting``, so expert choices cannot flip)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    from runtime_helpers import assert_same_greedy_runs, drain, record_logits
+
     from onecat.runtime.config import EngineConfig
     from onecat.runtime.engine import LLMEngine
     from onecat.runtime.sampling_params import SamplingParams
@@ -80,10 +84,14 @@ def test_cuda_graph_decode_matches_eager(tmp_path):
     results = []
     for eager in (True, False):
         engine = LLMEngine(EngineConfig(model=str(path), enforce_eager=eager, max_num_seqs=8, gpu_memory_utilization=0.3))
-        prompts = [list(range(5 + i, 25 + 3 * i)) for i in range(3)]
-        results.append(engine.generate(prompts, params))
+        logits = record_logits(engine)
+        for i in range(3):
+            engine.add_request(f"r{i}", list(range(5 + i, 25 + 3 * i)), params)
+        outs = drain(engine)
+        tokens = {rid: [t for o in v for t in o.new_token_ids] for rid, v in outs.items()}
+        results.append((tokens, {rid: torch.stack(rows).cpu() for rid, rows in logits.items()}))
         assert bool(engine.runner.graphs) != eager
-        del engine  # its KV cache holds 30% of the GPU: the next engine's plan must not see it
+        del engine, logits  # its KV cache holds 30% of the GPU: the next engine's plan must not see it
         gc.collect()
         torch.cuda.empty_cache()
-    assert results[0] == results[1]
+    assert_same_greedy_runs(results[0], results[1], 1e-2, relative=True, label="CUDA graphs vs eager")
