@@ -63,6 +63,7 @@ class Checkpoint:
         self._shard_of: dict[str, str] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, str] = {}
+        self._sorted_names: list[str] | None = None
         self._index()
 
     @functools.cached_property
@@ -128,7 +129,9 @@ class Checkpoint:
 
     def names(self) -> list[str]:
         """All tensor names, sorted."""
-        return sorted(self._shard_of)
+        if self._sorted_names is None:
+            self._sorted_names = sorted(self._shard_of)
+        return list(self._sorted_names)
 
     def __contains__(self, name: str) -> bool:
         return name in self._shard_of
