@@ -206,3 +206,31 @@ def test_bad_requests_raise_request_error(models):
     with pytest.raises(RequestError, match="empty"):
         engine.add_request("d", [], SamplingParams())
     assert not engine.has_unfinished_requests()
+
+
+def test_model_without_full_attention_layers_serves(tmp_path):
+    """A hybrid config whose layers are all linear attention (no KV cache at all) plans its
+    memory and generates: KV blocks are then bookkeeping only (no division by their size)."""
+    import json
+
+    from onecat.runtime.models.config import ModelConfig
+    from onecat.runtime.models.qwen3_5 import Qwen3_5ForCausalLM
+    from onecat.runtime.quant_plan import QuantPlan
+
+    raw = json.loads((build_tiny_model("qwen3_5", tmp_path / "dense") / "config.json").read_text())
+    text = raw["text_config"]
+    text["layer_types"] = ["linear_attention"] * text["num_hidden_layers"]
+    model = Qwen3_5ForCausalLM(ModelConfig.from_dict(raw), QuantPlan(), torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.copy_(torch.rand(param.shape, generator=generator).add(1).log())
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    engine = LLMEngine.from_model(EngineConfig(model="linear-only", device="cpu", max_num_seqs=4), model)
+    assert engine.runner.num_blocks > 0 and not engine.runner.attention
+    engine.add_request("r", prompt(1, 12), GREEDY)
+    outputs = drain(engine)["r"]
+    assert sum(len(o.new_token_ids) for o in outputs) == GREEDY.max_tokens
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks

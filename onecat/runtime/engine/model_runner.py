@@ -9,9 +9,12 @@ the full-attention layers. On CPU the KV cache gets a fixed byte budget.
 Inside decode graphs the small elementwise steps run fused (``layers/fusion.py``).
 
 CUDA graphs: the decode tokens of a step run as a replayed graph (beside an eager pass for
-prompt chunks in the same step), captured at start (``warmup``) or on first use for its (batch-size bucket, KV-length bucket): batch sizes 1, 2, 4, 8, 16, 32, ... up to
-``max_num_seqs``, KV lengths in powers of two of blocks. Padding rows write their key/value
-to a scratch block and their state to a scratch slot. MoE layers run the grouped expert op,
+prompt chunks in the same step), one per batch-size bucket (1, 2, 4, 8, 16, 32, ... up to
+``max_num_seqs``), all captured at start (``warmup``). With the paged decode-attention
+kernel a graph serves every context length (its block table spans ``max_model_len``); the
+torch attention fallback gathers the whole table, so there graphs are also keyed by a
+power-of-two table width and captured on first use. Padding rows write their key/value to
+a scratch block and their state to a scratch slot. MoE layers run the grouped expert op,
 which routes on the GPU, so MoE decode batches of any size run as graphs too.
 """
 
@@ -127,6 +130,8 @@ class ModelRunner:
         slots = config.max_num_seqs
         per_seq_blocks = -(-max_len // self.block_size)
         if self.device.type != "cuda":
+            if not self.block_bytes():  # only linear attention: blocks are bookkeeping
+                return config.num_kv_blocks or slots * per_seq_blocks, slots
             blocks = config.num_kv_blocks or max(
                 per_seq_blocks, min(CPU_KV_CACHE_BYTES // self.block_bytes(), slots * per_seq_blocks)
             )
@@ -155,6 +160,8 @@ class ModelRunner:
                 slots, slots * self.slot_bytes() / 2**30, fitting,
             )
             slots = fitting
+        if not self.block_bytes():  # only linear attention: blocks are bookkeeping, no memory
+            return config.num_kv_blocks or slots * per_seq_blocks, slots
         blocks = config.num_kv_blocks or (available - slots * self.slot_bytes()) // self.block_bytes()
         return int(blocks), int(slots)
 
@@ -290,7 +297,10 @@ class ModelRunner:
     def _graph_for(self, batch: int, blocks: int) -> _DecodeGraph | None:
         bucket = next(b for b in self.graph_batch_sizes if b >= batch)
         max_width = -(-self.max_model_len // self.block_size)
-        width = min(_next_power_of_two(max(blocks, MIN_GRAPH_BLOCKS)), _next_power_of_two(max_width))
+        if all(layer.uses_decode_kernel() for layer in self.attention):
+            width = max_width  # the kernel's work follows the context lengths, not the width
+        else:  # the torch path gathers the whole width: key graphs by a power-of-two width
+            width = min(_next_power_of_two(max(blocks, MIN_GRAPH_BLOCKS)), _next_power_of_two(max_width))
         key = (bucket, width)
         if key not in self.graphs:
             try:
