@@ -5,16 +5,20 @@ these tests run in the dev environment and start vLLM's OpenAI server with that
 interpreter, through the same launcher as ``onecat serve --engine vllm``. Three servers:
 the tiny Qwen3.5 dense and MoE models packed by ``onecat pack`` (``quant_method: onecat``),
 and the MoE model's plain AWQ checkpoint repacked while loading (``--quantization
-onecat_awq``, what V100 users get automatically). Greedy outputs are compared with onecat's
-embedded engine on the same weights. The dense server is started by ``onecat serve
---engine vllm`` itself, the others by the plugin's launcher function; the dense and the AWQ
-servers run tensor-parallel over two CPU workers (vLLM's real sharding and all-reduce).
+onecat_awq``, what V100 users get automatically). vLLM's logprobs are compared with
+onecat's embedded engine on the same weights: teacher-forced over onecat's greedy
+completion, and along vLLM's own greedy decode while the two agree
+(``assert_same_greedy``). The dense server is started by ``onecat serve --engine vllm``
+itself, the others by the plugin's launcher function; the dense and the AWQ servers run
+tensor-parallel over two CPU workers (vLLM's real sharding and all-reduce).
 
 vLLM's CPU build needs: Gated DeltaNet linear head dims of 128 (the tiny models here are
 built that way), bf16 activations (its GDN kernel; onecat's engine computes in fp32 on CPU,
-so a greedy step may flip where the two best tokens are nearly tied: the comparison allows
-that and nothing else), and a stand-in ``torchvision`` (the CUDA wheel from PyPI breaks
-next to the CPU torch, and Qwen3.5's vLLM model file imports it through transformers).
+so logprobs differ by bf16 rounding, and a greedy step of these random-weight models, whose
+next-token distributions are nearly flat, may flip where the two best tokens are nearly
+tied; the MoE model's expert choice cannot flip: ``onecat.tiny.SeparatedRouting``), and a
+stand-in ``torchvision`` (the CUDA wheel from PyPI breaks next to the CPU torch, and
+Qwen3.5's vLLM model file imports it through transformers).
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ import socket
 import subprocess
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.slow
 
@@ -40,8 +46,6 @@ CPUS = sorted(os.sched_getaffinity(0))
 TP = 2 if len(CPUS) >= 2 else 1
 """Tensor parallelism of the dense and the AWQ servers: vLLM's CPU workers, one core each."""
 MAX_TOKENS = 12
-NEAR_TIE_NATS = 0.1
-"""Largest logprob gap (in vLLM's bf16 run) at which a differing greedy choice is accepted."""
 PROMPTS = ("The quick brown fox", "def main(argv):\n    return", "Lists are mutable sequences")
 
 TORCHVISION_STANDIN = '''"""Test-only stand-in for torchvision: every submodule and name imports, nothing works."""
@@ -223,75 +227,131 @@ def vllm_server(argv_for_port, standin: Path, model: Path, log_path: Path, tp: i
             proc.wait()
 
 
-_ONECAT_GREEDY: dict[Path, tuple[list[list[int]], list[list[int]]]] = {}
+TOP_LOGPROBS = 20
+"""vLLM's top logprobs compared per position (its default ``--max-logprobs``)."""
+LOGPROB_TOL = 0.02
+"""Largest |logprob difference| allowed between vLLM (bf16 activations) and onecat's engine
+(fp32) on the same quantized weights, per token and position: observed 0.005 (bf16
+rounding); a bug in the MoE layer moves them further (on the tiny MoE, in transformers:
+no top-k renormalisation 0.05, routing weights swapped 0.12, one expert zeroed 0.07)."""
 
 
-def onecat_greedy(model: Path) -> tuple[list[list[int]], list[list[int]]]:
-    """(prompt ids, greedy completion ids) of onecat's embedded engine for PROMPTS."""
+@dataclass
+class OnecatRun:
+    """onecat's greedy completion of one prompt and the logprobs it chose each token from."""
+
+    prompt: list[int]
+    completion: list[int]
+    logprobs: torch.Tensor  # [MAX_TOKENS, vocab] float32
+
+
+_ONECAT_GREEDY: dict[Path, list[OnecatRun]] = {}
+
+
+def onecat_greedy(model: Path) -> list[OnecatRun]:
+    """onecat's embedded engine's greedy runs of PROMPTS on ``model`` (computed once)."""
     if model not in _ONECAT_GREEDY:
         _ONECAT_GREEDY[model] = _run_onecat_greedy(model)
     return _ONECAT_GREEDY[model]
 
 
-def _run_onecat_greedy(model: Path) -> tuple[list[list[int]], list[list[int]]]:
+def _run_onecat_greedy(model: Path) -> list[OnecatRun]:
+    from runtime_helpers import drain, record_logits
+
     from onecat.runtime.config import EngineConfig
     from onecat.runtime.engine import LLMEngine
     from onecat.runtime.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=str(model), device="cpu", max_model_len=256))
+    rows = record_logits(engine)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    prompts, completions = [], []
+    runs = []
     for i, text in enumerate(PROMPTS):
         ids = engine.tokenizer.encode(text)
         engine.add_request(f"p{i}", ids, params)
-        tokens = []
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                tokens += out.new_token_ids
-        prompts.append(ids)
-        completions.append(tokens)
-    return prompts, completions
+        tokens = [t for out in drain(engine)[f"p{i}"] for t in out.new_token_ids]
+        logprobs = torch.stack(rows[f"p{i}"]).log_softmax(-1)
+        runs.append(OnecatRun(ids, tokens, logprobs))
+    return runs
 
 
-def vllm_greedy(base: str, prompt_ids: list[int]) -> tuple[list[int], list[dict[int, float]]]:
-    """vLLM's greedy completion ids and, per step, the top-2 token logprobs."""
+def _token_id(text: str) -> int:
+    assert text.startswith("token_id:"), text
+    return int(text.removeprefix("token_id:"))
+
+
+def vllm_completion(base: str, prompt_ids: list[int]) -> tuple[list[int], list[dict[int, float]]]:
+    """vLLM's greedy completion ids and, per step, its top token logprobs (decode path)."""
     import httpx
 
     body = {
         "model": "tiny", "prompt": prompt_ids, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-        "logprobs": 2, "ignore_eos": True, "return_tokens_as_token_ids": True,
+        "logprobs": TOP_LOGPROBS, "ignore_eos": True, "return_tokens_as_token_ids": True,
     }
     reply = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
     assert reply.status_code == 200, reply.text
     logprobs = reply.json()["choices"][0]["logprobs"]
-
-    def token_id(text: str) -> int:
-        assert text.startswith("token_id:"), text
-        return int(text.removeprefix("token_id:"))
-
-    tokens = [token_id(t) for t in logprobs["tokens"]]
-    top = [{token_id(t): lp for t, lp in step.items()} for step in logprobs["top_logprobs"]]
+    tokens = [_token_id(t) for t in logprobs["tokens"]]
+    top = [{_token_id(t): lp for t, lp in step.items()} for step in logprobs["top_logprobs"]]
     return tokens, top
 
 
+def vllm_teacher_forced(base: str, ids: list[int], first: int) -> list[dict[int, float]]:
+    """vLLM's top token logprobs (plus the actual token's) at positions ``first..`` of
+    ``ids``, each given the tokens before it (prefill path)."""
+    import httpx
+
+    body = {"model": "tiny", "prompt": ids, "max_tokens": 1, "temperature": 0.0,
+            "prompt_logprobs": TOP_LOGPROBS}
+    reply = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    per_position = reply.json()["choices"][0]["prompt_logprobs"]
+    assert len(per_position) == len(ids)
+    return [{int(t): entry["logprob"] for t, entry in step.items()} for step in per_position[first:]]
+
+
+def compare_step(ours: torch.Tensor, theirs: dict[int, float], where: str) -> float:
+    """vLLM's logprobs ``theirs`` (top tokens) equal onecat's row ``ours`` within
+    LOGPROB_TOL. Hence their greedy choices agree wherever onecat's top-1 leads the
+    runner-up by more than twice the tolerance. Returns the largest difference."""
+    ids = torch.tensor(list(theirs))
+    diff = (torch.tensor(list(theirs.values())) - ours[ids]).abs()
+    worst = diff.argmax().item()
+    mine, best = ours.argmax().item(), max(theirs, key=theirs.get)
+    margin = (ours[mine] - ours.topk(2).values[1]).item()
+    assert diff[worst] <= LOGPROB_TOL, (
+        f"{where}: token {ids[worst].item()} has logprob {theirs[ids[worst].item()]:.4f} in vLLM, "
+        f"{ours[ids[worst]].item():.4f} in onecat (tolerance {LOGPROB_TOL}); greedy: onecat "
+        f"{mine} (margin {margin:.4f}), vLLM {best}"
+    )
+    return diff[worst].item()
+
+
 def assert_same_greedy(base: str, model: Path) -> None:
-    """vLLM's greedy tokens equal onecat's, up to the first step where vLLM saw a near tie."""
-    prompts, expected = onecat_greedy(model)
-    matched = 0
-    for prompt, ours in zip(prompts, expected, strict=True):
-        theirs, top = vllm_greedy(base, prompt)
-        assert len(theirs) == len(ours) == MAX_TOKENS
-        for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-            if a == b:
-                matched += 1
-                continue
-            gap = top[step][b] - top[step].get(a, float("-inf"))
-            assert gap <= NEAR_TIE_NATS, (
-                f"prompt {prompt}: step {step} onecat chose {a}, vLLM {b} with a logprob gap "
-                f"of {gap:.3f} (top-2 {top[step]}); onecat {ours}, vLLM {theirs}"
-            )
-            break  # the sequences legitimately part here
-    assert matched >= len(PROMPTS) * MAX_TOKENS // 2, f"only {matched} greedy tokens agree"
+    """vLLM computes what onecat's engine computes on ``model``, within LOGPROB_TOL nats.
+
+    Teacher-forced (vLLM's prefill over the prompt plus onecat's greedy completion): every
+    completion position, vLLM's top-20 logprobs against onecat's. Free-running (vLLM's own
+    decode): every step while the two greedy sequences agree; they may part only where
+    onecat's top-2 are within twice the tolerance (a near tie of the random-weight model,
+    whose next-token distribution is nearly flat), and the comparison stops there."""
+    worst, decoded = 0.0, 0
+    for run in onecat_greedy(model):
+        forced = vllm_teacher_forced(base, run.prompt + run.completion, len(run.prompt))
+        assert len(forced) == MAX_TOKENS
+        for step, theirs in enumerate(forced):
+            where = f"prompt {run.prompt} + {run.completion[:step]}, teacher-forced"
+            worst = max(worst, compare_step(run.logprobs[step], theirs, where))
+        tokens, top = vllm_completion(base, run.prompt)
+        assert len(tokens) == MAX_TOKENS
+        for step, (ours, theirs) in enumerate(zip(run.completion, tokens, strict=True)):
+            where = f"prompt {run.prompt} + {run.completion[:step]}, vLLM decode"
+            worst = max(worst, compare_step(run.logprobs[step], top[step], where))
+            decoded += 1
+            if ours != theirs:
+                break  # a near tie (compare_step held): the contexts differ from here on
+    print(f"vLLM vs onecat on {model.name}: largest |logprob difference| {worst:.4f}; "
+          f"{decoded} of {len(PROMPTS) * MAX_TOKENS} decode steps compared")
 
 
 @pytest.fixture(scope="module")
