@@ -415,7 +415,7 @@ def test_oversized_body_is_413_and_health_keeps_answering(tiny_model):
         assert response.status_code == 413, response.text[:200]
         error = response.json()["error"]
         assert error["code"] == "request_too_large" and "--max-request-body-bytes" in error["message"]
-        assert all(t < 1.0 for t in latencies), latencies
+        assert all(t < 2.0 for t in latencies), latencies
 
         def chunks():  # no Content-Length: counted as it arrives
             for _ in range(3):
@@ -431,17 +431,19 @@ def test_oversized_body_is_413_and_health_keeps_answering(tiny_model):
 
 
 def test_large_prompt_is_tokenised_while_health_answers(server):
-    """A 1 MB prompt (under the 4 MiB default limit) takes seconds to tokenise: the event
+    """A 1.5 MB prompt (under the 4 MiB default limit) takes seconds to tokenise: the event
     loop keeps answering /health meanwhile, then the prompt is refused as too long."""
-    prompt = "lists and tuples are sequences; " * (1_000_000 // 32)
+    prompt = "lists and tuples are sequences; " * (1_500_000 // 32)
 
     def send() -> httpx.Response:
         return httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1},
                           timeout=120)
 
     thread, result = in_background(send)
-    latencies = health_latencies(server.url, thread)
+    latencies = health_latencies(server.url, thread, min_probes=5)
     thread.join()
     assert result[0].status_code == 400 and "tokens" in result[0].json()["error"]["message"]
-    assert len(latencies) >= 3, "the prompt was handled before /health could be probed"
-    assert max(latencies) < 1.0, latencies
+    # on the event loop, tokenising would hold every probe until it ended: at most the one
+    # probe sent before it began and the one it held would be answered while in flight
+    assert len(latencies) >= 5, f"/health was not answered while the prompt was tokenised: {latencies}"
+    assert max(latencies) < 2.0, latencies
