@@ -49,19 +49,21 @@ def _next_power_of_two(n: int) -> int:
 
 
 class _DecodeGraph:
-    """One captured decode step: static inputs, the graph, and its logits."""
+    """One captured decode step: static inputs, the graph, and its logits.
+
+    The per-row inputs live in one ``[5, batch]`` tensor (one host-to-device copy per step).
+    Block-table rows are written incrementally: ``rows`` mirrors what each row holds, and a
+    step writes only the entries that changed (appended blocks, a new sequence in the row);
+    entries past a sequence's blocks are never read (the kernel stops at the context length,
+    the torch path masks them), so they need no clearing."""
 
     def __init__(self, batch: int, width: int, device: torch.device, scratch_slot: int, scratch_block: int, scratch_state: int) -> None:
-        def full(shape, value):
-            return torch.full(shape, value, dtype=torch.int64, device=device)
-
         self.batch, self.width = batch, width
-        self.input_ids = full((batch,), 0)
-        self.positions = full((batch,), 0)
-        self.slot_mapping = full((batch,), scratch_slot)
-        self.block_tables = full((batch, width), scratch_block)
-        self.context_lens = full((batch,), 1)
-        self.state_slots = full((batch,), scratch_state)
+        self.scratch = (0, 0, scratch_slot, 1, scratch_state)  # a padding row's inputs
+        self.inputs = torch.tensor([[v] * batch for v in self.scratch], dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.state_slots = self.inputs
+        self.block_tables = torch.full((batch, width), scratch_block, dtype=torch.int64, device=device)
+        self.rows: list[list[int]] = [[scratch_block] for _ in range(batch)]
         self.graph = torch.cuda.CUDAGraph()
         self.logits: torch.Tensor | None = None
 
@@ -348,6 +350,24 @@ class ModelRunner:
             set_context(None)
         return graph
 
+    @staticmethod
+    def _update_tables(graph: _DecodeGraph, tables: list[list[int]]) -> None:
+        """Write the block-table entries that differ from what the graph's rows hold."""
+        rows: list[int] = []
+        cols: list[int] = []
+        values: list[int] = []
+        for i, table in enumerate(tables):
+            held = graph.rows[i]
+            start = len(held) if len(held) <= len(table) and table[: len(held)] == held else 0
+            if start < len(table):
+                rows.extend([i] * (len(table) - start))
+                cols.extend(range(start, len(table)))
+                values.extend(table[start:])
+                graph.rows[i] = list(table)
+        if values:
+            index = torch.tensor([rows, cols], dtype=torch.int64).to(graph.block_tables.device)
+            graph.block_tables[index[0], index[1]] = torch.tensor(values, dtype=torch.int64).to(graph.block_tables.device)
+
     def _run_graph(self, decodes: list[Sequence]) -> torch.Tensor | None:
         batch = len(decodes)
         graph = self._graph_for(batch, max(len(s.block_table) for s in decodes))
@@ -355,19 +375,15 @@ class ModelRunner:
             return None
         pad = graph.batch - batch  # padding rows point at the scratch block and slot
         positions = [s.num_computed_tokens for s in decodes]
-        table = torch.full((graph.batch, graph.width), self.num_blocks, dtype=torch.int64)
-        for i, seq in enumerate(decodes):
-            table[i, : len(seq.block_table)] = torch.tensor(seq.block_table)
-        host = {
-            "input_ids": [s.token_ids[p] for s, p in zip(decodes, positions, strict=True)] + [0] * pad,
-            "positions": positions + [0] * pad,
-            "slot_mapping": [self._slot(s, p) for s, p in zip(decodes, positions, strict=True)]
-            + [self.num_blocks * self.block_size] * pad,
-            "context_lens": [p + 1 for p in positions] + [1] * pad,
-            "state_slots": [s.state_slot for s in decodes] + [self.num_slots] * pad,
-        }
-        for name, values in host.items():
-            getattr(graph, name).copy_(torch.tensor(values, dtype=torch.int64))
-        graph.block_tables.copy_(table)
+        columns = [
+            [s.token_ids[p] for s, p in zip(decodes, positions, strict=True)],
+            positions,
+            [self._slot(s, p) for s, p in zip(decodes, positions, strict=True)],
+            [p + 1 for p in positions],
+            [s.state_slot for s in decodes],
+        ]
+        host = [column + [value] * pad for column, value in zip(columns, graph.scratch, strict=True)]
+        graph.inputs.copy_(torch.tensor(host, dtype=torch.int64))
+        self._update_tables(graph, [s.block_table for s in decodes] + [[self.num_blocks]] * pad)
         graph.graph.replay()
         return graph.logits[:batch]
