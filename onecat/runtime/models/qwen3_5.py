@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from onecat.kernels import gdn as gdn_kernel
+from onecat.kernels import gdn_prefill
 from onecat.kernels.moe import moe_route
-from onecat.runtime.context import get_context
+from onecat.runtime.context import PrefillChunk, get_context
 from onecat.runtime.distributed.parallel_state import all_reduce
 from onecat.runtime.layers.attention import PagedAttention
 from onecat.runtime.layers.causal_conv import causal_conv1d_chunk, causal_conv1d_step
@@ -242,9 +243,47 @@ class GatedDeltaNet(nn.Module):
                 )
                 self._save_states(slots, conv_state, rec_state)
                 outputs.append(out)
-        for chunk in ctx.prefills:
+        if ctx.prefills and x.is_cuda and gdn_prefill.supports(
+            self.head_k_dim, self.head_v_dim, self.conv1d.weight.shape[1], x.dtype
+        ):
+            outputs.append(self._prefill_in_place(mixed, z, ba, ctx.prefills))
+        else:
+            outputs += self._prefill_torch(mixed, z, a, b, ctx.prefills)
+        core = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        return self.out_proj(core)
+
+    def _prefill_in_place(
+        self, mixed: torch.Tensor, z: torch.Tensor, ba: torch.Tensor, prefills: list[PrefillChunk]
+    ) -> torch.Tensor:
+        """All prompt chunks of the step on the GPU at once (they follow each other in the
+        batch): the sm_70 conv and chunked delta-rule kernels, which read and write the conv
+        and recurrent states in their slots (``kernels/gdn_prefill.cu``)."""
+        first, end = prefills[0].start, prefills[-1].start + prefills[-1].length
+        slots = [chunk.state_slot for chunk in prefills]
+        conv_state, rec_state = self.conv_state, self.recurrent_state
+        if conv_state.numel() == 0:  # memory-profiling pass: scratch states
+            slots = list(range(len(prefills)))
+            conv_state, rec_state = self._states(torch.tensor(slots, device=mixed.device))
+            conv_state = conv_state.to(mixed.dtype)
+        batch = gdn_prefill.prefill_batch(
+            [chunk.start - first for chunk in prefills], [chunk.length for chunk in prefills], slots, mixed.device
+        )
+        conv_out = gdn_prefill.causal_conv1d_prefill_(mixed[first:end], conv_state, self.conv1d.weight, batch)
+        core = gdn_prefill.gated_delta_rule_prefill_(
+            conv_out, ba[first:end], self.A_log, self.dt_bias, rec_state, batch, self.num_k_heads
+        )
+        out = gated_rms_norm(core, z[first:end].reshape(core.shape), self.norm.weight, self.norm.eps)
+        return out.reshape(end - first, -1)
+
+    def _prefill_torch(
+        self, mixed: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, prefills: list[PrefillChunk]
+    ) -> list[torch.Tensor]:
+        """Prompt chunks one sequence at a time in torch (CPU, fp32, other head sizes)."""
+        dims = (self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim)
+        outputs = []
+        for chunk in prefills:
             part = slice(chunk.start, chunk.start + chunk.length)
-            slot = torch.tensor([chunk.state_slot], device=x.device)
+            slot = torch.tensor([chunk.state_slot], device=mixed.device)
             conv_state, rec_state = self._states(slot)
             mixed_c, conv_state = causal_conv1d_chunk(mixed[part], conv_state[0], self.conv1d.weight)
             q, k, v = split_heads(mixed_c, *dims)
@@ -252,8 +291,7 @@ class GatedDeltaNet(nn.Module):
             out, rec_state = gated_delta_rule_chunked(q, k, v, g, beta, rec_state[0])
             self._save_states(slot, conv_state[None], rec_state[None])
             outputs.append(self.norm(out, z[part].reshape(out.shape)).reshape(chunk.length, -1))
-        core = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-        return self.out_proj(core)
+        return outputs
 
 
 def split_heads(
