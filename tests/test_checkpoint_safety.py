@@ -288,3 +288,18 @@ def test_unpack_refuses_outputs_overlapping_the_artifact(work, tmp_path):
         with pytest.raises(OnecatError, match="must not be, lie inside or contain the source"):
             unpack_artifact(artifact, out, overwrite=True)
         assert digest(tmp_path / "ckpt") == before
+
+
+def test_generation_config_symlink_out_of_the_checkpoint_is_refused(tmp_path):
+    """The engine reads generation_config.json's eos ids only from inside the checkpoint."""
+    from onecat.errors import OnecatError
+    from onecat.runtime.engine.llm_engine import _generation_eos
+    from onecat.tiny import build_tiny_model
+
+    model = build_tiny_model("qwen3_5", tmp_path / "model")
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text('{"eos_token_id": 7}')
+    (model / "generation_config.json").unlink(missing_ok=True)
+    (model / "generation_config.json").symlink_to(outside)
+    with pytest.raises(OnecatError, match="outside"):
+        _generation_eos(model)

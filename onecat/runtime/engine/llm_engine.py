@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from onecat.errors import OnecatError
+from onecat.formats.files import contained_file
 from onecat.runtime.config import EngineConfig
 from onecat.runtime.engine.block_manager import BlockManager, StateSlotPool
 from onecat.runtime.engine.detokenizer import IncrementalDetokenizer
@@ -57,9 +58,14 @@ def resolve_device(name: str) -> torch.device:
 
 
 def _generation_eos(path: Path) -> list[int]:
+    """The eos ids of ``generation_config.json`` (none when it is missing or unreadable); a
+    symlink leading out of the checkpoint is refused like any other file reference."""
+    if not (path / "generation_config.json").exists():
+        return []
+    file = contained_file(path, "generation_config.json", where=str(path), entry="file")
     try:
-        eos = json.loads((path / "generation_config.json").read_text()).get("eos_token_id")
-    except (OSError, ValueError):
+        eos = json.loads(file.read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
         return []
     return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
 
