@@ -1,5 +1,7 @@
 """The gated delta rule of Gated DeltaNet, in torch: a chunked form for prefill and a
-one-token recurrent step for decode. This is the interface an sm_70 kernel would replace.
+one-token recurrent step for decode. CUDA fp16 runs use the sm_70 kernels instead
+(``kernels/gdn_decode.cu``, ``kernels/gdn_prefill.cu``); these stay the CPU / fp32 path and
+the reference.
 
 Per value head, with state ``S [d_k, d_v]`` (fp32), decay ``g_t <= 0`` (log space) and
 learning rate ``beta_t`` in (0, 1), token ``t`` does::
