@@ -35,7 +35,8 @@
 //   1. scores: a token's key row (D halfs) is read by D/8 lanes, 16 bytes each (one warp
 //      reads 256/D tokens per step, warps take steps in turn); each lane holds its 8 query
 //      elements of all NG heads in registers (pre-scaled by scale * log2 e), the D/8 lanes'
-//      partial dots meet by xor shuffles, and the score goes to shared memory [NG][kTile];
+//      partial dots meet by xor shuffles that also spread the heads over the lanes
+//      (spread_sum), and the scores go to shared memory [NG][kTile];
 //   2. one warp per head: the tile's max, the running max m, p_t = 2^(s_t - m), the running
 //      sum l and the factor alpha that rescales the older accumulators;
 //   3. values: warp w owns columns [w*D/4, (w+1)*D/4); a lane reads 8 of them (16 bytes) of
@@ -56,14 +57,51 @@ constexpr int kVec = 8;      // halfs per 16-byte load
 constexpr int kUnroll = 4;   // token steps in flight per warp
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
-__device__ __forceinline__ void load8(const half* p, float (&f)[kVec]) {
-  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
-  const half2* h = reinterpret_cast<const half2*>(&raw);
+// 8 halfs in one 16-byte load, kept packed until used (4 registers per token in flight)
+__device__ __forceinline__ uint4 load8(const half* p) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
+__device__ __forceinline__ void unpack2(unsigned int w, float& lo, float& hi) {
+  lo = __half2float(__ushort_as_half((unsigned short)(w & 0xffffu)));
+  hi = __half2float(__ushort_as_half((unsigned short)(w >> 16)));
+}
+
+__device__ __forceinline__ unsigned int pack2(float lo, float hi) {
+  return (unsigned int)__half_as_ushort(__float2half_rn(lo)) |
+         ((unsigned int)__half_as_ushort(__float2half_rn(hi)) << 16);
+}
+
+__device__ __forceinline__ void unpack8(const uint4& raw, float (&f)[kVec]) {
+  unpack2(raw.x, f[0], f[1]);
+  unpack2(raw.y, f[2], f[3]);
+  unpack2(raw.z, f[4], f[5]);
+  unpack2(raw.w, f[6], f[7]);
+}
+
+// Sums each lane's NG partial dots over the kLanes lanes of its token group (xor offsets below
+// kLanes) while spreading the heads over them: at each level the lanes keep one half of their
+// heads and swap the other half with their partner, so NG heads cost about NG shuffles instead
+// of NG * log2(kLanes).  Afterwards v[j] (j < kKeep = max(1, NG / kLanes)) is the total of head
+// `head + j`, complete on every lane whose bits below kLanes / min(NG, kLanes) are zero.
+template <int NG, int kCount, int kOffset>
+__device__ __forceinline__ void spread_sum(float (&v)[NG], int lane, int& head) {
+  if constexpr (kOffset > 0) {
+    if constexpr (kCount > 1) {
+      constexpr int kHalf = kCount / 2;
+      const bool upper = (lane & kOffset) != 0;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 v = __half22float2(h[i]);
-    f[2 * i] = v.x;
-    f[2 * i + 1] = v.y;
+      for (int j = 0; j < kHalf; ++j) {
+        const float send = upper ? v[j] : v[j + kHalf];
+        const float keep = upper ? v[j + kHalf] : v[j];
+        v[j] = keep + __shfl_xor_sync(0xffffffffu, send, kOffset);
+      }
+      if (upper) head += kHalf;
+      spread_sum<NG, kHalf, kOffset / 2>(v, lane, head);
+    } else {
+      v[0] += __shfl_xor_sync(0xffffffffu, v[0], kOffset);
+      spread_sum<NG, 1, kOffset / 2>(v, lane, head);
+    }
   }
 }
 
@@ -93,6 +131,8 @@ __device__ __forceinline__ void split(const half* __restrict__ q, long long q_sb
   static_assert(D % 32 == 0 && D >= 32 && D <= 256, "head dim: a multiple of 32 up to 256");
   constexpr int kLanes1 = D / kVec;          // lanes per key row (phase 1)
   constexpr int kTokens1 = 32 / kLanes1;     // tokens per warp step (phase 1)
+  constexpr int kKeep = NG > kLanes1 ? NG / kLanes1 : 1;  // head totals per lane (spread_sum)
+  constexpr int kWriterMask = kLanes1 / (NG < kLanes1 ? NG : kLanes1) - 1;
   constexpr int kCols = D / kWarps;          // value columns per warp (phase 3)
   constexpr int kLanes3 = kCols / kVec;      // lanes per token's column slice (phase 3)
   constexpr int kTokens3 = 32 / kLanes3;     // tokens per warp step (phase 3)
@@ -161,29 +201,29 @@ __device__ __forceinline__ void split(const half* __restrict__ q, long long q_sb
 
     // 1. scores of the tile (warp-uniform loop: every lane takes part in the shuffles)
     for (int i0 = warp * kTokens1; i0 < n; i0 += kWarps * kTokens1 * kUnroll) {
-      float kv[kUnroll][kVec];
+      uint4 raw[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int i = i0 + u * kWarps * kTokens1 + token1;
-        if (i < n) {
-          load8(k_head + (size_t)rows[i] * row_stride, kv[u]);
-        } else {
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) kv[u][e] = 0.f;
-        }
+        raw[u] = i < n ? load8(k_head + (size_t)rows[i] * row_stride) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int i = i0 + u * kWarps * kTokens1 + token1;
+        float kv[kVec];
+        unpack8(raw[u], kv);
+        float dot[NG];
 #pragma unroll
         for (int g = 0; g < NG; ++g) {
-          float dot = 0.f;
+          dot[g] = 0.f;
 #pragma unroll
-          for (int e = 0; e < kVec; ++e) dot = fmaf(qr[g][e], kv[u][e], dot);
+          for (int e = 0; e < kVec; ++e) dot[g] = fmaf(qr[g][e], kv[e], dot[g]);
+        }
+        int head = 0;
+        spread_sum<NG, NG, kLanes1 / 2>(dot, lane, head);
+        if ((lane & kWriterMask) == 0 && i < n) {
 #pragma unroll
-          for (int offset = kLanes1 / 2; offset; offset >>= 1)
-            dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-          if (part1 == 0 && i < n) scores[g][i] = dot;
+          for (int j = 0; j < kKeep; ++j) scores[head + j][i] = dot[j];
         }
       }
     }
@@ -223,26 +263,23 @@ __device__ __forceinline__ void split(const half* __restrict__ q, long long q_sb
       for (int e = 0; e < kVec; ++e) acc[g][e] *= a;
     }
     for (int i0 = 0; i0 < n; i0 += kTokens3 * kUnroll) {
-      float vv[kUnroll][kVec];
+      uint4 raw[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int i = i0 + u * kTokens3 + token3;
-        if (i < n) {
-          load8(v_head + (size_t)rows[i] * row_stride, vv[u]);
-        } else {
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) vv[u][e] = 0.f;
-        }
+        raw[u] = i < n ? load8(v_head + (size_t)rows[i] * row_stride) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int i = i0 + u * kTokens3 + token3;
         if (i < n) {
+          float vv[kVec];
+          unpack8(raw[u], vv);
 #pragma unroll
           for (int g = 0; g < NG; ++g) {
             const float p = scores[g][i];
 #pragma unroll
-            for (int e = 0; e < kVec; ++e) acc[g][e] = fmaf(p, vv[u][e], acc[g][e]);
+            for (int e = 0; e < kVec; ++e) acc[g][e] = fmaf(p, vv[e], acc[g][e]);
           }
         }
       }
@@ -264,12 +301,10 @@ __device__ __forceinline__ void split(const half* __restrict__ q, long long q_sb
     if (g >= heads) break;
     const size_t head = (size_t)b * num_heads + h0 + g;
     if (single) {
-      const float inv = 1.f / l_run[g];
-      half2 o[kVec / 2];
-#pragma unroll
-      for (int e = 0; e < kVec / 2; ++e)
-        o[e] = __floats2half2_rn(acc[g][2 * e] * inv, acc[g][2 * e + 1] * inv);
-      *reinterpret_cast<uint4*>(out + head * D + col) = *reinterpret_cast<const uint4*>(o);
+      const float inv = __fdividef(1.f, l_run[g]);
+      *reinterpret_cast<uint4*>(out + head * D + col) =
+          make_uint4(pack2(acc[g][0] * inv, acc[g][1] * inv), pack2(acc[g][2] * inv, acc[g][3] * inv),
+                     pack2(acc[g][4] * inv, acc[g][5] * inv), pack2(acc[g][6] * inv, acc[g][7] * inv));
     } else {
       float* dst = ws_acc + (head * num_splits + s) * D + col;
       reinterpret_cast<float4*>(dst)[0] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
@@ -302,7 +337,7 @@ __device__ __forceinline__ void reduce(const long long* __restrict__ context_len
     den = fmaf(w, part.y, den);
     num = fmaf(w, ws_acc[(head * num_splits + s) * D + d], num);
   }
-  out[head * D + d] = __float2half(num / den);
+  out[head * D + d] = __float2half(__fdividef(num, den));
 }
 }  // namespace onecat_attn
 
@@ -321,37 +356,37 @@ __device__ __forceinline__ void reduce(const long long* __restrict__ context_len
 
 // One line per kernel (build.kernel_names reads these names): split for head dim D and NG
 // query heads per block, reduce for head dim D.
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(128, 1)
 paged_attention_split_d32_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 1>(ONECAT_SPLIT_ARGS); }
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(128, 1)
 paged_attention_split_d32_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 2>(ONECAT_SPLIT_ARGS); }
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(128, 1)
 paged_attention_split_d32_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 4>(ONECAT_SPLIT_ARGS); }
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(128, 1)
 paged_attention_split_d32_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 8>(ONECAT_SPLIT_ARGS); }
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(128, 1)
 paged_attention_split_d64_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 1>(ONECAT_SPLIT_ARGS); }
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(128, 1)
 paged_attention_split_d64_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 2>(ONECAT_SPLIT_ARGS); }
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(128, 1)
 paged_attention_split_d64_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 4>(ONECAT_SPLIT_ARGS); }
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(128, 1)
 paged_attention_split_d64_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 8>(ONECAT_SPLIT_ARGS); }
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(128, 1)
 paged_attention_split_d128_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 1>(ONECAT_SPLIT_ARGS); }
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(128, 1)
 paged_attention_split_d128_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 2>(ONECAT_SPLIT_ARGS); }
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(128, 1)
 paged_attention_split_d128_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 4>(ONECAT_SPLIT_ARGS); }
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(128, 1)
 paged_attention_split_d128_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 8>(ONECAT_SPLIT_ARGS); }
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(128, 1)
 paged_attention_split_d256_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 1>(ONECAT_SPLIT_ARGS); }
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(128, 1)
 paged_attention_split_d256_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 2>(ONECAT_SPLIT_ARGS); }
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(128, 1)
 paged_attention_split_d256_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 4>(ONECAT_SPLIT_ARGS); }
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(128, 1)
 paged_attention_split_d256_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 8>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(256)
 paged_attention_reduce_d32(ONECAT_REDUCE_PARAMS) { onecat_attn::reduce<32>(ONECAT_REDUCE_ARGS); }

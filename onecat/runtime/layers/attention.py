@@ -60,6 +60,7 @@ class PagedAttention(nn.Module):
 
     def _decode(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if q.dtype == self.k_cache.dtype and self.uses_decode_kernel():
+            q = q if q.stride(-1) == 1 else q.contiguous()
             return attention_kernel.paged_decode_attention(
                 q, self.k_cache, self.v_cache, ctx.decode_block_tables, ctx.decode_context_lens, self.scale
             )
