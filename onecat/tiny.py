@@ -202,8 +202,8 @@ class SeparatedRouting:
         row_energy = rest.pow(2).sum(-1).mean().item()
         amplitude = (row_energy / self.relative.pow(2).sum().item()) ** 0.5
         out[:, self.channels] = 0
-        values = (amplitude * self.relative).float().expand(vocab, self.top_k)
-        out.scatter_(1, self.token_channels(vocab), values)
+        values = (amplitude * self.relative).float().to(out.device).expand(vocab, self.top_k)
+        out.scatter_(1, self.token_channels(vocab).to(out.device), values)
         return out
 
     def router(self, layer: int, gain: float | None = None) -> torch.Tensor:
