@@ -229,11 +229,12 @@ def vllm_server(argv_for_port, standin: Path, model: Path, log_path: Path, tp: i
 
 TOP_LOGPROBS = 20
 """vLLM's top logprobs compared per position (its default ``--max-logprobs``)."""
-LOGPROB_TOL = 0.02
+LOGPROB_TOL = 0.03
 """Largest |logprob difference| allowed between vLLM (bf16 activations) and onecat's engine
-(fp32) on the same quantized weights, per token and position: observed 0.005 (bf16
-rounding); a bug in the MoE layer moves them further (on the tiny MoE, in transformers:
-no top-k renormalisation 0.05, routing weights swapped 0.12, one expert zeroed 0.07)."""
+(fp32) on the same quantized weights, per token and position: observed 0.005 (MoE) and
+0.007 (dense, TP 2), bf16 rounding; a bug in the MoE layer moves them further (on the tiny
+MoE, in transformers: no top-k renormalisation 0.05, routing weights swapped 0.12, one
+expert zeroed 0.07)."""
 
 
 @dataclass
