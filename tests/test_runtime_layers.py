@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from collections import defaultdict
 
 import pytest
 import torch
@@ -66,10 +67,13 @@ def test_detokenizer_holds_back_possible_stop_string():
 
 
 @pytest.mark.gpu
-def test_cuda_graph_decode_matches_eager(tmp_path):
+@pytest.mark.parametrize("staggered", [False, True])
+def test_cuda_graph_decode_matches_eager(tmp_path, staggered):
     """Decode under CUDA graphs (fp16) computes what eager mode computes: logits within 1% of
     the largest, greedy tokens identical but at near ties (the tiny MoE routes with
-    ``SeparatedRouting``, so expert choices cannot flip)."""
+    ``SeparatedRouting``, so expert choices cannot flip). ``staggered``: requests arrive
+    while others decode and prompts are cut into small chunks, so steps mix graph-replayed
+    decodes with eagerly run prompt chunks."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from runtime_helpers import assert_same_greedy_runs, drain, record_logits
@@ -83,11 +87,20 @@ def test_cuda_graph_decode_matches_eager(tmp_path):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     results = []
     for eager in (True, False):
-        engine = LLMEngine(EngineConfig(model=str(path), enforce_eager=eager, max_num_seqs=8, gpu_memory_utilization=0.3))
+        engine = LLMEngine(EngineConfig(
+            model=str(path), enforce_eager=eager, max_num_seqs=8, gpu_memory_utilization=0.3,
+            max_num_batched_tokens=8 if staggered else 2048,
+        ))  # fmt: skip
         logits = record_logits(engine)
+        early = defaultdict(list)
         for i in range(3):
             engine.add_request(f"r{i}", list(range(5 + i, 25 + 3 * i)), params)
+            for _ in range(4 if staggered else 0):  # r{i} prefills and decodes before r{i+1}
+                for out in engine.step():
+                    early[out.request_id].append(out)
         outs = drain(engine)
+        for rid, items in early.items():
+            outs[rid] = items + outs.get(rid, [])
         tokens = {rid: [t for o in v for t in o.new_token_ids] for rid, v in outs.items()}
         results.append((tokens, {rid: torch.stack(rows).cpu() for rid, rows in logits.items()}))
         assert bool(engine.runner.graphs) != eager
