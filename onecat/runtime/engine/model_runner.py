@@ -6,8 +6,7 @@ that (and a reserve for sampling and graphs) holds the GDN state slots (``max_nu
 of them, fewer with a warning if they would take more than half) and the paged KV cache of
 the full-attention layers. On CPU the KV cache gets a fixed byte budget.
 
-The small elementwise steps run fused (``layers/fusion.py``) inside decode graphs and in the
-eager passes of prompt chunks on the GPU (not with ``enforce_eager``).
+Inside decode graphs the small elementwise steps run fused (``layers/fusion.py``).
 
 CUDA graphs: the decode tokens of a step run as a replayed graph (beside an eager pass for
 prompt chunks in the same step), one per batch-size bucket (1, 2, 4, 8, 16, 32, ... up to
@@ -21,7 +20,6 @@ which routes on the GPU, so MoE decode batches of any size run as graphs too.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import math
@@ -94,9 +92,6 @@ class ModelRunner:
         self.attention = [m for m in model.modules() if isinstance(m, PagedAttention)]
         self.gdn = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
         self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
-        # prompt chunks run eagerly; their elementwise steps run fused too (thousands of
-        # launches per prefill otherwise); --enforce-eager keeps everything uncompiled
-        self.fuse_eager = self.use_graphs
         wanted_len = config.max_model_len or self.model_config.max_position_embeddings
         self.num_blocks, self.num_slots = self._plan_memory(config, wanted_len)
         self.num_blocks, self.num_slots = min_over_ranks(self.num_blocks, self.num_slots)  # TP: all agree
@@ -284,9 +279,8 @@ class ModelRunner:
             ctx.decode_state_slots = as_tensor([s.state_slot for s in decodes])
         set_context(ctx)
         try:
-            with fusion.compiling() if self.fuse_eager else contextlib.nullcontext():
-                hidden = self.model(as_tensor(ids), as_tensor(positions))
-                logits = self.model.compute_logits(hidden[as_tensor(rows)])
+            hidden = self.model(as_tensor(ids), as_tensor(positions))
+            logits = self.model.compute_logits(hidden[as_tensor(rows)])
         finally:
             set_context(None)
         return sampled, logits

@@ -1,13 +1,12 @@
-"""Fusing the small elementwise steps between the big matmuls (GPU).
+"""Fusing the small elementwise steps between the big matmuls (GPU decode).
 
 A decode step of a 64-layer hybrid model is thousands of tiny kernels between the W4A16
 matmuls (norms, gates, the conv and delta-rule updates); each costs a few microseconds even
 inside a CUDA graph, which at batch 1 rivals the time the weights take to stream. Functions
 decorated with :func:`fused` are pure tensor code that ``torch.compile`` turns into a few
-fused kernels while the model runner captures decode CUDA graphs and while it runs prompt
-chunks eagerly on the GPU (:func:`compiling`): launches dominate both. CPU runs and
-``enforce_eager`` run them as plain torch, so the numbers do not depend on compilation
-beyond floating-point rounding.
+fused kernels while the model runner captures decode CUDA graphs (:func:`compiling`), where
+launches dominate. Prefill, CPU runs and ``enforce_eager`` run them as plain torch, so the
+numbers do not depend on compilation beyond floating-point rounding.
 """
 
 from __future__ import annotations
