@@ -21,6 +21,7 @@ import torch
 from onecat.errors import OnecatError
 from onecat.kernels.driver import PreparedLaunch
 from onecat.kernels.loader import get_kernel
+from onecat.kernels.workspace import stream_buffer
 
 HEAD_DIMS = (32, 64, 128, 256)
 """Head dimensions the kernel is built for."""
@@ -85,20 +86,6 @@ class _Plan:
 
 _plans: dict[tuple, _Plan] = {}
 _MAX_PLANS = 1 << 12  # eager decode makes one per table width: stay bounded
-_workspaces: dict[tuple[int, int], torch.Tensor] = {}
-_retired: list[torch.Tensor] = []  # outgrown workspaces: captured graphs may still use them
-
-
-def _workspace(device: torch.device, stream: int, floats: int) -> torch.Tensor:
-    """An fp32 buffer of at least ``floats`` elements, one per (device, stream), never zeroed:
-    the reduce kernel reads only the partials the split kernel wrote in the same call."""
-    key = (device.index, stream)
-    buf = _workspaces.get(key)
-    if buf is None or buf.numel() < floats:
-        if buf is not None:
-            _retired.append(buf)
-        buf = _workspaces[key] = torch.empty(max(floats, 1 << 16), dtype=torch.float32, device=device)
-    return buf
 
 
 def paged_decode_attention(
@@ -164,7 +151,7 @@ def paged_decode_attention(
     stream = torch.cuda.current_stream(q.device).cuda_stream
     ws_acc = ws_ml = 0
     if plan.reduce is not None:
-        ws = _workspace(q.device, stream, plan.workspace_floats)
+        ws = stream_buffer("attention-partials", q.device, stream, plan.workspace_floats, zeroed=False)
         ws_acc = ws.data_ptr()
         ws_ml = ws_acc + 4 * batch * num_heads * plan.splits * head_dim
     log2_block = block_size.bit_length() - 1

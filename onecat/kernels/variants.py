@@ -24,6 +24,7 @@ import torch
 from onecat.errors import OnecatError
 from onecat.kernels.driver import Kernel, PreparedLaunch
 from onecat.kernels.loader import get_kernel
+from onecat.kernels.workspace import stream_buffer
 
 GEMV_BUILT = {1: (2, 4), 2: (2,), 4: (2,)}
 """GEMV rows -> unroll depths instantiated in w4a16_gemv.cu (4 warps per block)."""
@@ -182,26 +183,6 @@ def launch_plan(variant: Variant, m: int, n: int, k: int, group_size: int, devic
     return plan
 
 
-_workspaces: dict[tuple[int, int], torch.Tensor] = {}
-_retired: list[torch.Tensor] = []
-
-
-def workspace(device: torch.device, stream: int, floats: int) -> torch.Tensor:
-    """A zeroed fp32 buffer of at least ``floats`` elements for split reductions on ``stream``.
-
-    One buffer per (device, stream), reused by every launch: the kernels' last arriving
-    block zeroes the entries and counters it used, so no per-call memset is needed. A grown
-    buffer replaces the old one, which stays allocated because captured CUDA graphs may hold
-    its address."""
-    key = (device.index, stream)
-    buf = _workspaces.get(key)
-    if buf is None or buf.numel() < floats:
-        if buf is not None:
-            _retired.append(buf)
-        buf = _workspaces[key] = torch.zeros(max(floats, 1 << 16), dtype=torch.float32, device=device)
-    return buf
-
-
 def run_variant(
     variant: Variant,
     x: torch.Tensor,
@@ -247,7 +228,7 @@ def run_plan(
         return torch.mm(x, weight.t(), out=out)
     partials = counters = 0
     if plan.workspace_floats:
-        scratch = workspace(x.device, stream, plan.workspace_floats + plan.counters)
+        scratch = stream_buffer("w4a16-split", x.device, stream, plan.workspace_floats + plan.counters, zeroed=True)
         partials = scratch.data_ptr()
         counters = partials + 4 * plan.workspace_floats
     plan.launch(

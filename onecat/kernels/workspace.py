@@ -1,0 +1,29 @@
+"""Scratch buffers that kernels reuse across launches: one per (purpose, device, stream).
+
+A buffer is allocated once and grown when a launch needs more; a grown buffer replaces the
+old one, which stays allocated because captured CUDA graphs may hold its address. Reuse is
+safe because launches on one stream run in order. ``zeroed`` buffers start as zeros and the
+kernels that use them leave them zeroed (split reductions); the others hold garbage between
+launches (partials written and read within one call).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_buffers: dict[tuple[str, int | None, int], torch.Tensor] = {}
+_retired: list[torch.Tensor] = []
+_MIN_FLOATS = 1 << 16
+
+
+def stream_buffer(purpose: str, device: torch.device, stream: int, floats: int, *, zeroed: bool) -> torch.Tensor:
+    """An fp32 buffer of at least ``floats`` elements for ``purpose`` on ``stream`` (a raw
+    CUDA stream handle) of ``device``; zero-filled when first allocated if ``zeroed``."""
+    key = (purpose, device.index, stream)
+    buf = _buffers.get(key)
+    if buf is None or buf.numel() < floats:
+        if buf is not None:
+            _retired.append(buf)
+        make = torch.zeros if zeroed else torch.empty
+        buf = _buffers[key] = make(max(floats, _MIN_FLOATS), dtype=torch.float32, device=device)
+    return buf
