@@ -144,19 +144,26 @@ def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def start_decoding(engine: LLMEngine, batch: int, prompt_len: int, max_tokens: int, seed: int, tag: str = "d") -> list[str]:
+    """Add ``batch`` greedy requests with random ``prompt_len``-token prompts and step until
+    every prompt is prefilled (all sequences decode from the next step on); their ids."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    vocab = engine.runner.model_config.vocab_size
+    ids = [f"{tag}{batch}-{seed}-{i}" for i in range(batch)]
+    for i, rid in enumerate(ids):
+        engine.add_request(rid, random_prompt(prompt_len, vocab, seed + i), params)
+    while engine.num_waiting() or any(s.num_pending_tokens > 1 for s in engine.scheduler.running):
+        engine.step()
+    return ids
+
+
 def timed_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: int, seed: int) -> float:
     """Decode tokens/s of ``batch`` sequences over ``steps`` steps after their prefill.
 
     Prompts are prefilled a few per step, so the first ones decode meanwhile: their budget
     is large enough that none finishes inside the timed window (the batch would shrink and
     the window would time another batch size); they are aborted after it."""
-    params = SamplingParams(max_tokens=4 * steps + prompt_len + 16, temperature=0.0, ignore_eos=True)
-    vocab = engine.runner.model_config.vocab_size
-    ids = [f"d{batch}-{seed}-{i}" for i in range(batch)]
-    for i, rid in enumerate(ids):
-        engine.add_request(rid, random_prompt(prompt_len, vocab, seed + i), params)
-    while engine.num_waiting() or any(s.num_pending_tokens > 1 for s in engine.scheduler.running):
-        engine.step()
+    ids = start_decoding(engine, batch, prompt_len, 4 * steps + prompt_len + 16, seed)
     engine.step()  # first decode step of the bucket may capture its graph
     engine.step()
     sync()

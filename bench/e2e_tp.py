@@ -36,7 +36,6 @@ from onecat.runtime.engine import LLMEngine
 from onecat.runtime.models.config import ModelConfig
 from onecat.runtime.models.qwen3_5 import Qwen3_5ForCausalLM
 from onecat.runtime.quant_plan import QuantPlan
-from onecat.runtime.sampling_params import SamplingParams
 
 
 def build_shard(raw: dict, device: torch.device, dtype: torch.dtype) -> Qwen3_5ForCausalLM:
@@ -88,13 +87,8 @@ def decode(engine: LLMEngine, batch: int, args, tag: str, profile: bool) -> dict
     extra = args.decode_steps if profile else 0
     # prompts prefill a few per step, so the first ones decode meanwhile: no request may
     # finish inside the timed window (a smaller batch would capture a graph there)
-    params = SamplingParams(max_tokens=4 * (args.decode_steps + extra) + 64, temperature=0.0, ignore_eos=True)
-    vocab = engine.runner.model_config.vocab_size
-    ids = [f"{tag}-{batch}-{i}" for i in range(batch)]
-    for i, rid in enumerate(ids):
-        engine.add_request(rid, e2e.random_prompt(args.prompt_len, vocab, 1000 * batch + i), params)
-    while engine.num_waiting() or any(s.num_pending_tokens > 1 for s in engine.scheduler.running):
-        engine.step()
+    max_tokens = 4 * (args.decode_steps + extra) + 64
+    ids = e2e.start_decoding(engine, batch, args.prompt_len, max_tokens, 1000 * batch, tag=f"{tag}-")
     engine.step()  # capture this bucket's graph
     engine.step()
     e2e.sync()
@@ -116,7 +110,7 @@ def decode(engine: LLMEngine, batch: int, args, tag: str, profile: bool) -> dict
         result[f"allreduce_share_profiler_b{batch}"] = None if ms is None else ms / (step_s * 1e3)
         print(f"  {tag} batch {batch}: NCCL kernels {ms} ms/step; "
               f"{prof.get('launches')} kernels, {prof.get('kernel_ms')} ms of kernels per step", flush=True)
-    assert all(engine._sequences[rid].num_completion_tokens < params.max_tokens for rid in ids)
+    assert all(engine._sequences[rid].num_completion_tokens < max_tokens for rid in ids)
     for rid in ids:
         engine.abort_request(rid)
     return result

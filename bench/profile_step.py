@@ -17,7 +17,7 @@ import json
 import time
 
 import torch
-from e2e import fill_random, random_prompt, sync, text_config
+from e2e import fill_random, random_prompt, start_decoding, sync, text_config
 from torch.profiler import ProfilerActivity, profile
 
 from onecat.runtime.config import EngineConfig
@@ -44,13 +44,7 @@ def kernel_summary(prof, calls: int, top: int) -> dict:
 
 def profile_decode(engine: LLMEngine, batch: int, steps: int, prompt_len: int, top: int) -> dict:
     """Wall and kernel time of ``steps`` decode steps of ``batch`` sequences."""
-    params = SamplingParams(max_tokens=3 * steps + 8, temperature=0.0, ignore_eos=True)
-    vocab = engine.runner.model_config.vocab_size
-    ids = [f"prof-{batch}-{i}" for i in range(batch)]
-    for i, rid in enumerate(ids):
-        engine.add_request(rid, random_prompt(prompt_len, vocab, 77 * batch + i), params)
-    while engine.num_waiting() or any(s.num_pending_tokens > 1 for s in engine.scheduler.running):
-        engine.step()
+    ids = start_decoding(engine, batch, prompt_len, 3 * steps + 8, 77 * batch, tag="prof")
     for _ in range(3):
         engine.step()
     sync()
