@@ -16,6 +16,9 @@ class EngineConfig:
     of at most that many tokens). ``num_kv_blocks`` overrides the KV cache size (on CPU the
     default is a fixed byte budget). ``enforce_eager`` turns CUDA graphs off. ``tensor_parallel_size`` N > 1 splits the model
     over N GPUs of this host (or N CPU processes), see ``onecat.runtime.distributed``.
+    ``enable_prefix_caching`` reuses the KV blocks and GDN states of prompt prefixes computed
+    before (``onecat.runtime.engine.scheduler``); ``state_checkpoint_interval`` (tokens, rounded
+    down to whole KV blocks) is how often a long prompt's GDN states are checkpointed for it.
     """
 
     model: str
@@ -29,3 +32,5 @@ class EngineConfig:
     enforce_eager: bool = False
     served_model_name: str | None = None
     tensor_parallel_size: int = 1
+    enable_prefix_caching: bool = True
+    state_checkpoint_interval: int = 1024

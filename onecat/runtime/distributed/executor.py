@@ -68,22 +68,24 @@ class TokenWindow:
 class ShippedSequence:
     """What a worker's model runner reads of a scheduled :class:`Sequence`."""
 
-    __slots__ = ("num_computed_tokens", "num_tokens", "token_ids", "block_table", "state_slot", "fresh_slot")
+    __slots__ = ("num_computed_tokens", "num_tokens", "token_ids", "block_table", "state_slot", "fresh_slot",
+                 "restore_from", "save_to")
 
     def __init__(self, seq: Sequence, count: int) -> None:
         start = seq.num_computed_tokens
         self.num_computed_tokens, self.num_tokens = start, seq.num_tokens
         self.token_ids = TokenWindow(start, seq.token_ids[start : start + count])
         self.block_table, self.state_slot, self.fresh_slot = seq.block_table, seq.state_slot, seq.fresh_slot
+        self.restore_from, self.save_to = seq.restore_from, seq.save_to  # GDN state checkpoint rows
 
     def __getstate__(self) -> tuple:
         window = self.token_ids
         return (self.num_computed_tokens, self.num_tokens, window.start, window.ids,
-                self.block_table, self.state_slot, self.fresh_slot)
+                self.block_table, self.state_slot, self.fresh_slot, self.restore_from, self.save_to)
 
     def __setstate__(self, state: tuple) -> None:
         (self.num_computed_tokens, self.num_tokens, start, ids,
-         self.block_table, self.state_slot, self.fresh_slot) = state
+         self.block_table, self.state_slot, self.fresh_slot, self.restore_from, self.save_to) = state
         self.token_ids = TokenWindow(start, ids)
 
 

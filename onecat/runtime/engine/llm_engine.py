@@ -17,13 +17,13 @@ import torch
 from onecat.errors import OnecatError
 from onecat.formats.files import contained_file
 from onecat.runtime.config import EngineConfig
-from onecat.runtime.engine.block_manager import BlockManager, StateSlotPool
+from onecat.runtime.engine.block_manager import BlockManager, StateCheckpoints, StateSlotPool
 from onecat.runtime.engine.detokenizer import IncrementalDetokenizer
 from onecat.runtime.engine.model_runner import ModelRunner
 from onecat.runtime.engine.scheduler import Scheduler
 from onecat.runtime.engine.sequence import Sequence, SequenceStatus
 from onecat.runtime.errors import RequestError
-from onecat.runtime.layers.sampler import Sampler
+from onecat.runtime.layers.sampler import Sampler, TokenLogprobs
 from onecat.runtime.models.qwen3_5 import Qwen3_5ForCausalLM
 from onecat.runtime.sampling_params import SamplingParams
 
@@ -45,6 +45,7 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None  # finish_reason "error": what failed (the log has the traceback)
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
 
 
 def resolve_device(name: str) -> torch.device:
@@ -126,16 +127,19 @@ class LLMEngine:
         self.model_name = config.served_model_name or Path(config.model).name
         self.runner = runner
         self.max_model_len = self.runner.max_model_len
-        self.block_manager = BlockManager(self.runner.num_blocks, config.kv_block_size)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.kv_block_size, config.enable_prefix_caching)
         self.slots = StateSlotPool(self.runner.num_slots)
+        # rows after the slots and the CUDA-graph scratch slot; None: no GDN layers, no states
+        checkpoints = StateCheckpoints(self.runner.num_checkpoints, self.runner.num_slots + 1) if self.runner.gdn else None
         self.scheduler = Scheduler(
-            self.block_manager, self.slots, self.runner.num_slots, config.max_num_batched_tokens
+            self.block_manager, self.slots, self.runner.num_slots, config.max_num_batched_tokens,
+            checkpoints, config.state_checkpoint_interval,
         )
-        self.sampler = Sampler()
         eos_ids = set(runner.model_config.eos_token_ids) | set(eos)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos_ids.add(tokenizer.eos_token_id)
         self.eos_token_ids = eos_ids
+        self.sampler = Sampler(eos_token_ids=eos_ids)  # min_tokens masks EOS
         runner.warmup()  # decode graphs of every batch size, before any request waits on them
         self._sequences: dict[str, Sequence] = {}
         self._prompt_tokens_total = 0
@@ -169,7 +173,7 @@ class LLMEngine:
         if params.seed is not None and params.temperature > 0:
             generator = torch.Generator(device=self.runner.device)
             generator.manual_seed(params.seed)
-        detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop, min_tokens=params.min_tokens)
         seq = Sequence(request_id, prompt_token_ids, params, detok, generator)
         self._sequences[request_id] = seq
         self.scheduler.add(seq)
@@ -200,6 +204,8 @@ class LLMEngine:
             "total_state_slots": self.slots.num_slots,
             "prompt_tokens_total": self._prompt_tokens_total,
             "generation_tokens_total": self._generation_tokens_total,
+            "prefix_cache_queries": self.scheduler.prefix_cache_queries,
+            "prefix_cache_hits": self.scheduler.prefix_cache_hits,
         }
 
     # --- stepping ----------------------------------------------------------------------
@@ -221,24 +227,28 @@ class LLMEngine:
             return self._forward_failed(scheduled, exc)
         for seq, count in scheduled:
             seq.num_computed_tokens += count
+        self.scheduler.commit(scheduled)  # new full blocks and state checkpoints enter the cache
         if not sampled:
             return []
         try:
-            tokens = self.sampler(logits, [s.params for s in sampled], [s.generator for s in sampled])
-        except Exception:  # one request's settings broke the batched sampler: find which
-            tokens = [self._sample_alone(seq, logits[row : row + 1]) for row, seq in enumerate(sampled)]
+            result = self.sampler(logits, sampled)
+            picks = list(zip(result.token_ids, result.logprobs, strict=True))
+        except Exception:  # one request's settings (or logits processor) broke the batch: find which
+            picks = [self._sample_alone(seq, logits[row : row + 1]) for row, seq in enumerate(sampled)]
         outputs = []
-        for seq, token in zip(sampled, tokens, strict=True):
+        for seq, pick in zip(sampled, picks, strict=True):
             try:  # free while nothing raises (Python 3.11+): no per-token cost
-                outputs.append(self._fail(seq, token) if isinstance(token, Exception) else self._append(seq, token))
+                outputs.append(self._fail(seq, pick) if isinstance(pick, Exception) else self._append(seq, *pick))
             except Exception as exc:
                 outputs.append(self._fail(seq, exc))
         return outputs
 
-    def _sample_alone(self, seq: Sequence, logits: torch.Tensor) -> int | Exception:
-        """The token of one row sampled by itself, or the exception its sampling raised."""
+    def _sample_alone(self, seq: Sequence, logits: torch.Tensor) -> tuple[int, TokenLogprobs | None] | Exception:
+        """The token (and logprobs) of one row sampled by itself, or the exception its
+        sampling raised."""
         try:
-            return self.sampler(logits, [seq.params], [seq.generator])[0]
+            result = self.sampler(logits, [seq])
+            return result.token_ids[0], result.logprobs[0]
         except Exception as exc:
             return exc
 
@@ -281,7 +291,7 @@ class LLMEngine:
             error=f"{type(exc).__name__}: {exc}",
         )
 
-    def _append(self, seq: Sequence, token: int) -> RequestOutput:
+    def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None) -> RequestOutput:
         params = seq.params
         seq.token_ids.append(token)
         self._generation_tokens_total += 1
@@ -306,6 +316,7 @@ class LLMEngine:
             finish_reason=reason,
             prompt_tokens=seq.num_prompt_tokens,
             completion_tokens=seq.num_completion_tokens,
+            logprobs=None if logprobs is None else [logprobs],
         )
 
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams) -> list[str]:

@@ -4,7 +4,12 @@ Memory: on a GPU, after the weights are loaded, one prefill of ``max_num_batched
 tokens measures the peak activation memory; what ``gpu_memory_utilization`` leaves after
 that (and a reserve for sampling and graphs) holds the GDN state slots (``max_num_seqs``
 of them, fewer with a warning if they would take more than half) and the paged KV cache of
-the full-attention layers. On CPU the KV cache gets a fixed byte budget.
+the full-attention layers. On CPU the KV cache gets a fixed byte budget. With prefix caching,
+GDN state checkpoints (``block_manager.StateCheckpoints``) get extra state rows: at most
+``MAX_STATE_CHECKPOINTS`` and ``max_num_seqs``, and on a GPU at most an eighth of the memory
+left for caches. They follow the scratch slot in the state tensors; the runner copies a
+checkpoint into a sequence's slot before a step (``Sequence.restore_from``) and a slot into
+a checkpoint after it (``Sequence.save_to``), outside any CUDA graph.
 
 Inside decode graphs the small elementwise steps run fused (``layers/fusion.py``).
 
@@ -42,6 +47,8 @@ CPU_KV_CACHE_BYTES = 64 << 20
 GRAPH_RESERVE_BYTES = 512 << 20
 """GPU memory kept free for CUDA graph pools and allocator slack."""
 MIN_GRAPH_BLOCKS = 16
+MAX_STATE_CHECKPOINTS = 16
+"""Most GDN state checkpoints kept for prefix caching (each is a whole slot: ~151 MB on the 27B)."""
 
 
 def _next_power_of_two(n: int) -> int:
@@ -93,8 +100,11 @@ class ModelRunner:
         self.gdn = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
         self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
         wanted_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.num_checkpoints = 0  # set by _plan_memory
         self.num_blocks, self.num_slots = self._plan_memory(config, wanted_len)
-        self.num_blocks, self.num_slots = min_over_ranks(self.num_blocks, self.num_slots)  # TP: all agree
+        self.num_blocks, self.num_slots, self.num_checkpoints = min_over_ranks(  # TP: all agree
+            self.num_blocks, self.num_slots, self.num_checkpoints
+        )
         capacity = self.num_blocks * self.block_size
         if config.max_model_len and config.max_model_len > capacity:
             raise OnecatError(
@@ -131,6 +141,8 @@ class ModelRunner:
     def _plan_memory(self, config: EngineConfig, max_len: int) -> tuple[int, int]:
         slots = config.max_num_seqs
         per_seq_blocks = -(-max_len // self.block_size)
+        wants_checkpoints = config.enable_prefix_caching and bool(self.gdn)
+        self.num_checkpoints = min(slots, MAX_STATE_CHECKPOINTS) if wants_checkpoints else 0
         if self.device.type != "cuda":
             if not self.block_bytes():  # only linear attention: blocks are bookkeeping
                 return config.num_kv_blocks or slots * per_seq_blocks, slots
@@ -162,6 +174,10 @@ class ModelRunner:
                 slots, slots * self.slot_bytes() / 2**30, fitting,
             )
             slots = fitting
+        if self.num_checkpoints:
+            fitting = available // 8 // max(self.slot_bytes(), 1)
+            self.num_checkpoints = int(min(self.num_checkpoints, fitting))
+            available -= self.num_checkpoints * self.slot_bytes()
         if not self.block_bytes():  # only linear attention: blocks are bookkeeping, no memory
             return config.num_kv_blocks or slots * per_seq_blocks, slots
         blocks = config.num_kv_blocks or (available - slots * self.slot_bytes()) // self.block_bytes()
@@ -181,7 +197,8 @@ class ModelRunner:
 
     def _allocate(self) -> None:
         cfg = self.model_config
-        # one scratch block and one scratch slot beyond the pools, for CUDA-graph padding rows
+        # one scratch block and one scratch slot beyond the pools, for CUDA-graph padding rows;
+        # the state checkpoints' rows after the scratch slot
         kv = torch.zeros(
             2, len(self.attention), self.num_blocks + 1, self.block_size,
             cfg.num_key_value_heads, cfg.head_dim, dtype=self.dtype, device=self.device,
@@ -191,10 +208,10 @@ class ModelRunner:
         for layer in self.gdn:
             kernel = layer.conv1d.weight.shape[1]
             layer.conv_state = torch.zeros(
-                self.num_slots + 1, layer.conv_dim, kernel - 1, dtype=self.dtype, device=self.device
+                self.num_slots + 1 + self.num_checkpoints, layer.conv_dim, kernel - 1, dtype=self.dtype, device=self.device
             )
             layer.recurrent_state = torch.zeros(
-                self.num_slots + 1, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim,
+                self.num_slots + 1 + self.num_checkpoints, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim,
                 dtype=torch.float32, device=self.device,
             )
 
@@ -211,6 +228,16 @@ class ModelRunner:
         for s in seqs:
             s.fresh_slot = False
 
+    def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy GDN conv + recurrent states from row ``src`` to row ``dst`` for each pair."""
+        if not pairs or not self.gdn:
+            return
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.device)
+        for layer in self.gdn:
+            layer.conv_state.index_copy_(0, dst, layer.conv_state.index_select(0, src))
+            layer.recurrent_state.index_copy_(0, dst, layer.recurrent_state.index_select(0, src))
+
     def _slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
 
@@ -226,6 +253,7 @@ class ModelRunner:
         the same step: the prompt chunks then run eagerly in a second pass (a server admits
         new prompts while others decode, so most of its steps are such mixed steps)."""
         seqs = [seq for seq, _ in scheduled]
+        self._copy_states([(s.restore_from, s.state_slot) for s in seqs if s.restore_from is not None])
         self._reset_fresh_slots(seqs)
         decodes = [seq for seq, count in scheduled if count == 1]
         logits = None
@@ -244,6 +272,7 @@ class ModelRunner:
                 "non-finite logits: activations overflowed fp16 (the checkpoint was trained in "
                 "bf16); outputs of this model may be garbage on fp16 hardware"
             )
+        self._copy_states([(s.state_slot, s.save_to) for s in seqs if s.save_to is not None])
         return sampled, logits
 
     def _run_eager(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Continuous batching with chunked prefill.
+"""Continuous batching with chunked prefill and automatic prefix caching.
 
 Every step gets a budget of ``max_num_batched_tokens`` tokens. Running sequences go first,
 in arrival order: a decoding sequence takes one token, a sequence still prefilling takes the
@@ -7,18 +7,42 @@ the budget, ``max_num_seqs``, free state slots and free KV blocks allow; a long 
 split over several steps. When KV blocks run out, the most recently admitted running
 sequence is preempted: it gives back its blocks and slot and is recomputed from scratch
 later (its generated tokens are kept and prefilled again with the prompt).
+
+Prefix caching (``BlockManager.caching``): a sequence being admitted starts after the
+longest prefix of its tokens -- at most all but the last, whose logits it needs -- that
+ends at a block boundary where both the KV blocks are cached and (for a model with GDN
+layers) a state checkpoint exists; it takes those blocks and the runner copies the
+checkpoint into its slot. Checkpoints are taken while prompts are prefilled, at block
+boundaries where a prompt chunk is made to end:
+
+- every ``checkpoint_interval`` tokens (long documents shared by later requests lose at
+  most that much work; a prompt chunk crossing such a boundary ends there);
+- where the cached KV blocks of the sequence's prefix ran out of state checkpoints at
+  admission (the branching point of prompts sharing a prefix: the second request sharing a
+  system prompt computes it, the third and later ones skip it);
+- at the last block boundary of a prompt of at least ``checkpoint_interval`` tokens (the
+  next turn of a conversation, a repeated prompt). Shorter prompts skip this one: it costs a
+  forward pass for the prompt's tail, which a short prompt's first token would feel.
+
+Checkpoints are few (one per interval of a long prompt, one or two per request) because each
+is a full copy of all GDN states (~151 MB on the 27B); the pool evicts the least recently
+used one. Counters ``prefix_cache_queries`` / ``prefix_cache_hits`` count tokens looked up
+and tokens found, as vLLM's do.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from onecat.runtime.engine.block_manager import BlockManager, StateSlotPool
+from onecat.runtime.engine.block_manager import BlockManager, StateCheckpoints, StateSlotPool
 from onecat.runtime.engine.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
-    """Decides which tokens of which sequences the next forward pass computes."""
+    """Decides which tokens of which sequences the next forward pass computes.
+
+    ``checkpoints`` is None for a model without GDN layers (any cached KV prefix is then
+    reusable as it is)."""
 
     def __init__(
         self,
@@ -26,13 +50,20 @@ class Scheduler:
         slots: StateSlotPool,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        checkpoints: StateCheckpoints | None = None,
+        checkpoint_interval: int = 1024,
     ) -> None:
         self.block_manager = block_manager
         self.slots = slots
+        self.checkpoints = checkpoints
+        size = block_manager.block_size
+        self.checkpoint_interval = max(size, checkpoint_interval // size * size)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence."""
@@ -45,6 +76,10 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         self.slots.free(seq)
+        if seq.save_to is not None and self.checkpoints is not None:
+            self.checkpoints.unreserve(seq.save_to)
+        seq.restore_from = seq.save_to = seq.save_key = None
+        seq.checkpoint_at = []
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -63,6 +98,67 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
+    # --- prefix cache ----------------------------------------------------------------------
+
+    @property
+    def _caching(self) -> bool:
+        return self.block_manager.caching
+
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], int | None, int]:
+        """The cached blocks ``seq`` can start from, the checkpoint row to restore (None: none
+        needed or none found) and how many blocks the KV cache alone would have given."""
+        blocks = self.block_manager.cached_prefix(seq, seq.num_tokens - 1)
+        if self.checkpoints is None or not blocks:
+            return blocks, None, len(blocks)
+        for n in range(len(blocks), 0, -1):
+            row = self.checkpoints.lookup(seq.block_hashes[n - 1])
+            if row is not None:
+                return blocks[:n], row, len(blocks)
+        return [], None, len(blocks)
+
+    def _plan_checkpoints(self, seq: Sequence, hit: int, kv_blocks: int) -> None:
+        """Where the state of ``seq`` is checkpointed during its prefill (see the module
+        docstring); nothing without GDN layers or prefix caching."""
+        seq.checkpoint_at = []
+        if not self._caching or self.checkpoints is None or not self.checkpoints.num_rows:
+            return
+        n, size, interval = seq.num_tokens, self.block_manager.block_size, self.checkpoint_interval
+        points = set(range(interval, n, interval))
+        if kv_blocks * size > hit:
+            points.add(kv_blocks * size)  # the KV cache goes on here, the states did not
+        last = (n - 1) // size * size
+        if last >= interval:
+            points.add(last)
+        seq.checkpoint_at = sorted(p for p in points if hit < p < n)
+
+    def _chunk(self, seq: Sequence, count: int) -> int:
+        """``count`` pending tokens of ``seq`` cut at its next checkpoint boundary (the state is
+        then saved there: a row reserved now, published by :meth:`commit`)."""
+        start = seq.num_computed_tokens
+        while seq.checkpoint_at and seq.checkpoint_at[0] <= start:
+            seq.checkpoint_at.pop(0)
+        if not seq.checkpoint_at or seq.checkpoint_at[0] > start + count:
+            return count
+        boundary = seq.checkpoint_at.pop(0)
+        key = self.block_manager.hashes(seq, boundary)[-1]
+        if self.checkpoints.lookup(key) is None:
+            seq.save_to = self.checkpoints.reserve()
+            seq.save_key = key if seq.save_to is not None else None
+        return boundary - start
+
+    def commit(self, scheduled: list[tuple[Sequence, int]]) -> None:
+        """After a step computed ``scheduled`` (and their ``num_computed_tokens`` advanced):
+        their completed full blocks enter the prefix cache and their new state checkpoints
+        become visible."""
+        for seq, _ in scheduled:
+            seq.restore_from = None
+            if seq.save_to is not None:
+                self.checkpoints.publish(seq.save_key, seq.save_to)
+                seq.save_to = seq.save_key = None
+            self.block_manager.register(seq)
+
+    # --- scheduling --------------------------------------------------------------------
+
     def schedule(self) -> list[tuple[Sequence, int]]:
         """The next step's work: ``(sequence, number of tokens to compute)`` pairs, single-token
         (decode) entries first."""
@@ -78,19 +174,34 @@ class Scheduler:
             if not self.block_manager.can_grow(seq, target):
                 self._preempt(seq)  # nothing left to take blocks from
                 break
-            self.block_manager.grow(seq, target)
+            count = self._chunk(seq, count)
+            self.block_manager.grow(seq, seq.num_computed_tokens + count)
             scheduled.append((seq, count))
             budget -= count
             index += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            count = min(seq.num_pending_tokens, budget)
-            target = seq.num_computed_tokens + count
-            if not self.slots.num_free or not self.block_manager.can_grow(seq, target):
+            if not self.slots.num_free:
+                break
+            blocks, row, kv_blocks = self._cached_prefix(seq)
+            hit = len(blocks) * self.block_manager.block_size
+            count = min(seq.num_tokens - hit, budget)
+            needed = -(-(hit + count) // self.block_manager.block_size) - len(blocks)
+            if needed > self.block_manager.num_free_after_taking(blocks):
                 break
             self.waiting.popleft()
             self.slots.allocate(seq)
-            self.block_manager.grow(seq, target)
+            self.block_manager.take_cached(seq, blocks)
+            seq.num_computed_tokens = hit
+            if row is not None:
+                self.checkpoints.touch(seq.block_hashes[len(blocks) - 1])
+                seq.restore_from, seq.fresh_slot = row, False
+            if self._caching:
+                self.prefix_cache_queries += seq.num_tokens
+                self.prefix_cache_hits += hit
+            self._plan_checkpoints(seq, hit, kv_blocks)
+            count = self._chunk(seq, count)
+            self.block_manager.grow(seq, hit + count)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append((seq, count))

@@ -25,6 +25,14 @@ class Sequence:
     effect is in the GDN state; the next step computes from there (a prompt chunk, or the
     single newest token when decoding). ``block_table`` lists its KV blocks in order;
     ``state_slot`` is its GDN state slot (``fresh_slot`` asks the runner to zero it first).
+
+    Prefix caching: ``block_hashes`` are the content hashes of its full blocks (filled lazily
+    by the block manager), of which the first ``num_registered_blocks`` have been offered to
+    the cache. ``checkpoint_at`` lists the block boundaries (token counts) at which its GDN
+    state is to be checkpointed while its prompt is prefilled (a prompt chunk ends at the next
+    one). For the next step only: ``restore_from`` is the checkpoint row the runner copies
+    into ``state_slot`` before the forward pass (a cache hit), ``save_to`` the row it copies
+    ``state_slot`` into afterwards, to be published under ``save_key``.
     """
 
     def __init__(
@@ -46,6 +54,12 @@ class Sequence:
         self.block_table: list[int] = []
         self.state_slot: int | None = None
         self.fresh_slot = False
+        self.block_hashes: list[bytes] = []
+        self.num_registered_blocks = 0
+        self.checkpoint_at: list[int] = []
+        self.restore_from: int | None = None
+        self.save_to: int | None = None
+        self.save_key: bytes | None = None
         self.finish_reason: str | None = None
 
     @property
