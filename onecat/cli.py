@@ -212,6 +212,8 @@ def _engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--gpu-memory-utilization", type=float, default=0.92, show_default=True,
                      help="Fraction of GPU memory for weights, activations and the KV cache."),
         click.option("--enforce-eager", is_flag=True, help="Do not capture CUDA graphs."),
+        click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
+                     help="Reuse the KV blocks and GDN states of prompt prefixes seen before."),
         click.option("--tensor-parallel-size", "-tp", type=int, default=1, show_default=True,
                      help="GPUs of this host to split the model over (per pipeline stage with "
                           "--engine vllm)."),
@@ -284,6 +286,8 @@ def serve(artifact: str, host: str, port: int, api_key: str | None, served_model
 
         server_args = _server_flags_for_vllm(trust_request_chat_template, max_request_body_bytes,
                                              shutdown_timeout)
+        if not engine_flags.pop("enable_prefix_caching"):
+            server_args += ("--no-enable-prefix-caching",)
         serve_from_onecat_flags(  # replaces this process with vLLM's server
             artifact, host=host, port=port, api_key=api_key, served_model_name=served_model_name,
             log_level=log_level, vllm_args=(*server_args, *vllm_args), tensor_parallel_size=tensor_parallel_size,

@@ -27,6 +27,8 @@ _GAUGES = {
 _COUNTERS = {
     "prompt_tokens_total": ("onecat:prompt_tokens", "Prompt tokens processed."),
     "generation_tokens_total": ("onecat:generation_tokens", "Tokens generated."),
+    "prefix_cache_queries": ("onecat:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits": ("onecat:prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)."),
 }
 
 
