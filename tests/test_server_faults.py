@@ -177,10 +177,10 @@ def faulty_server(tiny_model):
 
             detok.append = append
 
-    def sampler(logits, params, generators):
-        if any(p.top_p == POISON_SAMPLER for p in params):
+    def sampler(logits, rows):
+        if any(row.params.top_p == POISON_SAMPLER for row in rows):
             raise RuntimeError("injected sampler fault")
-        return real_sampler(logits, params, generators)
+        return real_sampler(logits, rows)
 
     engine.add_request = add_request
     engine.sampler = sampler

@@ -1,5 +1,13 @@
 """How one request is sampled and when it stops (the engine <-> server contract).
 
+Names and meanings are vLLM's: ``presence_penalty`` / ``frequency_penalty`` (OpenAI's, over
+the generated tokens), ``repetition_penalty`` (over prompt and generated tokens: positive
+logits divided by it, negative ones multiplied), ``min_p``, ``min_tokens`` (EOS, the stop
+token ids and the stop strings do not end the output before that many tokens), ``logprobs``
+(how many top alternatives to report per token besides the chosen one; up to
+``MAX_LOGPROBS``, vLLM's default ``--max-logprobs``). ``logits_processors`` is the
+per-request hook described in ``onecat.runtime.layers.sampler`` (grammar masks use it).
+
 The limits below are what the engine can take: counts and token ids fit int32, a seed fits
 int64 (as vLLM's ``seed``), floats are finite. The server refuses anything beyond them with
 a 400 before it reaches the engine; ``SamplingParams.validate`` enforces them again for
@@ -9,7 +17,10 @@ every other caller, so no request can raise inside the engine loop.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import torch
 
 from onecat.runtime.errors import RequestError
 
@@ -17,6 +28,11 @@ MAX_INT32 = 2**31 - 1  # counts (max_tokens, top_k) and token ids
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # torch.Generator.manual_seed takes int64
 MAX_STOP_STRINGS = 64  # each is searched for after every generated token
 MAX_STOP_TOKEN_IDS = 1024  # each generated token is compared with them
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+PENALTY_LIMIT = 2.0  # presence / frequency penalties lie in [-2, 2]; repetition in (0, 2]
+
+LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
+"""``(output_token_ids, logits_row) -> logits_row``: see ``onecat.runtime.layers.sampler``."""
 
 
 def check_text(value: str, param: str) -> None:
@@ -40,7 +56,9 @@ class SamplingParams:
 
     ``temperature`` 0 is greedy; ``top_k`` 0 is off; ``stop`` strings end the output and are
     not included in it; ``stop_token_ids`` and the model's EOS end it too (EOS unless
-    ``ignore_eos``); ``seed`` makes sampling reproducible per request.
+    ``ignore_eos``); ``seed`` makes sampling reproducible per request, whatever else is in
+    the batch. Penalties, ``min_p`` and ``min_tokens`` as in vLLM (module docstring);
+    ``logprobs`` None: none reported, k: the chosen token's and the k most likely ones.
     """
 
     max_tokens: int = 16
@@ -51,6 +69,18 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    logits_processors: list[LogitsProcessor] = field(default_factory=list)
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any of the three penalties changes the logits."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def validate(self) -> None:
         """Raise RequestError naming the first field out of range."""
@@ -84,6 +114,27 @@ class SamplingParams:
             raise RequestError(f"stop_token_ids must be integers in 0..{MAX_INT32}", param="stop_token_ids")
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}", param="ignore_eos")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise RequestError(
+                f"min_tokens must be an integer in 0..max_tokens ({self.max_tokens}), got {self.min_tokens!r}",
+                param="min_tokens",
+            )
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p!r}", param="min_p")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
+                raise RequestError(f"{name} must be in [-2, 2], got {value!r}", param=name)
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= PENALTY_LIMIT:
+            raise RequestError(
+                f"repetition_penalty must be in (0, 2] (1 = off), got {self.repetition_penalty!r}",
+                param="repetition_penalty",
+            )
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise RequestError(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}",
+                               param="logprobs")
+        if not isinstance(self.logits_processors, list) or not all(map(callable, self.logits_processors)):
+            raise RequestError("logits_processors must be a list of callables", param="logits_processors")
 
 
 def _is_int(value: object) -> bool:

@@ -4,7 +4,8 @@ Text is decoded from a window of recent tokens: the window's text minus the text
 first (already emitted) tokens is the new text, held back while it ends in an incomplete
 UTF-8 character (U+FFFD). Stop strings are searched in the new text plus the tail that
 could start one; output is released only up to the point where no stop string can still
-begin, so a stop string is never streamed and then taken back.
+begin, so a stop string is never streamed and then taken back. A stop string counts only
+when it ends in the text of a token after the first ``min_tokens`` (vLLM's rule).
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from typing import Any
 class IncrementalDetokenizer:
     """Turns the generated token ids of one sequence into text, piece by piece."""
 
-    def __init__(self, tokenizer: Any | None, stop: list[str]) -> None:
+    def __init__(self, tokenizer: Any | None, stop: list[str], min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stop = list(stop)
+        self.min_tokens = min_tokens
         self.hold_back = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
         self.text = ""
@@ -42,10 +44,10 @@ class IncrementalDetokenizer:
         self.text += window[len(before) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self.token_ids)
-        if not self.stop:
+        if not self.stop or len(self.token_ids) <= self.min_tokens:
             return False
-        search_from = max(0, old_length - self.hold_back)
-        hits = [self.text.find(s, search_from) for s in self.stop]
+        # only matches that end in the new text (each string's own window)
+        hits = [self.text.find(s, max(0, old_length - len(s) + 1)) for s in self.stop]
         hits = [h for h in hits if h >= 0]
         if hits:
             self.text = self.text[: min(hits)]

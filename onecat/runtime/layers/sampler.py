@@ -1,15 +1,122 @@
-"""Token sampling: greedy, or temperature with top-k and top-p, reproducible per request.
+"""Token sampling for a batch of requests, batched on the logits' device (vLLM's semantics).
 
-Rows of requests with a seed draw from their own ``torch.Generator`` (seeded once per
-request), so a seeded request samples the same tokens whatever else is in the batch. Rows
-without a seed draw together from the engine's generator.
+One call takes the logits ``[B, V]`` of B sequences and their rows (``SamplingRow``: the
+request's ``SamplingParams``, its generator, its prompt + output token ids) and goes, in
+order:
+
+1. **Logits processors** (per request, ``SamplingParams.logits_processors``): each is a
+   callable ``(output_token_ids, logits_row) -> logits_row``. ``output_token_ids`` is the
+   list of tokens the request generated so far (read it, do not change it); ``logits_row``
+   is a float32 ``[V]`` view on the logits' device (CPU or CUDA) that the callable may edit
+   in place and return, or replace by a new ``[V]`` tensor that it returns. It runs every
+   step the request samples, before everything below: a grammar (JSON schema, xgrammar)
+   masks disallowed tokens here with ``-inf``, so they can be neither sampled nor reported
+   in logprobs, as vLLM's structured-output bitmask, which is applied before its sampler.
+   A processor that raises fails its own request only (``finish_reason`` "error"). This is
+   the one per-request Python loop over rows; requests without processors cost nothing.
+2. **Logprobs** (requests with ``logprobs`` set only): ``log_softmax`` of these logits, i.e.
+   before penalties, ``min_tokens``, temperature, ``min_p`` and top-k/top-p, which is vLLM's
+   default ``--logprobs-mode raw_logprobs``; the chosen token's logprob and the
+   ``logprobs`` most likely tokens are reported.
+3. **min_tokens**: while a request has fewer than ``min_tokens`` outputs, its stop token
+   ids and EOS (unless ``ignore_eos``) are set to ``-inf``.
+4. **Penalties** (vLLM / OpenAI definitions), from per-row token counts scattered over the
+   token ids on the device: ``repetition_penalty`` r on every token present in the prompt
+   or the output (logit > 0: divided by r, otherwise multiplied by r), then
+   ``frequency_penalty * count_in_output`` and ``presence_penalty * (count_in_output > 0)``
+   subtracted.
+5. **Greedy** rows (temperature below 1e-5, vLLM's epsilon) take the argmax of these logits.
+6. **Random** rows: logits divided by the temperature; ``min_p`` drops tokens whose
+   probability is below ``min_p`` times the row's largest; top-k and top-p (nucleus) keep
+   their sets; then one token is drawn by the exponential race ``argmax(p / q)``, q ~ Exp(1)
+   (equivalent to drawing from p). Rows of requests with a ``seed`` draw their q from their
+   own ``torch.Generator`` (seeded once per request), so a seeded request samples the same
+   tokens whatever else is in the batch; rows without a seed share the sampler's generator.
+
+Everything per token stays a batched tensor operation; the host receives the B chosen ids
+(and, for rows that asked, their logprobs) in one transfer.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 
 from onecat.runtime.sampling_params import SamplingParams
+
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
+
+
+class SamplingRow(Protocol):
+    """What the sampler reads of one sequence (``engine.sequence.Sequence`` is one)."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    token_ids: list[int]  # prompt + generated so far
+    num_prompt_tokens: int
+
+
+@dataclass
+class TokenLogprobs:
+    """The logprobs reported for one sampled token: its own and the top alternatives
+    (``(token_id, logprob)`` pairs, most likely first; ``params.logprobs`` of them)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class SamplerOutput:
+    """One sampled token per row, and its logprobs where the row's request asked."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    """True when the request takes the argmax (temperature 0, or below vLLM's epsilon)."""
+    return params.temperature < SAMPLING_EPS
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_ids: list[list[int]],
+    output_ids: list[list[int]],
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    repetition: torch.Tensor,
+) -> torch.Tensor:
+    """Repetition, frequency and presence penalties on ``logits [R, V]`` (in place; returned).
+
+    ``prompt_ids`` / ``output_ids``: each row's prompt and generated token ids; the three
+    penalty tensors are ``[R]``. Token counts are scattered on the logits' device.
+    """
+    rows, vocab = logits.shape
+    device = logits.device
+    output_counts = _token_counts(output_ids, rows, vocab, device)
+    output_mask = output_counts > 0
+    seen = output_mask | (_token_counts(prompt_ids, rows, vocab, device) > 0)
+    scale = torch.where(seen, repetition[:, None], 1.0)
+    logits = torch.where(logits > 0, logits / scale, logits * scale)
+    logits -= frequency[:, None] * output_counts
+    logits -= presence[:, None] * output_mask
+    return logits
+
+
+def _token_counts(ids: list[list[int]], rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """``[rows, vocab]`` float counts of each row's token ids (one flat scatter-add)."""
+    lengths = torch.tensor([len(row) for row in ids])
+    flat = torch.tensor(list(itertools.chain.from_iterable(ids)), dtype=torch.long)
+    row_of = torch.repeat_interleave(torch.arange(rows), lengths)
+    counts = torch.zeros(rows * vocab, device=device)
+    index = (row_of * vocab + flat).to(device, non_blocking=True)
+    counts.index_add_(0, index, torch.ones(index.shape[0], device=device))
+    return counts.view(rows, vocab)
 
 
 def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -17,18 +124,30 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
     drop = ranks >= top_k[:, None]
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    drop |= (cumulative - sorted_logits.softmax(dim=-1)) >= top_p[:, None]  # keep the first
+    probs = sorted_logits.softmax(dim=-1)
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]  # the first token is always kept
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-class Sampler:
-    """Picks the next token of each row of logits."""
+def _min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf the tokens whose probability is below ``min_p`` times the row's largest."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+    return logits.masked_fill(probs < threshold, float("-inf"))
 
-    def __init__(self, seed: int | None = None) -> None:
+
+class Sampler:
+    """Picks the next token of each row of logits (module docstring: the steps).
+
+    ``eos_token_ids`` are the model's end-of-sequence ids, masked while a request has fewer
+    than ``min_tokens`` outputs (unless it ignores EOS).
+    """
+
+    def __init__(self, seed: int | None = None, eos_token_ids: Sequence[int] = ()) -> None:
         self._generators: dict[torch.device, torch.Generator] = {}
         self._seed = seed
+        self.eos_token_ids = sorted(set(eos_token_ids))
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
@@ -37,28 +156,96 @@ class Sampler:
             self._generators[device] = gen
         return self._generators[device]
 
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        params: list[SamplingParams],
-        generators: list[torch.Generator | None],
-    ) -> list[int]:
-        """``logits [B, V]``, one ``params`` and generator (or None) per row -> B token ids."""
-        logits = logits.float()
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """``logits [B, V]`` and one row per logits row -> B tokens (and asked-for logprobs)."""
+        logits = logits.to(torch.float32, copy=True)
+        params = [row.params for row in rows]
+        device = logits.device
+        self._run_processors(logits, rows)
+
+        want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
+        logprobs = top = None
+        if want_logprobs:
+            logprobs = logits[want_logprobs].log_softmax(dim=-1)
+            k = max(params[i].logprobs for i in want_logprobs)
+            top = logprobs.topk(k, dim=-1) if k else None
+
+        self._mask_stop_tokens(logits, rows)
+        penalized = [i for i, p in enumerate(params) if p.has_penalties]
+        if penalized:
+            logits[penalized] = apply_penalties(
+                logits[penalized],
+                [rows[i].token_ids[: rows[i].num_prompt_tokens] for i in penalized],
+                [rows[i].token_ids[rows[i].num_prompt_tokens :] for i in penalized],
+                torch.tensor([params[i].presence_penalty for i in penalized], device=device),
+                torch.tensor([params[i].frequency_penalty for i in penalized], device=device),
+                torch.tensor([params[i].repetition_penalty for i in penalized], device=device),
+            )
+
         tokens = logits.argmax(dim=-1)
-        sampled = [i for i, p in enumerate(params) if p.temperature > 0]
+        sampled = [i for i, p in enumerate(params) if not is_greedy(p)]
         if sampled:
-            rows = torch.tensor(sampled, device=logits.device)
-            vocab = logits.shape[-1]
-            temperature = torch.tensor([params[i].temperature for i in sampled], device=logits.device)
-            top_k = torch.tensor([params[i].top_k or vocab for i in sampled], device=logits.device)
-            top_p = torch.tensor([params[i].top_p for i in sampled], device=logits.device)
-            probs = _filter(logits[rows] / temperature[:, None], top_k, top_p).softmax(dim=-1)
-            shared = [j for j, i in enumerate(sampled) if generators[i] is None]
-            if shared:
-                picks = torch.multinomial(probs[shared], 1, generator=self._shared_generator(logits.device))
-                tokens[rows[shared]] = picks[:, 0]
-            for j, i in enumerate(sampled):
-                if generators[i] is not None:
-                    tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
-        return tokens.tolist()
+            tokens[sampled] = self._sample(logits[sampled], [rows[i] for i in sampled])
+
+        if not want_logprobs:
+            return SamplerOutput(tokens.tolist(), [None] * len(rows))
+        chosen = tokens[want_logprobs]
+        chosen_logprobs = logprobs.gather(1, chosen[:, None])[:, 0]
+        host = [t.cpu() for t in (tokens, chosen_logprobs, *(top or ()))]
+        token_list = host[0].tolist()
+        out: list[TokenLogprobs | None] = [None] * len(rows)
+        top_values = host[2].tolist() if top is not None else None
+        top_ids = host[3].tolist() if top is not None else None
+        for j, (i, lp) in enumerate(zip(want_logprobs, host[1].tolist(), strict=True)):
+            k = params[i].logprobs
+            pairs = list(zip(top_ids[j][:k], top_values[j][:k], strict=True)) if k else []
+            out[i] = TokenLogprobs(token_list[i], lp, pairs)
+        return SamplerOutput(token_list, out)
+
+    @staticmethod
+    def _run_processors(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        for i, row in enumerate(rows):
+            processors = row.params.logits_processors
+            if not processors:
+                continue
+            outputs = row.token_ids[row.num_prompt_tokens :]
+            values = logits[i]
+            for processor in processors:
+                values = processor(outputs, values)
+            if values is not logits[i]:
+                logits[i] = values
+
+    def _mask_stop_tokens(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        """``min_tokens``: -inf on the stop ids of rows that may not stop yet."""
+        row_index: list[int] = []
+        token_index: list[int] = []
+        for i, row in enumerate(rows):
+            p = row.params
+            if p.min_tokens and len(row.token_ids) - row.num_prompt_tokens < p.min_tokens:
+                stops = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids).union(self.eos_token_ids)
+                stops = [t for t in stops if t < logits.shape[-1]]
+                row_index += [i] * len(stops)
+                token_index += stops
+        if row_index:
+            index = (torch.tensor(row_index), torch.tensor(token_index))
+            logits.index_put_(tuple(t.to(logits.device) for t in index), torch.tensor(float("-inf"), device=logits.device))
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Temperature, min_p, top-k / top-p and one draw for each random row."""
+        device = logits.device
+        params = [row.params for row in rows]
+        logits = logits / torch.tensor([p.temperature for p in params], device=device)[:, None]
+        if any(p.min_p > 0 for p in params):
+            logits = _min_p(logits, torch.tensor([p.min_p for p in params], device=device))
+        vocab = logits.shape[-1]
+        if any(0 < p.top_k < vocab or p.top_p < 1 for p in params):
+            top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+            logits = _filter(logits, top_k, torch.tensor([p.top_p for p in params], device=device))
+        probs = logits.softmax(dim=-1)
+        q = torch.empty_like(probs)
+        if any(row.generator is None for row in rows):
+            q.exponential_(generator=self._shared_generator(device))
+        for j, row in enumerate(rows):
+            if row.generator is not None:
+                q[j].exponential_(generator=row.generator)
+        return probs.div_(q).argmax(dim=-1)
