@@ -1,0 +1,165 @@
+"""Structured output: the tokens a request may sample are masked to a grammar (xgrammar).
+
+``response_format`` ``json_object`` (any JSON object) and ``json_schema`` (the schema, strictly:
+no properties or items it does not name), and tool calls forced by ``tool_choice``
+``required`` or a named function (the calls in the model's own format, so that the
+``--tool-call-parser`` reads them back; xgrammar's structural tags for Qwen3.5 / Qwen3). When
+the output opens inside a think block (a reasoning parser is on and the chat template opened
+it), the reasoning is left free and the grammar applies after ``</think>``, as in vLLM.
+
+The mask is a per-request logits processor (``SamplingParams.logits_processors``): it feeds
+the tokens sampled since its last call to an xgrammar ``GrammarMatcher``, asks it for the
+allowed next tokens (a bitmask over the vocabulary, filled on the CPU) and sets every other
+logit to -inf on the logits' device. Once the grammar is complete only the stop tokens (the
+model's EOS) remain allowed.
+
+xgrammar is optional (the ``serve`` extra): it is imported at the first request that needs
+it, and a server without it answers such requests with a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from onecat.runtime.errors import RequestError
+
+THINK_END = "</think>"
+XGRAMMAR_TOOL_FORMATS = {"qwen3_coder": "qwen_3_5", "qwen3_xml": "qwen_3_5", "hermes": "qwen_3"}
+"""--tool-call-parser name -> xgrammar's structural-tag model key of the same format."""
+
+
+class StructuredOutputUnavailable(Exception):
+    """The grammar library is not installed on this server."""
+
+
+def import_xgrammar() -> Any:
+    """The xgrammar module; StructuredOutputUnavailable when it is not installed."""
+    try:
+        import xgrammar
+    except ImportError as exc:
+        raise StructuredOutputUnavailable(
+            "structured output needs the xgrammar package, which this server lacks "
+            "(pip install 'onecat[serve]')"
+        ) from exc
+    return xgrammar
+
+
+@dataclass(frozen=True)
+class JsonConstraint:
+    """The answer is one JSON value matching ``schema`` (``{"type": "object", ...}`` for JSON
+    mode)."""
+
+    schema: dict[str, Any]
+    after_reasoning: bool = False
+
+
+@dataclass(frozen=True)
+class ToolCallConstraint:
+    """The answer is one or more tool calls in ``parser``'s format: ``tool_choice``
+    ``"required"`` (any of ``tools``) or a function name (that one)."""
+
+    parser: str
+    tools: list[dict[str, Any]] = field(hash=False)
+    tool_choice: str | dict[str, Any] = field(hash=False, default="required")
+    after_reasoning: bool = False
+
+
+JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object", "additionalProperties": True}
+
+
+class GrammarBackend:
+    """Compiles constraints for one model's tokenizer and vocabulary (lazily: the first call
+    builds xgrammar's token table, a second or so for a large vocabulary) and makes their
+    logits processors. ``compile`` is thread-safe (the server calls it off the event loop)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        self._compiler: Any = None
+        self._lock = threading.Lock()
+
+    def _get_compiler(self) -> Any:
+        xgr = import_xgrammar()
+        with self._lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                )
+                self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        return self._compiler
+
+    def compile(self, constraint: JsonConstraint | ToolCallConstraint) -> Any:
+        """The compiled grammar of ``constraint``; RequestError (naming the request field)
+        when the schema or the tools cannot be compiled."""
+        compiler = self._get_compiler()
+        xgr = import_xgrammar()
+        from xgrammar import structural_tag as st
+
+        param = "response_format" if isinstance(constraint, JsonConstraint) else "tools"
+        try:
+            if isinstance(constraint, JsonConstraint):
+                body: Any = st.JSONSchemaFormat(json_schema=constraint.schema)
+                if constraint.after_reasoning:
+                    body = st.SequenceFormat(elements=[_reasoning_prefix(st), body])
+                tag = st.StructuralTag(format=body)
+            else:
+                tag = xgr.get_model_structural_tag(
+                    XGRAMMAR_TOOL_FORMATS[constraint.parser],
+                    tools=constraint.tools,
+                    tool_choice=constraint.tool_choice,
+                    reasoning="enabled" if constraint.after_reasoning else "disabled",
+                )
+            return compiler.compile_structural_tag(tag)
+        except Exception as exc:  # xgrammar raises RuntimeError / ValueError / its own types
+            raise RequestError(f"{param} cannot be compiled into a grammar: {exc}", param=param) from exc
+
+    def logits_processor(self, compiled: Any) -> GrammarLogitsProcessor:
+        """A fresh per-request mask over ``compiled``."""
+        xgr = import_xgrammar()
+        return GrammarLogitsProcessor(xgr.GrammarMatcher(compiled), self.vocab_size)
+
+
+def _reasoning_prefix(st: Any) -> Any:
+    """Free text up to ``</think>`` and the template's blank line after it."""
+    return st.SequenceFormat(elements=[
+        st.TagFormat(begin="", content=st.AnyTextFormat(excludes=["<think>", THINK_END]), end=THINK_END),
+        st.ConstStringFormat(value="\n\n"),
+    ])
+
+
+class GrammarLogitsProcessor:
+    """``(output_token_ids, logits_row) -> logits_row`` with every token the grammar does not
+    allow next set to -inf (the engine calls it once per generated token)."""
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        xgr = import_xgrammar()
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self._shifts: dict[torch.device, torch.Tensor] = {}
+        self._accepted = 0
+
+    def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        for token in output_token_ids[self._accepted:]:
+            if not self.matcher.accept_token(token):
+                raise RequestError(f"token {token} does not fit the request's grammar")
+        self._accepted = len(output_token_ids)
+        self.matcher.fill_next_token_bitmask(self._bitmask)
+        return logits.masked_fill_(~self.allowed(logits.device, logits.shape[-1]), float("-inf"))
+
+    def allowed(self, device: torch.device, width: int) -> torch.Tensor:
+        """The current bitmask as booleans over ``width`` logits (tokens past the grammar's
+        vocabulary are never allowed)."""
+        shifts = self._shifts.get(device)
+        if shifts is None:
+            shifts = self._shifts[device] = torch.arange(32, device=device, dtype=torch.int32)
+        words = self._bitmask[0].to(device, non_blocking=True)
+        bits = ((words[:, None] >> shifts) & 1).reshape(-1).bool()
+        if bits.numel() < width:
+            bits = torch.cat([bits, bits.new_zeros(width - bits.numel())])
+        return bits[:width]

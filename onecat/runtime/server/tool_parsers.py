@@ -1,0 +1,215 @@
+"""Tool-call parsers (vLLM's ``--tool-call-parser``): the model's tool calls, in the format
+its chat template taught it, become OpenAI ``tool_calls``.
+
+- ``qwen3_coder`` (alias ``qwen3_xml``): Qwen3.5's and Qwen3-Coder's format, what Qwen3.5's
+  chat template renders and asks for::
+
+      <tool_call>
+      <function=get_weather>
+      <parameter=city>
+      Paris
+      </parameter>
+      </function>
+      </tool_call>
+
+  A value is raw text; it is converted by the type its tool's JSON schema gives the
+  parameter (integer, number, boolean, object / array as JSON; a string stays as written),
+  as vLLM's parser does, and the arguments become a JSON object in the parameters' order.
+- ``hermes``: Qwen2.5's and Qwen3's format, ``<tool_call>\\n{"name": ..., "arguments":
+  {...}}\\n</tool_call>``.
+
+Text before the first ``<tool_call>`` is the message content (the separating newlines
+dropped); text after the calls is dropped, as in vLLM. A block that does not parse is not a
+call. ``parse(text, final)`` is a pure function of the text so far; with ``final`` False it
+returns only what later text cannot change (a ``qwen3_coder`` call's name once its
+``<function=...>`` tag is complete, then its arguments parameter by parameter; a ``hermes``
+call when its block closes), so a stream sends the differences of successive results
+(``onecat.runtime.server.chat_output``).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from onecat.runtime.server.reasoning import TOOL_CALL_START, held_back
+
+logger = logging.getLogger(__name__)
+
+TOOL_CALL_END = "</tool_call>"
+
+
+@dataclass
+class ToolCallDraft:
+    """One call as far as it is known: ``name`` None until complete, ``arguments`` a prefix
+    of the final JSON text (complete once the call is)."""
+
+    name: str | None
+    arguments: str = ""
+
+
+@dataclass
+class ToolSplit:
+    """The content before the calls and the calls found so far."""
+
+    content: str
+    calls: list[ToolCallDraft] = field(default_factory=list)
+
+
+def _tool_parameters(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Function name -> its parameters' JSON-schema ``properties``."""
+    table = {}
+    for tool in tools:
+        function = tool.get("function") or {}
+        parameters = function.get("parameters") or {}
+        props = parameters.get("properties") if isinstance(parameters, dict) else None
+        table[function.get("name")] = props if isinstance(props, dict) else {}
+    return table
+
+
+class ToolParser:
+    """Splits an output into content and tool-call blocks; subclasses parse one block."""
+
+    name = ""
+
+    def __init__(self, tools: list[dict[str, Any]]) -> None:
+        self.parameters = _tool_parameters(tools)
+
+    def parse(self, text: str, final: bool) -> ToolSplit:
+        """Content and calls of ``text`` (the whole answer so far); ``final``: it is complete."""
+        start = text.find(TOOL_CALL_START)
+        if start < 0:
+            if final:
+                return ToolSplit(text)
+            keep = len(text) - held_back(text, (TOOL_CALL_START,))
+            return ToolSplit(text[:keep].rstrip())  # newlines may separate a coming call
+        calls = []
+        while start >= 0:
+            body_start = start + len(TOOL_CALL_START)
+            end = text.find(TOOL_CALL_END, body_start)
+            closed = end >= 0
+            body = text[body_start:end] if closed else text[body_start:]
+            call = self.parse_block(body, closed or final)
+            if call is not None:
+                calls.append(call)
+            if not closed:
+                break
+            start = text.find(TOOL_CALL_START, end + len(TOOL_CALL_END))
+        return ToolSplit(text[: text.find(TOOL_CALL_START)].rstrip(), calls)
+
+    def parse_block(self, body: str, complete: bool) -> ToolCallDraft | None:
+        """The call in one block's text (between the tags); ``complete``: no more text comes."""
+        raise NotImplementedError
+
+
+class Qwen3CoderToolParser(ToolParser):
+    """Qwen3.5's XML-style calls (module docstring)."""
+
+    name = "qwen3_coder"
+    _function = re.compile(r"\s*<function=([^>\n]+)>")
+    _parameter = re.compile(r"<parameter=([^>\n]+)>")
+
+    def parse_block(self, body: str, complete: bool) -> ToolCallDraft | None:
+        head = self._function.match(body)
+        if head is None:
+            if complete:
+                logger.warning("a <tool_call> block without <function=NAME> is not a call: %.200r", body)
+            return None
+        name = head.group(1).strip()
+        schema = self.parameters.get(name, {})
+        rest = body[head.end():]
+        function_end = rest.find("</function>")
+        if function_end >= 0:
+            rest, complete = rest[:function_end], True
+        parts = []
+        for match in self._parameter.finditer(rest):
+            value_start = match.end()
+            nxt = self._parameter.search(rest, value_start)  # a missing </parameter> ends here
+            ends = [i for i in (rest.find("</parameter>", value_start), nxt.start() if nxt else -1) if i >= 0]
+            if not ends and not complete:
+                break
+            close = min(ends) if ends else len(rest)
+            key = match.group(1).strip()
+            value = _convert(_strip_newline(rest[value_start:close]), schema.get(key))
+            parts.append(f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}")
+        arguments = "{" + ", ".join(parts) + ("}" if complete else "")
+        return ToolCallDraft(name, arguments)
+
+
+class HermesToolParser(ToolParser):
+    """JSON calls: ``{"name": ..., "arguments": {...}}`` in each block."""
+
+    name = "hermes"
+
+    def parse_block(self, body: str, complete: bool) -> ToolCallDraft | None:
+        if not complete:
+            return None
+        try:
+            call = json.loads(body)
+            name = call["name"]
+            arguments = call.get("arguments", call.get("parameters", {}))
+        except (ValueError, KeyError, TypeError):
+            logger.warning("a <tool_call> block that is not a JSON call is not a call: %.200r", body)
+            return None
+        if not isinstance(name, str):
+            return None
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        return ToolCallDraft(name, text)
+
+
+def _strip_newline(value: str) -> str:
+    """A parameter value without the one newline the template puts on each side."""
+    if value.startswith("\n"):
+        value = value[1:]
+    if value.endswith("\n"):
+        value = value[:-1]
+    return value
+
+
+def _schema_type(schema: Any) -> str:
+    if not isinstance(schema, dict):
+        return "string"
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "string")
+    if kind is None and isinstance(schema.get("anyOf"), list):
+        kind = next((o.get("type") for o in schema["anyOf"] if isinstance(o, dict) and o.get("type") != "null"), None)
+    return str(kind or "string").lower()
+
+
+def _convert(value: str, schema: Any) -> Any:
+    """A raw parameter value as the type its schema names (vLLM's conversions); text that
+    does not fit the type stays a string."""
+    kind = _schema_type(schema)
+    if kind == "string":
+        return value
+    if value.strip().lower() in ("null", "none"):
+        return None
+    try:
+        if kind == "integer":
+            return int(value)
+        if kind == "number":
+            number = float(value)
+            if not math.isfinite(number):
+                return value
+            return int(number) if number.is_integer() else number
+        if kind == "boolean":
+            return value.strip().lower() == "true"
+        return json.loads(value)
+    except ValueError:
+        try:
+            return ast.literal_eval(value)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            return value
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "qwen3_coder": Qwen3CoderToolParser,
+    "qwen3_xml": Qwen3CoderToolParser,
+    "hermes": HermesToolParser,
+}
