@@ -165,7 +165,7 @@ BAD_REQUESTS = {
     "unknown model": (json.dumps({"model": "gpt-9", "messages": HELLO}), "model"),
     "prompt too long": (json.dumps({"messages": [{"role": "user", "content": LONG}]}), None),
     "max_tokens beyond the limit": (json.dumps({"messages": HELLO, "max_tokens": MAX_MODEL_LEN}), None),
-    "n > 1": (json.dumps({"messages": HELLO, "n": 2}), "n"),
+    "n beyond 128": (json.dumps({"messages": HELLO, "n": 129}), "n"),
 }
 
 

@@ -257,8 +257,7 @@ def create_app(
 
     def streamed(events: AsyncIterator[str], sub: Submitted) -> StreamingResponse:
         def on_close() -> None:
-            if not sub.stream.finished:
-                engine.abort(sub.request_id)
+            serving.abort_unfinished(sub)
 
         return _AbortingStreamingResponse(events, on_close)
 

@@ -22,12 +22,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from onecat.errors import OnecatError
 from onecat.runtime.errors import RequestError
-from onecat.runtime.sampling_params import SamplingParams
+from onecat.runtime.layers.sampler import TokenLogprobs
+from onecat.runtime.sampling_params import SEED_MIN, LogitsProcessor, SamplingParams
 from onecat.runtime.server.api_errors import APIError, bad_request, internal_error
 from onecat.runtime.server.async_engine import (
     AsyncEngine,
@@ -37,6 +38,7 @@ from onecat.runtime.server.async_engine import (
     RequestStream,
     ShuttingDownError,
 )
+from onecat.runtime.server.logprob_format import LogprobFormatter
 from onecat.runtime.server.metrics import ServerMetrics
 from onecat.runtime.server.prompts import chat_token_ids, reserved_template_kwargs, text_token_ids
 from onecat.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -61,13 +63,42 @@ def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 @dataclass
 class Submitted:
-    """A request the engine accepted: its stream and how to answer it."""
+    """A request the engine accepted: one engine request per choice (``n``), and how to
+    answer it. ``logprobs``: top alternatives to report per token (None: no logprobs)."""
 
     request_id: str
-    stream: RequestStream
+    choice_ids: list[str]
+    streams: list[RequestStream]
     created: int
     model: str
     include_usage: bool
+    logprobs: int | None = None
+
+    @property
+    def finished(self) -> bool:
+        """True once every choice's stream has ended."""
+        return all(stream.finished for stream in self.streams)
+
+
+@dataclass
+class ChoiceResult:
+    """One choice of a non-streamed response, gathered from its outputs."""
+
+    parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    final: Any = None
+
+    @property
+    def text(self) -> str:
+        """The choice's whole text."""
+        return "".join(self.parts)
+
+
+def child_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index`` (vLLM: the request's seed plus the index), kept in int64."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index - SEED_MIN) % 2**64 + SEED_MIN
 
 
 class OpenAIServing:
@@ -86,6 +117,7 @@ class OpenAIServing:
         self.executor = executor
         self.trust_request_chat_template = trust_request_chat_template
         self._reserved_kwargs: frozenset[str] | None = None
+        self.logprob_format = LogprobFormatter(engine.tokenizer)
 
     async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` in the prompt thread pool (the event loop keeps serving meanwhile)."""
@@ -105,11 +137,11 @@ class OpenAIServing:
             )
         return served
 
-    def sampling_params(self, req: SamplingFields, max_tokens: int) -> SamplingParams:
-        """The engine's SamplingParams for a validated request."""
+    def sampling_params(self, req: SamplingFields, max_tokens: int, logprobs: int | None = None) -> SamplingParams:
+        """The engine's SamplingParams for a validated request (one choice; no processors)."""
         top_k = req.top_k if req.top_k not in (None, -1) else 0
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 max_tokens=max_tokens,
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
@@ -118,28 +150,62 @@ class OpenAIServing:
                 stop=req.stop_strings(),
                 stop_token_ids=list(req.stop_token_ids or []),
                 ignore_eos=req.ignore_eos,
+                min_tokens=req.min_tokens,
+                min_p=req.min_p or 0.0,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                logprobs=logprobs,
             )
+            params.validate()
+            return params
         except RequestError as exc:
             raise bad_request(str(exc), param=exc.param) from exc
         except ValueError as exc:
             raise bad_request(str(exc)) from exc
 
     async def submit(
-        self, prefix: str, req: SamplingFields, prompt_ids: list[int], max_tokens: int
+        self,
+        prefix: str,
+        req: SamplingFields,
+        prompt_ids: list[int],
+        max_tokens: int,
+        logprobs: int | None = None,
+        logits_processors: Callable[[], list[LogitsProcessor]] | None = None,
     ) -> Submitted:
-        """Submit a request whose model was checked; engine refusals become 400, a full queue
-        429, a dead engine 503."""
-        params = self.sampling_params(req, max_tokens)
+        """Submit a request whose model was checked, as ``req.n`` engine requests sharing the
+        prompt (choice i seeded with ``seed + i``; ``logits_processors``, when given, is called
+        once per choice, so stateful processors are never shared). Engine refusals become
+        400, a full queue 429, a dead engine 503; choices already queued are then aborted."""
+        params = self.sampling_params(req, max_tokens, logprobs)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
+        choice_ids = [request_id] if req.n == 1 else [f"{request_id}-{i}" for i in range(req.n)]
+        streams: list[RequestStream] = []
         try:
-            stream = await self.engine.add_request(request_id, prompt_ids, params)
-        except RequestError as exc:
-            raise bad_request(str(exc), param=exc.param, code="invalid_request") from exc
-        except QueueFullError as exc:
-            raise APIError(429, str(exc), type="rate_limit_error", code="queue_full") from exc
-        except EngineDeadError as exc:
-            raise unavailable(exc) from exc
-        return Submitted(request_id, stream, int(time.time()), self.engine.model_name, req.include_usage())
+            for index, choice_id in enumerate(choice_ids):
+                choice = replace(params, seed=child_seed(params.seed, index))
+                if logits_processors is not None:
+                    choice.logits_processors = logits_processors()
+                streams.append(await self.engine.add_request(choice_id, prompt_ids, choice))
+        except BaseException as exc:
+            for choice_id in choice_ids[: len(streams)]:
+                self.engine.abort(choice_id)
+            if isinstance(exc, RequestError):
+                raise bad_request(str(exc), param=exc.param, code="invalid_request") from exc
+            if isinstance(exc, QueueFullError):
+                raise APIError(429, str(exc), type="rate_limit_error", code="queue_full") from exc
+            if isinstance(exc, EngineDeadError):
+                raise unavailable(exc) from exc
+            raise
+        return Submitted(
+            request_id, choice_ids, streams, int(time.time()), self.engine.model_name, req.include_usage(), logprobs
+        )
+
+    def abort_unfinished(self, sub: Submitted) -> None:
+        """Abort the choices still running (a client gone, an error): frees their blocks and slots."""
+        for choice_id, stream in zip(sub.choice_ids, sub.streams, strict=True):
+            if not stream.finished:
+                self.engine.abort(choice_id)
 
     async def prepare_completion(self, req: CompletionRequest) -> Submitted:
         """Validate, tokenise and submit a /v1/completions request."""
@@ -151,7 +217,7 @@ class OpenAIServing:
         else:
             prompt_ids = list(prompt)
         max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
-        return await self.submit("cmpl", req, prompt_ids, max_tokens)
+        return await self.submit("cmpl", req, prompt_ids, max_tokens, req.logprobs)
 
     async def prepare_chat(self, req: ChatCompletionRequest) -> Submitted:
         """Validate, render the chat template, tokenise and submit a chat request."""
@@ -171,7 +237,7 @@ class OpenAIServing:
         max_tokens = req.max_new_tokens()
         if max_tokens is None:  # OpenAI's chat default: as many as the context allows
             max_tokens = max(1, self.engine.max_model_len - len(prompt_ids))
-        return await self.submit("chatcmpl", req, prompt_ids, max_tokens)
+        return await self.submit("chatcmpl", req, prompt_ids, max_tokens, req.num_logprobs())
 
     def template_of(self, req: ChatCompletionRequest) -> tuple[str | None, dict[str, Any]]:
         """The request's own chat template (None: the model's) and the template variables
@@ -203,21 +269,60 @@ class OpenAIServing:
             )
         return template, kwargs
 
+    # ----- outputs of all choices ------------------------------------------------------------
+
+    async def _outputs(self, sub: Submitted) -> AsyncIterator[tuple[int, Any]]:
+        """``(choice index, RequestOutput)`` of every choice as they come; a stream's error
+        (EngineDeadError, RequestFailedError) is raised here."""
+        if len(sub.streams) == 1:
+            async for out in sub.streams[0]:
+                yield 0, out
+            return
+        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+        async def pump(index: int, stream: RequestStream) -> None:
+            try:
+                async for out in stream:
+                    queue.put_nowait((index, out))
+                queue.put_nowait((index, None))
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                queue.put_nowait((index, exc))
+
+        tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(sub.streams)]
+        try:
+            running = len(tasks)
+            while running:
+                index, item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    def _usage(self, finals: list[Any]) -> dict[str, int]:
+        """Usage over all choices: the prompt once, the completion tokens of every choice (vLLM)."""
+        return usage_dict(finals[0].prompt_tokens, sum(f.completion_tokens for f in finals))
+
     # ----- full responses ------------------------------------------------------------------
 
     async def collect(
         self, sub: Submitted, is_disconnected: Callable[[], Awaitable[bool]] | None = None
-    ) -> tuple[str, Any]:
-        """Gather a request's text and final output. Polls ``is_disconnected`` twice a second
-        and aborts the request when the client has gone."""
-        parts: list[str] = []
-        final = None
+    ) -> list[ChoiceResult]:
+        """Gather every choice's text, logprobs and final output. Polls ``is_disconnected``
+        twice a second and aborts the request when the client has gone."""
+        results = [ChoiceResult() for _ in sub.streams]
 
         async def gather() -> None:
-            nonlocal final
-            async for out in sub.stream:
-                parts.append(out.new_text)
-                final = out
+            async for index, out in self._outputs(sub):
+                result = results[index]
+                result.parts.append(out.new_text)
+                if out.logprobs:
+                    result.logprobs.extend(out.logprobs)
+                result.final = out
 
         task = asyncio.ensure_future(gather())
         try:
@@ -232,54 +337,66 @@ class OpenAIServing:
             raise internal_error(sub.request_id) from exc
         finally:
             task.cancel()
-            if not sub.stream.finished:
-                self.engine.abort(sub.request_id)
-        if final is None:  # aborted before its first output
+            self.abort_unfinished(sub)
+        if any(result.final is None for result in results):  # aborted before its first output
             raise APIError(499, "the request was aborted", type="client_closed")
-        self.metrics.request_success.labels(final.finish_reason or "unknown").inc()
-        return "".join(parts), final
+        for result in results:
+            self.metrics.request_success.labels(result.final.finish_reason or "unknown").inc()
+        return results
 
     async def completion_body(
         self, sub: Submitted, is_disconnected: Callable[[], Awaitable[bool]] | None = None
     ) -> dict[str, Any]:
         """The non-streamed /v1/completions response."""
-        text, final = await self.collect(sub, is_disconnected)
+        results = await self.collect(sub, is_disconnected)
+        choices = [
+            {
+                "index": i,
+                "text": result.text,
+                "logprobs": None if sub.logprobs is None else self.logprob_format.completion(result.logprobs, 0),
+                "finish_reason": result.final.finish_reason,
+            }
+            for i, result in enumerate(results)
+        ]
         return {
             "id": sub.request_id,
             "object": "text_completion",
             "created": sub.created,
             "model": sub.model,
-            "choices": [
-                {"index": 0, "text": text, "logprobs": None, "finish_reason": final.finish_reason}
-            ],
-            "usage": usage_dict(final.prompt_tokens, final.completion_tokens),
+            "choices": choices,
+            "usage": self._usage([r.final for r in results]),
         }
 
     async def chat_body(
         self, sub: Submitted, is_disconnected: Callable[[], Awaitable[bool]] | None = None
     ) -> dict[str, Any]:
         """The non-streamed /v1/chat/completions response."""
-        text, final = await self.collect(sub, is_disconnected)
+        results = await self.collect(sub, is_disconnected)
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": result.text},
+                "logprobs": None if sub.logprobs is None else {
+                    "content": self.logprob_format.chat_content(result.logprobs)
+                },
+                "finish_reason": result.final.finish_reason,
+            }
+            for i, result in enumerate(results)
+        ]
         return {
             "id": sub.request_id,
             "object": "chat.completion",
             "created": sub.created,
             "model": sub.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
-                    "finish_reason": final.finish_reason,
-                }
-            ],
-            "usage": usage_dict(final.prompt_tokens, final.completion_tokens),
+            "choices": choices,
+            "usage": self._usage([r.final for r in results]),
         }
 
     # ----- streams -------------------------------------------------------------------------
 
     async def completion_events(self, sub: Submitted) -> AsyncIterator[str]:
-        """SSE events of a streamed /v1/completions response (``text_completion`` chunks)."""
+        """SSE events of a streamed /v1/completions response (``text_completion`` chunks, each
+        choice with its own ``index``)."""
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
             body = {
@@ -294,29 +411,46 @@ class OpenAIServing:
             body.update(extra)
             return body
 
-        async for out, event in self._events(sub):
+        sent = [0] * len(sub.streams)  # characters of text sent per choice (text_offset)
+        finals: dict[int, Any] = {}
+        async for index, out, event in self._events(sub):
             if event is not None:
                 yield event
                 return
-            if out.new_text or out.finished:
+            logprobs = sub.logprobs is not None and bool(out.logprobs)
+            if out.new_text or out.finished or logprobs:
                 choice = {
-                    "index": 0,
+                    "index": index,
                     "text": out.new_text,
-                    "logprobs": None,
+                    "logprobs": self.logprob_format.completion(out.logprobs, sent[index]) if logprobs else None,
                     "finish_reason": out.finish_reason if out.finished else None,
                 }
+                sent[index] += len(out.new_text)
                 yield sse_event(chunk([choice]))
-            if out.finished and sub.include_usage:
-                yield sse_event(chunk([], usage=usage_dict(out.prompt_tokens, out.completion_tokens)))
+            if out.finished:
+                finals[index] = out
+        if sub.include_usage and len(finals) == len(sub.streams):
+            yield sse_event(chunk([], usage=self._usage(list(finals.values()))))
         yield DONE_EVENT
 
     async def chat_events(self, sub: Submitted) -> AsyncIterator[str]:
-        """SSE events of a streamed chat response: a role chunk, content chunks, a chunk with
-        ``finish_reason``, optionally a usage chunk, then ``[DONE]``."""
+        """SSE events of a streamed chat response: a role chunk per choice, content chunks
+        (with their tokens' logprobs when asked), a chunk with ``finish_reason`` per choice,
+        optionally a usage chunk, then ``[DONE]``."""
 
-        def chunk(delta: dict[str, Any] | None, finish_reason: str | None = None, **extra: Any) -> dict[str, Any]:
-            choices = [] if delta is None else [
-                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        def chunk(
+            index: int | None, delta: dict[str, Any] | None = None, finish_reason: str | None = None,
+            logprobs: list[TokenLogprobs] | None = None, **extra: Any,
+        ) -> dict[str, Any]:
+            choices = [] if index is None else [
+                {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": None if logprobs is None else {
+                        "content": self.logprob_format.chat_content(logprobs)
+                    },
+                    "finish_reason": finish_reason,
+                }
             ]
             body = {
                 "id": sub.request_id,
@@ -330,31 +464,35 @@ class OpenAIServing:
             body.update(extra)
             return body
 
-        yield sse_event(chunk({"role": "assistant", "content": ""}))
-        async for out, event in self._events(sub):
+        for index in range(len(sub.streams)):
+            yield sse_event(chunk(index, {"role": "assistant", "content": ""}))
+        finals: dict[int, Any] = {}
+        async for index, out, event in self._events(sub):
             if event is not None:
                 yield event
                 return
-            if out.new_text:
-                yield sse_event(chunk({"content": out.new_text}))
+            logprobs = out.logprobs if sub.logprobs is not None and out.logprobs else None
+            if out.new_text or logprobs:
+                yield sse_event(chunk(index, {"content": out.new_text}, logprobs=logprobs))
             if out.finished:
-                yield sse_event(chunk({}, out.finish_reason))
-                if sub.include_usage:
-                    yield sse_event(chunk(None, usage=usage_dict(out.prompt_tokens, out.completion_tokens)))
+                finals[index] = out
+                yield sse_event(chunk(index, {}, out.finish_reason))
+        if sub.include_usage and len(finals) == len(sub.streams):
+            yield sse_event(chunk(None, usage=self._usage(list(finals.values()))))
         yield DONE_EVENT
 
-    async def _events(self, sub: Submitted) -> AsyncIterator[tuple[Any, str | None]]:
-        """The request's outputs; an engine failure becomes one error event (then the stream
-        ends, as vLLM does: the HTTP status is already 200)."""
+    async def _events(self, sub: Submitted) -> AsyncIterator[tuple[int, Any, str | None]]:
+        """``(choice index, output, None)`` for every output; an engine failure becomes one
+        error event (then the stream ends, as vLLM does: the HTTP status is already 200)."""
         try:
-            async for out in sub.stream:
+            async for index, out in self._outputs(sub):
                 if out.finished:
                     self.metrics.request_success.labels(out.finish_reason or "unknown").inc()
-                yield out, None
+                yield index, out, None
         except (EngineDeadError, RequestFailedError) as exc:
             error = unavailable(exc) if isinstance(exc, EngineDeadError) else internal_error(sub.request_id)
             self.metrics.request_errors.labels(str(error.status)).inc()
-            yield None, sse_event(error.body()) + DONE_EVENT
+            yield 0, None, sse_event(error.body()) + DONE_EVENT
 
 
 def unavailable(exc: EngineDeadError) -> APIError:

@@ -1,11 +1,16 @@
 """Request models of the OpenAI API that onecat serves (pydantic, validated by FastAPI).
 
-Fields OpenAI defines and the engine cannot honour (``n > 1``, logprobs, penalties, tools,
-JSON mode, ...) are accepted only at their neutral value; anything else is refused with a
-400 naming the field, never silently ignored. Unknown extra fields are ignored, as OpenAI
-and vLLM do. vLLM's extensions ``top_k``, ``stop_token_ids``, ``ignore_eos``,
-``chat_template_kwargs`` and ``chat_template`` are supported (a request's own template only
-when the operator trusts them: ``--trust-request-chat-template``).
+Sampling fields have vLLM's names, ranges and meanings: ``n`` (up to ``MAX_N`` choices),
+``seed``, ``presence_penalty`` / ``frequency_penalty`` in [-2, 2], ``repetition_penalty`` in
+(0, 2], ``min_p`` in [0, 1], ``min_tokens``, logprobs (chat: ``logprobs`` + ``top_logprobs``
+up to 20; completions: ``logprobs`` up to 20), ``max_completion_tokens`` (chat). Fields OpenAI
+defines and the engine cannot honour (``logit_bias``, ``echo``, ``best_of`` > 1, ``suffix``,
+tools, JSON mode, ...) are accepted only at their neutral value; anything else is refused
+with a 400 naming the field, never silently ignored. Unknown extra fields are ignored, as
+OpenAI and vLLM do. vLLM's extensions ``top_k``, ``min_p``, ``min_tokens``,
+``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``chat_template_kwargs`` and
+``chat_template`` are supported (a request's own template only when the operator trusts
+them: ``--trust-request-chat-template``).
 
 Every number must be one the engine can take (``onecat.runtime.sampling_params``' limits:
 int32 counts and token ids, an int64 seed, finite floats) and every string valid Unicode;
@@ -21,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from onecat.runtime.errors import RequestError
 from onecat.runtime.sampling_params import (
     MAX_INT32,
+    MAX_LOGPROBS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     SEED_MAX,
@@ -31,6 +37,9 @@ from onecat.runtime.server.api_errors import bad_request
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 Count = Annotated[int, Field(ge=1, le=MAX_INT32)]
+MAX_TOOLS = 128  # OpenAI's limit on the tools of one request
+MAX_N = 128  # OpenAI's limit on n; each choice is a sequence of its own in the engine
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
 _SCALARS = frozenset({int, float, bool, type(None)})
@@ -78,11 +87,14 @@ class SamplingFields(BaseModel):
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
-    n: Count = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    min_tokens: int = Field(default=0, ge=0, le=MAX_INT32)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
@@ -104,11 +116,6 @@ class SamplingFields(BaseModel):
 
     def refuse_unsupported(self) -> None:
         """Raise a 400 for a field the engine cannot honour (set to a non-neutral value)."""
-        if self.n != 1:
-            raise bad_request("n > 1 is not supported; send one request per choice", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise bad_request(f"{name} is not supported by onecat's engine; leave it at 0", param=name)
         if self.logit_bias:
             raise bad_request("logit_bias is not supported by onecat's engine", param="logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -120,12 +127,12 @@ class CompletionRequest(SamplingFields):
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
 
     def refuse_unsupported(self) -> None:
-        """Also refuse several prompts in one request, echo, logprobs, best_of and suffix."""
+        """Also refuse several prompts in one request, echo, best_of and suffix."""
         super().refuse_unsupported()
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str | list):
             if len(self.prompt) != 1:
@@ -135,8 +142,6 @@ class CompletionRequest(SamplingFields):
                 )
         if self.echo:
             raise bad_request("echo is not supported", param="echo")
-        if self.logprobs is not None:
-            raise bad_request("logprobs is not supported", param="logprobs")
         if self.best_of not in (None, 1):
             raise bad_request("best_of > 1 is not supported", param="best_of")
         if self.suffix:
@@ -158,12 +163,18 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One chat message. Content is a string or a list of text parts (no images)."""
+    """One chat message. Content is a string or a list of text parts (no images). An
+    assistant message may carry its ``tool_calls`` (and vLLM's ``reasoning_content``), a
+    tool message the ``tool_call_id`` it answers; the chat template renders them."""
 
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         """The message's content as one string."""
@@ -174,12 +185,81 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class JsonSchemaSpec(BaseModel):
+    """``response_format.json_schema``: the schema the answer must match."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(BaseModel):
-    """``response_format``; only ``{"type": "text"}`` is supported."""
+    """``response_format``: free ``text``, any JSON object (``json_object``) or a JSON
+    schema (``json_schema``; always enforced strictly, as vLLM does)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="ignore")
 
-    type: str = "text"
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format.json_schema is required when type is 'json_schema'")
+        return self
+
+
+class FunctionDefinition(BaseModel):
+    """A function tool: its name, description and JSON-schema ``parameters``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    """One entry of ``tools`` (only ``function`` tools exist in Chat Completions)."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    """The function a named ``tool_choice`` forces."""
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``."""
+
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+class MessageFunctionCall(BaseModel):
+    """A call inside an assistant message: name and JSON-text arguments."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class MessageToolCall(BaseModel):
+    """An entry of an assistant message's ``tool_calls``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -187,26 +267,46 @@ class ChatCompletionRequest(SamplingFields):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Count | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # the request's own template (vLLM's extension)
 
     def refuse_unsupported(self) -> None:
-        """Also refuse logprobs, tools and structured output."""
+        """Also refuse logprobs, and tool choices that name no given tool."""
         super().refuse_unsupported()
         if self.logprobs or self.top_logprobs:
             raise bad_request("logprobs is not supported", param="logprobs")
-        if self.tools:
-            raise bad_request("tools (function calling) are not supported", param="tools")
-        if self.response_format is not None and self.response_format.type != "text":
+        choice = self.effective_tool_choice()
+        if choice in ("required",) or isinstance(choice, NamedToolChoice):
+            if not self.tools:
+                raise bad_request("tool_choice requires tools", param="tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in self.tool_names():
             raise bad_request(
-                "response_format other than 'text' is not supported", param="response_format"
+                f"tool_choice names the function {choice.function.name!r}, which is not among tools",
+                param="tool_choice",
             )
+        if self.tools and len(set(self.tool_names())) != len(self.tools):
+            raise bad_request("tools has two functions of the same name", param="tools")
+
+    def tool_names(self) -> list[str]:
+        """The names of the given function tools."""
+        return [t.function.name for t in self.tools or []]
+
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """``tool_choice`` with OpenAI's default: "auto" when tools are given, else "none"."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
     def max_new_tokens(self) -> int | None:
         """``max_completion_tokens`` (the newer name) or ``max_tokens``; None: up to the context."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        """How many top alternatives to report per token (None: no logprobs at all)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
