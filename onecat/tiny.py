@@ -24,6 +24,49 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Qwen3.5's chat-template structure (Qwen/Qwen3.5-*'s chat_template.jinja, shortened): tools
+# listed in the system turn with its call-format instructions, assistant tool calls in its XML
+# format, tool results as <tool_response> in a user turn, and the generation prompt opening a
+# think block (an empty, closed one with enable_thinking=false). The Qwen3.5 families use it.
+QWEN3_5_CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n# Tools\\n\\nYou have access to the following functions:\\n\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nIf you choose to call a function ONLY reply in the following format with NO suffix:"
+    "\\n\\n<tool_call>\\n<function=example_function_name>\\n<parameter=example_parameter_1>\\nvalue_1"
+    "\\n</parameter>\\n</function>\\n</tool_call>' }}"
+    "{%- if messages[0].role == 'system' %}{{- '\\n\\n' + messages[0].content }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' %}"
+    "{{- '<|im_start|>user\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' + (message.content or '') }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{%- set call = call.function if call.function is defined else call %}"
+    "{{- ('\\n\\n' if (loop.first and message.content) else ('' if loop.first else '\\n'))"
+    " + '<tool_call>\\n<function=' + call.name + '>\\n' }}"
+    "{%- if call.arguments is mapping %}{%- for name, value in call.arguments | items %}"
+    "{{- '<parameter=' + name + '>\\n' + (value | tojson if value is mapping or (value is sequence"
+    " and value is not string) else value | string) + '\\n</parameter>\\n' }}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '</function>\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else %}{{- '<think>\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
 
 
 def pydoc_text() -> str:
@@ -341,6 +384,8 @@ def build_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     build_tokenizer(out)
+    if family.startswith("qwen3_5"):  # Qwen3.5's own template structure (tools, thinking)
+        (out / "chat_template.jinja").write_text(QWEN3_5_CHAT_TEMPLATE)
     tokenizer = AutoTokenizer.from_pretrained(out)
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
