@@ -158,6 +158,18 @@ def test_abort_frees_everything(dense):
     assert engine.stats()["prefix_cache_hits"] >= 3 * 64
 
 
+def test_a_long_prompt_keeps_only_its_latest_interval_checkpoint(dense):
+    """Interval checkpoints at 32, 64, 96 and 128 replace each other; the one at the prompt's
+    last block (136) stays: two rows, whatever the prompt's length."""
+    engine = engine_for(dense, caching=True)
+    ids = tokens(70, 140)
+    engine.add_request("long", ids, GREEDY)
+    drain(engine)
+    points, hashes = engine.scheduler.checkpoints, engine.block_manager.hashes(sequence(ids), 136)
+    assert len(points) == 2
+    assert points.lookup(hashes[128 // 8 - 1]) is not None and points.lookup(hashes[136 // 8 - 1]) is not None
+
+
 def test_disabled_cache_reuses_nothing(dense):
     engine = engine_for(dense, caching=False)
     assert engine.runner.num_checkpoints == 0 and engine.scheduler.checkpoints.num_rows == 0

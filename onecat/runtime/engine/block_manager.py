@@ -226,6 +226,12 @@ class StateCheckpoints:
             self._free.append(old)
         self._by_hash[key] = row
 
+    def discard(self, key: bytes) -> None:
+        """Drop ``key``'s checkpoint (if still there); its row becomes free."""
+        row = self._by_hash.pop(key, None)
+        if row is not None:
+            self._free.append(row)
+
     def unreserve(self, row: int) -> None:
         """Give back a reserved row whose step did not run."""
         self._free.append(row)

@@ -16,7 +16,9 @@ checkpoint into its slot. Checkpoints are taken while prompts are prefilled, at 
 boundaries where a prompt chunk is made to end:
 
 - every ``checkpoint_interval`` tokens (long documents shared by later requests lose at
-  most that much work; a prompt chunk crossing such a boundary ends there);
+  most that much work; a prompt chunk crossing such a boundary ends there). A sequence keeps
+  only its latest one: each replaces the previous, so a long prompt holds one row, not one
+  per interval, and cannot flush the pool;
 - where the cached KV blocks of the sequence's prefix ran out of state checkpoints at
   admission (the branching point of prompts sharing a prefix: the second request sharing a
   system prompt computes it, the third and later ones skip it);
@@ -24,8 +26,7 @@ boundaries where a prompt chunk is made to end:
   next turn of a conversation, a repeated prompt). Shorter prompts skip this one: it costs a
   forward pass for the prompt's tail, which a short prompt's first token would feel.
 
-Checkpoints are few (one per interval of a long prompt, one or two per request) because each
-is a full copy of all GDN states (~151 MB on the 27B); the pool evicts the least recently
+Checkpoints are few (at most three per request at a time) because each is a full copy of all GDN states (~151 MB on the 27B); the pool evicts the least recently
 used one. Counters ``prefix_cache_queries`` / ``prefix_cache_hits`` count tokens looked up
 and tokens found, as vLLM's do.
 """
@@ -78,7 +79,7 @@ class Scheduler:
         self.slots.free(seq)
         if seq.save_to is not None and self.checkpoints is not None:
             self.checkpoints.unreserve(seq.save_to)
-        seq.restore_from = seq.save_to = seq.save_key = None
+        seq.restore_from = seq.save_to = seq.save_key = seq.transient_key = None
         seq.checkpoint_at = []
 
     def _preempt(self, seq: Sequence) -> None:
@@ -123,27 +124,28 @@ class Scheduler:
         if not self._caching or self.checkpoints is None or not self.checkpoints.num_rows:
             return
         n, size, interval = seq.num_tokens, self.block_manager.block_size, self.checkpoint_interval
-        points = set(range(interval, n, interval))
+        points = {p: True for p in range(interval, n, interval)}  # boundary -> replaced by the next
         if kv_blocks * size > hit:
-            points.add(kv_blocks * size)  # the KV cache goes on here, the states did not
+            points[kv_blocks * size] = False  # the KV cache goes on here, the states did not
         last = (n - 1) // size * size
         if last >= interval:
-            points.add(last)
-        seq.checkpoint_at = sorted(p for p in points if hit < p < n)
+            points[last] = False
+        seq.checkpoint_at = sorted((p, transient) for p, transient in points.items() if hit < p < n)
 
     def _chunk(self, seq: Sequence, count: int) -> int:
         """``count`` pending tokens of ``seq`` cut at its next checkpoint boundary (the state is
         then saved there: a row reserved now, published by :meth:`commit`)."""
         start = seq.num_computed_tokens
-        while seq.checkpoint_at and seq.checkpoint_at[0] <= start:
+        while seq.checkpoint_at and seq.checkpoint_at[0][0] <= start:
             seq.checkpoint_at.pop(0)
-        if not seq.checkpoint_at or seq.checkpoint_at[0] > start + count:
+        if not seq.checkpoint_at or seq.checkpoint_at[0][0] > start + count:
             return count
-        boundary = seq.checkpoint_at.pop(0)
+        boundary, transient = seq.checkpoint_at.pop(0)
         key = self.block_manager.hashes(seq, boundary)[-1]
         if self.checkpoints.lookup(key) is None:
             seq.save_to = self.checkpoints.reserve()
-            seq.save_key = key if seq.save_to is not None else None
+            if seq.save_to is not None:
+                seq.save_key, seq.save_transient = key, transient
         return boundary - start
 
     def commit(self, scheduled: list[tuple[Sequence, int]]) -> None:
@@ -154,6 +156,10 @@ class Scheduler:
             seq.restore_from = None
             if seq.save_to is not None:
                 self.checkpoints.publish(seq.save_key, seq.save_to)
+                if seq.save_transient:  # an interval checkpoint replaces the sequence's previous one
+                    if seq.transient_key is not None:
+                        self.checkpoints.discard(seq.transient_key)
+                    seq.transient_key = seq.save_key
                 seq.save_to = seq.save_key = None
             self.block_manager.register(seq)
 

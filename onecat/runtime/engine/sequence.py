@@ -32,7 +32,8 @@ class Sequence:
     state is to be checkpointed while its prompt is prefilled (a prompt chunk ends at the next
     one). For the next step only: ``restore_from`` is the checkpoint row the runner copies
     into ``state_slot`` before the forward pass (a cache hit), ``save_to`` the row it copies
-    ``state_slot`` into afterwards, to be published under ``save_key``.
+    ``state_slot`` into afterwards, to be published under ``save_key`` (``save_transient``: an
+    interval checkpoint, which replaces the previous one, ``transient_key``).
     """
 
     def __init__(
@@ -56,10 +57,12 @@ class Sequence:
         self.fresh_slot = False
         self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0
-        self.checkpoint_at: list[int] = []
+        self.checkpoint_at: list[tuple[int, bool]] = []  # (boundary, transient)
         self.restore_from: int | None = None
         self.save_to: int | None = None
         self.save_key: bytes | None = None
+        self.save_transient = False
+        self.transient_key: bytes | None = None
         self.finish_reason: str | None = None
 
     @property
