@@ -277,10 +277,10 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None  # the request's own template (vLLM's extension)
 
     def refuse_unsupported(self) -> None:
-        """Also refuse logprobs, and tool choices that name no given tool."""
+        """Also refuse top_logprobs without logprobs, and tool choices that name no given tool."""
         super().refuse_unsupported()
-        if self.logprobs or self.top_logprobs:
-            raise bad_request("logprobs is not supported", param="logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
         choice = self.effective_tool_choice()
         if choice in ("required",) or isinstance(choice, NamedToolChoice):
             if not self.tools:
