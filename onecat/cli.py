@@ -54,23 +54,28 @@ def main() -> None:
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--resume", is_flag=True, help="Finish an interrupted run into the same OUT.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT (and any interrupted run).")
+@click.option("--method", type=click.Choice(["awq", "awq+gptq"]), default=None,
+              help="awq: plain rounding after smoothing; awq+gptq: GPTQ's error-compensating "
+                   "rounding after smoothing, same output format (default: the recipe's method).")
 @click.option("--rtn", is_flag=True, help="Plain round-to-nearest, no calibration (for comparisons).")
 @_friendly
 def quantize_command(model: str, out: str, recipe: str | None, calib: str | None,
                      samples: int | None, seqlen: int | None, group_size: int | None,
-                     device: str, resume: bool, overwrite: bool, rtn: bool) -> None:
+                     method: str | None, device: str, resume: bool, overwrite: bool,
+                     rtn: bool) -> None:
     """AWQ-quantize MODEL (a local checkpoint directory or a hub id) to 4 bits, streaming one
     decoder layer at a time, into an AutoAWQ GEMM checkpoint in OUT."""
     from onecat.quantize.pipeline import quantize_model, quantize_rtn
 
     if rtn:
-        if calib or samples or seqlen:
-            raise OnecatError("--rtn uses no calibration: drop --calib / --samples / --seqlen")
+        if calib or samples or seqlen or method:
+            raise OnecatError("--rtn uses no calibration: drop --calib / --samples / --seqlen / --method")
         quantize_rtn(model, out, group_size=group_size, recipe=recipe, device=device,
                      resume=resume, overwrite=overwrite)
     else:
         quantize_model(model, out, recipe=recipe, calib=calib, samples=samples, seqlen=seqlen,
-                       group_size=group_size, device=device, resume=resume, overwrite=overwrite)
+                       group_size=group_size, method=method, device=device, resume=resume,
+                       overwrite=overwrite)
 
 
 @main.command("eval")
@@ -244,6 +249,17 @@ def _server_flags_for_vllm(trust_request_chat_template: bool, max_request_body_b
     return args
 
 
+def _parser_flags_for_vllm(enable_auto_tool_choice: bool, tool_call_parser: str | None,
+                           reasoning_parser: str | None) -> tuple[str, ...]:
+    """The tool-call and reasoning flags, spelt as vLLM spells them (the same names)."""
+    args: tuple[str, ...] = ("--enable-auto-tool-choice",) if enable_auto_tool_choice else ()
+    if tool_call_parser is not None:
+        args += ("--tool-call-parser", tool_call_parser)
+    if reasoning_parser is not None:
+        args += ("--reasoning-parser", reasoning_parser)
+    return args
+
+
 @main.command()
 @_engine_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
@@ -263,6 +279,15 @@ def _server_flags_for_vllm(trust_request_chat_template: bool, max_request_body_b
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="Seconds running requests may finish after SIGTERM before they are ended "
                    "(new requests get 503 at once).")
+@click.option("--enable-auto-tool-choice", is_flag=True,
+              help="Let the model decide when to call tools (tool_choice \"auto\", the default "
+                   "when a request has tools); needs --tool-call-parser.")
+@click.option("--tool-call-parser", default=None, metavar="NAME",
+              help="The model's tool-call format, parsed into tool_calls: qwen3_coder (Qwen3.5; "
+                   "alias qwen3_xml) or hermes (Qwen2.5 / Qwen3); with --engine vllm any of vLLM's.")
+@click.option("--reasoning-parser", default=None, metavar="NAME",
+              help="Split <think>...</think> off into reasoning_content: qwen3; with --engine "
+                   "vllm any of vLLM's.")
 # --engine vllm: the vLLM plugin's options (onecat.vllm_plugin, docs/VLLM.md)
 @click.option("--engine", "engine_name", type=click.Choice(["onecat", "vllm"]), default="onecat",
               show_default=True,
@@ -276,7 +301,8 @@ def _server_flags_for_vllm(trust_request_chat_template: bool, max_request_body_b
 @_friendly
 def serve(artifact: str, host: str, port: int, api_key: str | None, served_model_name: str | None,
           max_queue_len: int, log_level: str, trust_request_chat_template: bool,
-          max_request_body_bytes: int, shutdown_timeout: float, engine_name: str,
+          max_request_body_bytes: int, shutdown_timeout: float, enable_auto_tool_choice: bool,
+          tool_call_parser: str | None, reasoning_parser: str | None, engine_name: str,
           tensor_parallel_size: int, pipeline_parallel_size: int, vllm_args: tuple[str, ...],
           **engine_flags: Any) -> None:
     """Serve ARTIFACT (packed, AWQ or fp16/bf16 checkpoint) with an OpenAI-compatible API:
@@ -288,6 +314,7 @@ def serve(artifact: str, host: str, port: int, api_key: str | None, served_model
                                              shutdown_timeout)
         if not engine_flags.pop("enable_prefix_caching"):
             server_args += ("--no-enable-prefix-caching",)
+        server_args += _parser_flags_for_vllm(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
         serve_from_onecat_flags(  # replaces this process with vLLM's server
             artifact, host=host, port=port, api_key=api_key, served_model_name=served_model_name,
             log_level=log_level, vllm_args=(*server_args, *vllm_args), tensor_parallel_size=tensor_parallel_size,
@@ -296,15 +323,19 @@ def serve(artifact: str, host: str, port: int, api_key: str | None, served_model
         raise OnecatError("--pipeline-parallel-size and --vllm-arg need --engine vllm (the "
                           "embedded engine splits a model over the GPUs of one host only)")
     from onecat.runtime.engine import LLMEngine
+    from onecat.runtime.server.chat_plan import ChatOptions
     from onecat.runtime.server.launcher import serve as serve_http
 
+    chat_options = ChatOptions(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
+    chat_options.check()  # before the model loads
     engine = LLMEngine(_engine_config(artifact, served_model_name,
                                       tensor_parallel_size=tensor_parallel_size, **engine_flags))
     click.secho(f"serving {engine.model_name} on http://{host}:{port}/v1 "
                 f"(max_model_len {engine.max_model_len})", fg="green", err=True)
     serve_http(engine, host=host, port=port, api_key=api_key, max_queue_len=max_queue_len,
                log_level=log_level, trust_request_chat_template=trust_request_chat_template,
-               max_request_body_bytes=max_request_body_bytes, shutdown_timeout=shutdown_timeout)
+               max_request_body_bytes=max_request_body_bytes, shutdown_timeout=shutdown_timeout,
+               chat_options=chat_options)
 
 
 @main.command()

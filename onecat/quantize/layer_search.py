@@ -16,9 +16,16 @@ Steps for layer i (built by :class:`~onecat.quantize.layer_build.LayerFactory`):
    scored module's output (a whole attention / GDN / MLP / MoE block, or a single linear on
    its token sample) against the fp output. Weights are snapshotted with a real clone.
 4. Fold every chosen scale, then clip-search each quantized linear (except ``clip_skip``)
-   on its token sample divided by its input scale, then quantize.
-5. Measure the whole layer's output MSE on the loss chunk for plain round-to-nearest and for
-   the result, for the report.
+   on its token sample divided by its input scale, then quantize: plain rounding (``awq``),
+   or GPTQ (``awq+gptq``, :mod:`onecat.quantize.gptq`) against the Hessian of the linear's
+   inputs after smoothing, within the clip range. The calibration pass accumulates
+   ``X^T X`` of every quantized linear's input over all tokens (experts: over their token
+   sample) before the scale search; smoothing divides the inputs by the chosen scale s, so
+   the smoothed Hessian is ``diag(1/s) H diag(1/s)`` and no second pass is needed. A linear
+   with fewer than K/4 calibration rows (an MoE expert that saw few tokens) or whose Hessian
+   cannot be factorised is rounded plainly, and the report names it.
+5. Measure the whole layer's output MSE on the loss chunk for plain round-to-nearest, AWQ
+   (smoothing + clip + plain rounding) and, with GPTQ, the result, for the report.
 """
 
 from __future__ import annotations
@@ -36,6 +43,13 @@ from onecat.formats.awq_gemm import pack_awq_gemm
 from onecat.formats.integers import dequantize
 from onecat.quantize.auto_clip import apply_clip, search_clip
 from onecat.quantize.auto_scale import ScaleResult, search_scale, weight_mean
+from onecat.quantize.gptq import (
+    HessianNotPositiveDefinite,
+    add_to_hessian,
+    enough_rows,
+    gptq_quantize,
+    smoothed_hessian,
+)
 from onecat.quantize.layer_build import LayerFactory
 from onecat.quantize.moe import ExpertList, split_fused_experts
 from onecat.quantize.quantizer import FP16_MAX, pseudo_quantize, quantize_groups
@@ -100,10 +114,13 @@ def _expand(mapping: Mapping, names: set[str]) -> list[tuple[str, list[str], str
 
 
 class LayerQuantizer:
-    """Runs AWQ (or plain round-to-nearest) on decoder layers one at a time."""
+    """Runs AWQ, AWQ + GPTQ (``gptq=True``) or plain round-to-nearest (``awq=False``) on
+    decoder layers one at a time."""
 
-    def __init__(self, factory: LayerFactory, recipe: Recipe, group_size: int, awq: bool = True) -> None:
+    def __init__(self, factory: LayerFactory, recipe: Recipe, group_size: int, awq: bool = True,
+                 gptq: bool = False) -> None:
         self.factory, self.recipe, self.group_size, self.awq = factory, recipe, group_size, awq
+        self.gptq = gptq and awq
         self.device, self.dtype = factory.device, factory.dtype
         cfg = factory.config
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -219,11 +236,22 @@ class LayerQuantizer:
                 fold_into_balance([modules[b] for b in m.balance], r.scales)
                 modified.update([m.smooth, *m.balance])
                 input_scale[m.owner] = r.scales.to(self.device)
+            clip_range: dict[str, torch.Tensor] = {}
             if rcp.clip:
-                report["clip"] = self._clip(quantized, modules, cap, input_scale)
-        packed = self._quantize(quantized, modules, where)
-        if self.awq and hidden is not None:
-            report.update(self._layer_error(index, tensors, layer, quantized, hidden[loss_idx], where))
+                report["clip"] = self._clip(quantized, modules, cap, input_scale, clip_range)
+            if self.gptq:
+                awq_weights = {n: pseudo_quantize(modules[n].weight.data, self.group_size)
+                               for n in quantized}
+                packed, report["gptq"] = self._quantize_gptq(
+                    quantized, modules, cap, input_scale, clip_range, where)
+            else:
+                awq_weights = None
+                packed = self._quantize(quantized, modules, where)
+            del cap
+            report.update(self._layer_error(index, tensors, layer, quantized, hidden[loss_idx],
+                                            where, awq_weights))
+        else:
+            packed = self._quantize(quantized, modules, where)
         out = self._collect(layer, quantized, packed, modified, source)
         report["fp16_kept"] = kept
         report["time_s"] = round(time.perf_counter() - start, 3)
@@ -283,7 +311,9 @@ class LayerQuantizer:
             raise OnecatError(f"{where}{m.scored}: every scale candidate gave a non-finite loss")
         return result
 
-    def _clip(self, quantized: list[str], modules: dict, cap: _Capture, input_scale: dict) -> dict:
+    def _clip(self, quantized: list[str], modules: dict, cap: _Capture, input_scale: dict,
+              clip_range: dict) -> dict:
+        """Clip-search and clamp each quantized linear; ``clip_range[name]`` gets its range [N, G]."""
         shrink = {}
         for name in quantized:
             if self.recipe.skips_clip(name):
@@ -302,26 +332,64 @@ class LayerQuantizer:
             org = w.float().reshape(w.shape[0], -1, self.group_size).abs().amax(-1)
             shrink[name] = round(float((max_val / org.clamp(min=1e-12)).mean()), 4)
             w.data = apply_clip(w.data, max_val)
+            clip_range[name] = max_val
         return shrink
 
     def _quantize(self, quantized: list[str], modules: dict, where: str) -> dict[str, dict]:
-        packed = {}
-        for name in quantized:
-            mod = modules[name]
-            q, z, s = quantize_groups(mod.weight.data, self.group_size)
-            if not bool(torch.isfinite(s).all()) or float(s.amax()) > FP16_MAX:
-                raise OnecatError(
-                    f"{where}{name}: quantization scales overflow fp16 (max {float(s.amax()):.4g}); "
-                    f"the smoothed weights are too large for an fp16 checkpoint"
-                )
-            mod.weight.data = dequantize(q, z, s, mod.weight.dtype)
-            packed[name] = pack_awq_gemm(q.cpu(), z.cpu(), s.cpu())
-            if mod.bias is not None:
-                packed[name]["bias"] = mod.bias.detach().to("cpu", torch.float16)
-        return packed
+        """Plain rounding of every quantized linear (its module gets the dequantized weight)."""
+        return {name: self._store(modules[name], quantize_groups(modules[name].weight.data,
+                                                                 self.group_size), where + name)
+                for name in quantized}
 
-    def _layer_error(self, index, tensors, layer, quantized, loss_hidden, where) -> dict:
-        """Whole-layer output MSE on the loss sequences: round-to-nearest vs this result."""
+    def _quantize_gptq(self, quantized: list[str], modules: dict, cap: _Capture,
+                       input_scale: dict, clip_range: dict, where: str) -> tuple[dict, dict]:
+        """GPTQ of every quantized linear against its smoothed Hessian (plain rounding where
+        there are too few calibration rows); returns (packed, report)."""
+        settings = self.recipe.gptq
+        packed, fallback, cached = {}, {}, (None, None, 0)
+        for name in sorted(quantized, key=lambda n: cap.key_of[n]):  # linears sharing an input together
+            mod = modules[name]
+            key = cap.key_of[name]
+            if cached[0] != key:
+                h, rows = cap.hessian(key)
+                if h is not None and key in input_scale:
+                    h = smoothed_hessian(h, input_scale[key])
+                cached = (key, h, rows)
+            _, h, rows = cached
+            k = mod.weight.shape[1]
+            ints = None
+            if h is None or not enough_rows(rows, k):
+                fallback[name] = f"{rows} calibration rows for {k} in-features"
+            else:
+                try:
+                    ints = gptq_quantize(mod.weight.data, h, self.group_size, damp=settings.damp,
+                                         block_size=settings.block_size,
+                                         max_val=clip_range.get(name))
+                except HessianNotPositiveDefinite as exc:
+                    fallback[name] = f"Hessian: {exc}"
+            if ints is None:
+                ints = quantize_groups(mod.weight.data, self.group_size)
+            packed[name] = self._store(mod, ints, where + name)
+        return packed, {"linears": len(quantized) - len(fallback), "fallback_rtn": fallback}
+
+    def _store(self, mod: nn.Module, ints: tuple, where: str) -> dict[str, torch.Tensor]:
+        """Set ``mod.weight`` to the dequantized integers and return its AWQ GEMM tensors."""
+        q, z, s = ints
+        if not bool(torch.isfinite(s).all()) or float(s.amax()) > FP16_MAX:
+            raise OnecatError(
+                f"{where}: quantization scales overflow fp16 (max {float(s.amax()):.4g}); "
+                f"the smoothed weights are too large for an fp16 checkpoint"
+            )
+        mod.weight.data = dequantize(q, z, s, mod.weight.dtype)
+        out = pack_awq_gemm(q.cpu(), z.cpu(), s.cpu())
+        if mod.bias is not None:
+            out["bias"] = mod.bias.detach().to("cpu", torch.float16)
+        return out
+
+    def _layer_error(self, index, tensors, layer, quantized, loss_hidden, where,
+                     awq_weights: dict | None = None) -> dict:
+        """Whole-layer output MSE on the loss sequences: round-to-nearest, AWQ and (when
+        ``awq_weights`` holds AWQ's plainly rounded weights) AWQ + GPTQ, the result."""
         fresh = self.factory.build(index, tensors, where)
         fmods = dict(fresh.named_modules())
         reference = self.factory.run(fresh, loss_hidden).float()
@@ -330,8 +398,17 @@ class LayerQuantizer:
             w.data = pseudo_quantize(w.data, self.group_size)
         rtn = float((self.factory.run(fresh, loss_hidden).float() - reference).pow(2).mean())
         del fresh, fmods
+        result = float((self.factory.run(layer, loss_hidden).float() - reference).pow(2).mean())
+        if awq_weights is None:
+            return {"output_mse_rtn": rtn, "output_mse_awq": result}
+        modules = dict(layer.named_modules())
+        shipped = {n: modules[n].weight.data for n in awq_weights}
+        for n, w in awq_weights.items():
+            modules[n].weight.data = w.to(shipped[n].dtype)
         awq = float((self.factory.run(layer, loss_hidden).float() - reference).pow(2).mean())
-        return {"output_mse_rtn": rtn, "output_mse_awq": awq}
+        for n, w in shipped.items():
+            modules[n].weight.data = w
+        return {"output_mse_rtn": rtn, "output_mse_awq": awq, "output_mse_gptq": result}
 
     def _collect(self, layer, quantized, packed, modified, source) -> dict[str, torch.Tensor]:
         """Output tensors of the layer: packed linears; tensors changed by smoothing in their
@@ -393,6 +470,9 @@ class _Capture:
         self.samples: dict[str, list[torch.Tensor]] = {k: [] for k in self.stride}
         self.scored: dict[str, tuple] = {}
         self.stats_keys = {m.owner for m in mappings}
+        # X^T X of each input over all tokens, for GPTQ (experts: from their sample, later)
+        self.hessians: dict[str, torch.Tensor] | None = {} if lq.gptq else None
+        self.hessian_rows: dict[str, int] = {}
         self.handles = []
         for key in self.stride:
             self.handles.append(modules[key].register_forward_pre_hook(self._input_hook(key), with_kwargs=True))
@@ -422,6 +502,9 @@ class _Capture:
             if not peak == peak:
                 peak = float("inf")
             self.absmax[key] = max(self.absmax.get(key, 0.0), peak)
+            if self.hessians is not None and self.stride[key]:
+                self.hessians[key] = add_to_hessian(self.hessians.get(key), xf)
+                self.hessian_rows[key] = self.hessian_rows.get(key, 0) + xf.shape[0]
             if self.stride[key]:
                 keep = (self.positions % self.stride[key] == 0).nonzero().squeeze(1)
                 flat = flat[keep.to(flat.device)]
@@ -449,6 +532,16 @@ class _Capture:
         x = self.samples[key]
         step = max(1, x.shape[0] // tokens)
         return x[::step][:tokens] if step > 1 else x
+
+    def hessian(self, key: str) -> tuple[torch.Tensor | None, int]:
+        """(mean X^T X [K, K] of the inputs of ``key``, rows); (None, 0) when it saw none."""
+        if self.hessians is not None and key in self.hessians:
+            rows = self.hessian_rows[key]
+            return self.hessians.pop(key).div_(max(rows, 1)), rows  # used once: freed after
+        if key in self.samples and self.samples[key].shape[0]:
+            x = self.samples[key]
+            return add_to_hessian(None, x) / x.shape[0], x.shape[0]
+        return None, 0
 
     def scored_inputs(self, name: str) -> tuple[tuple, dict]:
         """(args, kwargs) to call the scored module ``name`` on the loss tokens."""

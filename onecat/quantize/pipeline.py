@@ -44,7 +44,7 @@ from onecat.formats.staging import (
 from onecat.quantize.calibration import calibration_tokens
 from onecat.quantize.layer_build import LayerFactory
 from onecat.quantize.layer_search import LayerQuantizer
-from onecat.quantize.recipe import Recipe, load_recipe, recipe_for_model_type
+from onecat.quantize.recipe import METHODS, Recipe, load_recipe, recipe_for_model_type
 from onecat.quantize.summary import print_summary
 from onecat.quantize.writer import plan_rest_shards
 
@@ -210,6 +210,7 @@ def quantize_model(
     samples: int | None = None,
     seqlen: int | None = None,
     group_size: int | None = None,
+    method: str | None = None,
     device: str = "cpu",
     resume: bool = False,
     overwrite: bool = False,
@@ -217,12 +218,16 @@ def quantize_model(
 ) -> Path:
     """AWQ-quantize MODEL (directory or hub id) into an AutoAWQ GEMM checkpoint at OUT.
 
-    None for ``recipe`` / ``calib`` / ``samples`` / ``seqlen`` / ``group_size`` means the
+    ``method``: ``awq`` (plain rounding after smoothing and clipping) or ``awq+gptq``
+    (GPTQ's error-compensating rounding after them; same output format). None for
+    ``recipe`` / ``calib`` / ``samples`` / ``seqlen`` / ``group_size`` / ``method`` means the
     recipe's value (the recipe is chosen by config.json's model_type). Returns OUT.
     """
+    if method is not None and method not in METHODS:
+        raise OnecatError(f"--method {method!r} is not a method; use one of: {', '.join(METHODS)}")
     return _run(model, out, awq=True, recipe=recipe, calib=calib, samples=samples, seqlen=seqlen,
-                group_size=group_size, device=device, resume=resume, overwrite=overwrite,
-                show_progress=show_progress)
+                group_size=group_size, method=method, device=device, resume=resume,
+                overwrite=overwrite, show_progress=show_progress)
 
 
 def quantize_rtn(
@@ -238,11 +243,11 @@ def quantize_rtn(
 ) -> Path:
     """Plain round-to-nearest (no calibration, no smoothing, no clipping) into the same format."""
     return _run(model, out, awq=False, recipe=recipe, calib=None, samples=None, seqlen=None,
-                group_size=group_size, device=device, resume=resume, overwrite=overwrite,
+                group_size=group_size, method=None, device=device, resume=resume, overwrite=overwrite,
                 show_progress=show_progress)
 
 
-def _run(model, out, *, awq, recipe, calib, samples, seqlen, group_size, device, resume,
+def _run(model, out, *, awq, recipe, calib, samples, seqlen, group_size, method, device, resume,
          overwrite, show_progress) -> Path:
     started = time.perf_counter()
     if group_size is not None:
@@ -267,6 +272,8 @@ def _run(model, out, *, awq, recipe, calib, samples, seqlen, group_size, device,
     calib = calib or rcp.calib_source
     samples = samples or rcp.calib_samples
     seqlen = seqlen or rcp.calib_seqlen
+    method = (method or rcp.method) if awq else "rtn"
+    gptq = method == "awq+gptq"
     dtype = torch.float32  # see the module docstring
 
     from transformers import AutoConfig
@@ -298,7 +305,8 @@ def _run(model, out, *, awq, recipe, calib, samples, seqlen, group_size, device,
         del embed
 
     fingerprint = {
-        "method": "awq" if awq else "rtn",
+        "method": method,
+        **({"gptq": {"damp": rcp.gptq.damp, "block_size": rcp.gptq.block_size}} if gptq else {}),
         "recipe_sha256": _sha256(rcp.path.read_bytes()),
         "config_sha256": _sha256((model_dir / "config.json").read_bytes()),
         "tensors_sha256": _sha256(json.dumps([[n, reader.shapes[n], reader.dtypes[n]] for n in reader.names()]).encode()),
@@ -321,7 +329,7 @@ def _run(model, out, *, awq, recipe, calib, samples, seqlen, group_size, device,
         progress = {"fingerprint": fingerprint, "layers": {}}
         write_json(progress_path, progress)
 
-    quantizer = LayerQuantizer(factory, rcp, group, awq=awq)
+    quantizer = LayerQuantizer(factory, rcp, group, awq=awq, gptq=gptq)
     try:
         weight_map = _quantize_layers(
             quantizer, reader, layer_names, prefix, hidden, work, progress,
@@ -355,6 +363,7 @@ def _run(model, out, *, awq, recipe, calib, samples, seqlen, group_size, device,
         "model": str(model),
         "recipe": {"name": rcp.name, "path": str(rcp.path), "sha256": fingerprint["recipe_sha256"]},
         "calibration": fingerprint["calibration"],
+        "gptq": fingerprint.get("gptq"),
         "group_size": group,
         "bits": 4,
         "device": dev.type,
@@ -378,7 +387,8 @@ def _quantize_layers(quantizer: LayerQuantizer, reader: Checkpoint, layer_names:
     num_layers = len(layer_names)
     progress_path = work / PROGRESS_NAME
     weight_map: dict[str, str] = {}
-    bar = _progress_bar(num_layers, show_progress, "AWQ" if quantizer.awq else "RTN")
+    label = "AWQ+GPTQ" if quantizer.gptq else "AWQ" if quantizer.awq else "RTN"
+    bar = _progress_bar(num_layers, show_progress, label)
     for i in range(num_layers):
         where = f"{prefix}{i}."
         shard = shard_name(first_shard + i, total_shards)

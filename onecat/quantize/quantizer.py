@@ -23,11 +23,17 @@ def quantize_groups(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, tor
     """
     n, k = w.shape
     wg = w.float().reshape(n, k // group_size, group_size)  # [N, G, g]
-    wmax, wmin = wg.amax(dim=-1), wg.amin(dim=-1)  # [N, G]
-    scales = ((wmax - wmin).clamp(min=1e-5) / MAX_INT).half().float()
-    zeros = (-torch.round(wmin / scales)).clamp(0, MAX_INT)
+    scales, zeros = range_params(wg.amin(dim=-1), wg.amax(dim=-1))  # [N, G]
     q = (torch.round(wg / scales.unsqueeze(-1)) + zeros.unsqueeze(-1)).clamp(0, MAX_INT)
     return q.reshape(n, k).to(torch.uint8), zeros.to(torch.uint8), scales
+
+
+def range_params(wmin: torch.Tensor, wmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scales, zeros)`` (float32; scales fp16-representable, zeros integers 0..15) of groups
+    whose weights span ``[wmin, wmax]`` (any matching shapes)."""
+    scales = ((wmax - wmin).clamp(min=1e-5) / MAX_INT).half().float()
+    zeros = (-torch.round(wmin / scales)).clamp(0, MAX_INT)
+    return scales, zeros
 
 
 def pseudo_quantize(w: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -21,6 +21,7 @@ from onecat.errors import OnecatError
 
 RECIPE_VERSION = 1
 NORM_STYLES = ("one_plus", "plain")
+METHODS = ("awq", "awq+gptq")
 INDIVISIBLE_POLICIES = ("keep_fp16", "fail")
 
 
@@ -31,6 +32,16 @@ class Experts:
     module: str
     gate_up_proj: str
     down_proj: str
+
+
+@dataclass(frozen=True)
+class GptqSettings:
+    """The GPTQ stage of ``method: awq+gptq`` (onecat/quantize/gptq.py): ``damp`` is the
+    fraction of the Hessian's mean diagonal added to its diagonal, ``block_size`` the columns
+    updated together before the lazy update of the rest."""
+
+    damp: float = 0.01
+    block_size: int = 128
 
 
 @dataclass(frozen=True)
@@ -79,6 +90,8 @@ class Recipe:
     calib_source: str
     calib_samples: int
     calib_seqlen: int
+    method: str = "awq"
+    gptq: GptqSettings = field(default_factory=GptqSettings)
     raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
     def is_quantized(self, name: str) -> bool:
@@ -281,6 +294,16 @@ def load_recipe(path: str | Path) -> Recipe:
     samples = calib.positive("samples")
     seqlen = calib.positive("seqlen")
     calib.finish()
+
+    method = top.get("method", str, default="awq", allowed=METHODS)
+    gptq_f = top.section("gptq", optional=True)
+    gptq = GptqSettings()
+    if gptq_f is not None:
+        damp = gptq_f.get("damp", (float, int), default=gptq.damp)
+        if not 0 < damp < 1:
+            gptq_f.fail("gptq.damp", f"must be in (0, 1) (a fraction of the mean Hessian diagonal), found {damp}")
+        gptq = GptqSettings(float(damp), gptq_f.positive("block_size", default=gptq.block_size))
+        gptq_f.finish()
     top.finish()
 
     return Recipe(
@@ -291,7 +314,7 @@ def load_recipe(path: str | Path) -> Recipe:
         modules_to_not_convert=not_convert, mappings=mappings, grid=grid, duo_scaling=duo,
         clip=clip, clip_grid=clip_grid, clip_max_shrink=float(shrink), clip_skip=clip_skip,
         clip_tokens=clip_tokens, loss_tokens=loss_tokens, calib_source=source,
-        calib_samples=samples, calib_seqlen=seqlen, raw=data,
+        calib_samples=samples, calib_seqlen=seqlen, method=method, gptq=gptq, raw=data,
     )
 
 

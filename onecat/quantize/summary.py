@@ -15,34 +15,46 @@ def _ratios(layer: dict) -> str:
     return " ".join(shown) + (f" (+{len(ratios) - 4})" if len(ratios) > 4 else "")
 
 
+def _mse(value: float | None) -> str:
+    return f"{value:.3g}" if value is not None else "-"
+
+
 def print_summary(report: dict, out: Path) -> None:
-    """Print one row per layer (kind, chosen ratios, mean clip, output MSE RTN -> AWQ, time)."""
+    """Print one row per layer (kind, chosen ratios, mean clip, layer-output MSE of RTN, AWQ
+    and, for ``awq+gptq``, AWQ+GPTQ, the gain of the shipped result over RTN, time)."""
     from rich.console import Console
     from rich.table import Table
 
+    gptq = report["method"] == "awq+gptq"
     table = Table(title=f"onecat quantize ({report['method']}, g{report['group_size']})")
-    for col in ("layer", "kind", "ratios", "clip", "MSE rtn", "MSE awq", "gain", "s"):
+    columns = ["layer", "kind", "ratios", "clip", "MSE rtn", "MSE awq"]
+    columns += ["MSE gptq", "plain"] if gptq else []
+    for col in [*columns, "gain", "s"]:
         table.add_column(col, justify="right" if col not in ("kind", "ratios") else "left")
-    gains = []
+    gains, fallback = [], 0
     for layer in report["layers"]:
         clip = layer.get("clip") or {}
         mean_clip = f"{sum(clip.values()) / len(clip):.3f}" if clip else "-"
         rtn, awq = layer.get("output_mse_rtn"), layer.get("output_mse_awq")
+        result = layer.get("output_mse_gptq") if gptq else awq
         gain = "-"
-        if rtn and awq is not None:
-            gains.append(1 - awq / rtn)
-            gain = f"{100 * (1 - awq / rtn):.1f}%"
-        table.add_row(
-            str(layer["layer"]), KIND_LABELS.get(layer["kind"], layer["kind"]), _ratios(layer), mean_clip,
-            f"{rtn:.3g}" if rtn is not None else "-", f"{awq:.3g}" if awq is not None else "-",
-            gain, f"{layer['time_s']:.1f}",
-        )
+        if rtn and result is not None:
+            gains.append(1 - result / rtn)
+            gain = f"{100 * (1 - result / rtn):.1f}%"
+        row = [str(layer["layer"]), KIND_LABELS.get(layer["kind"], layer["kind"]), _ratios(layer),
+               mean_clip, _mse(rtn), _mse(awq)]
+        if gptq:
+            stage = layer.get("gptq") or {}
+            fallback += len(stage.get("fallback_rtn", {}))
+            row += [_mse(result), str(len(stage.get("fallback_rtn", {})))]
+        table.add_row(*row, gain, f"{layer['time_s']:.1f}")
     console = Console()
     console.print(table)
     kept = sum(len(layer.get("fp16_kept", [])) for layer in report["layers"])
     mean_gain = f"; mean layer-output error reduction vs RTN {100 * sum(gains) / len(gains):.1f}%" if gains else ""
+    rounded = f"; {fallback} linears rounded plainly (too few calibration rows for GPTQ)" if gptq else ""
     console.print(
         f"{len(report['layers'])} layers in {report['time_s']:.1f} s{mean_gain}; "
-        f"{kept} linears kept in fp16"
+        f"{kept} linears kept in fp16{rounded}"
     )
     console.print(f"artifact: {out}")

@@ -1,0 +1,140 @@
+"""Error-compensating rounding (GPTQ, arXiv 2210.17323) as pure functions over tensors.
+
+onecat runs it after AWQ's smoothing (``method: awq+gptq``), on each quantized linear of a
+layer, in place of plain rounding; the model walking lives in layer_search.py.
+
+For a linear with weight ``W [N, K]`` and calibration inputs ``X [T, K]`` (its inputs after
+smoothing), the layer-wise objective is ``|| X W^T - X Q^T ||^2``, whose Hessian in ``W`` is
+``H = 2 X^T X [K, K]`` (the factor and the 1/T normalisation do not change the solution, so
+:func:`add_to_hessian` keeps ``X^T X`` and the caller divides by the token count). Columns
+are quantized left to right; after column ``j`` is rounded, its error is spread over the
+columns not yet rounded through the inverse Hessian, which the upper Cholesky factor ``U``
+of ``H^-1`` (``H^-1 = U^T U``) gives row by row:
+
+    e = (w_j - Q(w_j)) / U[j, j];    W[:, j+1:] -= e U[j, j+1:]
+
+Within a block of columns the update runs column by column on the block only; the rest of
+the matrix receives the block's errors in one product at the end of the block ("lazy batch
+updates"). Damping: ``H += damp * mean(diag H) * I`` (raised tenfold, up to three times, when
+the Cholesky factorisation still fails); input channels that never saw a non-zero value get
+``H[j, j] = 1`` and a zero weight (they contribute nothing to the output).
+
+Groups: no activation reordering (the AutoAWQ GEMM format cannot hold a column permutation),
+so each group is ``g`` consecutive columns, and its scale and zero point are computed when the
+quantizer reaches its first column, from the weights as updated by the errors of the groups
+before it (optionally clamped to a clip range ``max_val`` from AWQ's clip search), with the
+same formulas as :mod:`onecat.quantize.quantizer`. The block size is rounded to a multiple of
+``g`` so that a group never straddles two blocks. The result is integers ``q, zeros, scales``
+in onecat's contract (DEVELOPMENT.md, "Quantized integers"), so the AWQ GEMM writer packs them
+unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from onecat.quantize.quantizer import MAX_INT, range_params
+
+MIN_ROWS_PER_COLUMN = 0.25
+"""A linear needs at least ``K * MIN_ROWS_PER_COLUMN`` calibration rows for GPTQ; below that
+its Hessian is too low-rank to trust (mostly damping) and plain rounding is used instead."""
+
+
+class HessianNotPositiveDefinite(ValueError):
+    """The damped Hessian could not be factorised (the caller falls back to plain rounding)."""
+
+
+def enough_rows(rows: int, in_features: int) -> bool:
+    """Whether ``rows`` calibration rows suffice for GPTQ on a linear with ``in_features``."""
+    return rows >= in_features * MIN_ROWS_PER_COLUMN and rows > 0
+
+
+def add_to_hessian(h: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """``h + X^T X`` for inputs ``x [..., K]`` (float32; a new ``[K, K]`` tensor when h is None)."""
+    xf = x.reshape(-1, x.shape[-1]).float()
+    if h is None:
+        return xf.t() @ xf
+    return h.addmm_(xf.t(), xf)
+
+
+def smoothed_hessian(h: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The Hessian of inputs divided by the AWQ scale ``s [K]`` (``X' = X / s``):
+    ``H' = diag(1/s) H diag(1/s)``. Lets the calibration pass accumulate H before the scale
+    search instead of running the block a second time."""
+    inv = 1.0 / s.to(device=h.device, dtype=torch.float32)
+    return h * inv.unsqueeze(1) * inv.unsqueeze(0)
+
+
+def inverse_hessian_factor(h: torch.Tensor, damp: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(U, dead)``: the upper Cholesky factor of the damped ``H^-1`` and the mask of input
+    channels whose ``H[j, j]`` is 0. Raises :class:`HessianNotPositiveDefinite`."""
+    h = h.float().clone()
+    diag = h.diagonal()
+    dead = diag == 0
+    h[dead, dead] = 1.0
+    mean = float(diag.mean())
+    if not mean > 0 or not bool(torch.isfinite(h).all()):
+        raise HessianNotPositiveDefinite("the Hessian is zero or not finite")
+    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    for attempt in range(4):
+        lower, info = torch.linalg.cholesky_ex(h + eye * (damp * 10**attempt * mean))
+        if int(info) == 0:
+            inverse = torch.cholesky_inverse(lower)
+            upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
+            if int(info) == 0:
+                return upper, dead
+    raise HessianNotPositiveDefinite(f"not positive definite even with damping {damp * 1000}")
+
+
+@torch.no_grad()
+def gptq_quantize(
+    w: torch.Tensor,
+    hessian: torch.Tensor,
+    group_size: int,
+    *,
+    damp: float = 0.01,
+    block_size: int = 128,
+    max_val: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize ``W [N, K]`` (K % group_size == 0) with GPTQ against ``hessian [K, K]``.
+
+    ``max_val [N, K/g]``: optional clip range per group (the group's weights are clamped to
+    +-max_val before its range is taken). Returns ``(q [N, K] uint8, zeros [N, K/g] uint8,
+    scales [N, K/g] float32, fp16-representable)``, on W's device.
+    """
+    n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"in-features {k} do not divide by group size {group_size}")
+    weight = w.float().clone()
+    upper, dead = inverse_hessian_factor(hessian.to(weight.device), damp)
+    weight[:, dead] = 0.0
+    groups = k // group_size
+    q = torch.empty(n, k, dtype=torch.uint8, device=weight.device)
+    scales = torch.empty(n, groups, dtype=torch.float32, device=weight.device)
+    zeros = torch.empty_like(scales)
+    block = max(group_size, block_size // group_size * group_size)
+    for b0 in range(0, k, block):
+        b1 = min(b0 + block, k)
+        wb = weight[:, b0:b1]  # a view: updated in place
+        ub = upper[b0:b1, b0:b1]
+        err = torch.empty(n, b1 - b0, dtype=torch.float32, device=weight.device)
+        for i in range(b1 - b0):
+            col = b0 + i
+            g = col // group_size
+            if col % group_size == 0:  # the group's range, from the weights as updated so far
+                part = wb[:, i : i + group_size]
+                if max_val is not None:
+                    limit = max_val[:, g : g + 1].to(part.device, torch.float32)
+                    part = torch.clamp(part, -limit, limit)
+                scales[:, g], zeros[:, g] = range_params(part.amin(dim=1), part.amax(dim=1))
+            s, z = scales[:, g], zeros[:, g]
+            x = wb[:, i]
+            qi = (torch.round(x / s) + z).clamp(0, MAX_INT)
+            q[:, col] = qi.to(torch.uint8)
+            e = (x - (qi - z) * s) / ub[i, i]
+            if i + 1 < b1 - b0:
+                wb[:, i + 1 :].addr_(e, ub[i, i + 1 :], alpha=-1.0)
+            err[:, i] = e
+        if b1 < k:
+            weight[:, b1:].addmm_(err, upper[b0:b1, b1:], alpha=-1.0)
+    return q, zeros.to(torch.uint8), scales
