@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import onecat
 from onecat.runtime.server.api_errors import APIError, error_body, internal_error
 from onecat.runtime.server.async_engine import AsyncEngine
+from onecat.runtime.server.chat_plan import ChatOptions
 from onecat.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from onecat.runtime.server.openai_serving import OpenAIServing, Submitted
 from onecat.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -185,17 +186,20 @@ def create_app(
     api_key: str | None = None,
     trust_request_chat_template: bool = False,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    chat_options: ChatOptions | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving ``engine`` (whose thread the caller starts/stops).
 
     ``trust_request_chat_template`` lets requests bring their own chat template;
-    ``max_request_body_bytes`` bounds a request body (413 beyond it).
+    ``max_request_body_bytes`` bounds a request body (413 beyond it); ``chat_options`` are the
+    tool-call and reasoning parsers (vLLM's flags).
     """
     app = FastAPI(title="onecat", version=onecat.__version__)
     metrics = ServerMetrics(engine.stats)
     executor = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="onecat-prompt")
     serving = OpenAIServing(
-        engine, metrics, executor, trust_request_chat_template=trust_request_chat_template
+        engine, metrics, executor, trust_request_chat_template=trust_request_chat_template,
+        chat_options=chat_options,
     )
     app.state.engine = engine
     app.state.metrics = metrics

@@ -59,13 +59,12 @@ def new_tool_call_id() -> str:
 
 def message_fields(parts: ChatMessageParts, ids: list[str] | None = None) -> dict[str, Any]:
     """The assistant message of a finished answer (``ids``: the calls' ids, if already given)."""
-    message: dict[str, Any] = {"role": "assistant", "content": parts.content}
+    message: dict[str, Any] = {"role": "assistant", "content": parts.content or None}
     if parts.reasoning is not None:
         message["reasoning_content"] = parts.reasoning or None
     calls = [c for c in parts.calls if c.name is not None]
     if calls:
         ids = list(ids or []) + [new_tool_call_id() for _ in range(len(calls) - len(ids or []))]
-        message["content"] = parts.content or None
         message["tool_calls"] = [
             {"id": ids[i], "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
             for i, c in enumerate(calls)

@@ -38,12 +38,15 @@ from onecat.runtime.server.async_engine import (
     RequestStream,
     ShuttingDownError,
 )
+from onecat.runtime.server.chat_plan import ChatOptions, ChatPlan
 from onecat.runtime.server.logprob_format import LogprobFormatter
 from onecat.runtime.server.metrics import ServerMetrics
 from onecat.runtime.server.prompts import chat_token_ids, reserved_template_kwargs, text_token_ids
 from onecat.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from onecat.runtime.server.structured_output import GrammarBackend, StructuredOutputUnavailable
 
 DONE_EVENT = "data: [DONE]\n\n"
+PROMPT_TAIL_TOKENS = 16  # decoded to see whether the chat template opened a think block
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -73,6 +76,7 @@ class Submitted:
     model: str
     include_usage: bool
     logprobs: int | None = None
+    chat_plan: ChatPlan | None = None  # tools / response_format / reasoning of a chat request
 
     @property
     def finished(self) -> bool:
@@ -111,8 +115,11 @@ class OpenAIServing:
         executor: Executor,
         *,
         trust_request_chat_template: bool = False,
+        chat_options: ChatOptions | None = None,
     ) -> None:
         self.engine = engine
+        self.chat_options = chat_options or ChatOptions()
+        self._grammar: GrammarBackend | None = None
         self.metrics = metrics
         self.executor = executor
         self.trust_request_chat_template = trust_request_chat_template
@@ -223,21 +230,44 @@ class OpenAIServing:
         """Validate, render the chat template, tokenise and submit a chat request."""
         req.refuse_unsupported()
         self.check_model(req.model)
-        messages = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in req.messages
-        ]
+        plan = ChatPlan(req, self.chat_options)
         template, template_kwargs = self.template_of(req)
+        template_kwargs = {**template_kwargs, **plan.template_kwargs()}
         try:
             prompt_ids = await self._off_loop(
-                chat_token_ids, self.engine.tokenizer, messages, template_kwargs, template
+                chat_token_ids, self.engine.tokenizer, plan.messages, template_kwargs, template
             )
         except OnecatError as exc:
             raise bad_request(str(exc), param="messages") from exc
+        plan.start(self.engine.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:]))
+        processors = await self.grammar_processors(plan)
         max_tokens = req.max_new_tokens()
         if max_tokens is None:  # OpenAI's chat default: as many as the context allows
             max_tokens = max(1, self.engine.max_model_len - len(prompt_ids))
-        return await self.submit("chatcmpl", req, prompt_ids, max_tokens, req.num_logprobs())
+        sub = await self.submit("chatcmpl", req, prompt_ids, max_tokens, req.num_logprobs(), processors)
+        sub.chat_plan = plan
+        return sub
+
+    async def grammar_processors(self, plan: ChatPlan) -> Callable[[], list[LogitsProcessor]] | None:
+        """The per-choice grammar mask of a constrained chat request (None: unconstrained);
+        the grammar is compiled off the event loop. 400 naming the field when the grammar
+        library is missing or the schema / tools do not compile."""
+        constraint = plan.constraint()
+        if constraint is None:
+            return None
+        try:
+            if self._grammar is None:
+                llm = self.engine.engine
+                self._grammar = GrammarBackend(
+                    self.engine.tokenizer, llm.runner.model_config.vocab_size, sorted(llm.eos_token_ids)
+                )
+            backend = self._grammar
+            compiled = await self._off_loop(backend.compile, constraint)
+        except StructuredOutputUnavailable as exc:
+            raise bad_request(str(exc), param=plan.constrained_field, code="structured_output_unavailable") from exc
+        except RequestError as exc:
+            raise bad_request(str(exc), param=exc.param) from exc
+        return lambda: [backend.logits_processor(compiled)]
 
     def template_of(self, req: ChatCompletionRequest) -> tuple[str | None, dict[str, Any]]:
         """The request's own chat template (None: the model's) and the template variables
@@ -372,17 +402,19 @@ class OpenAIServing:
     ) -> dict[str, Any]:
         """The non-streamed /v1/chat/completions response."""
         results = await self.collect(sub, is_disconnected)
-        choices = [
-            {
+        choices = []
+        for i, result in enumerate(results):
+            message, finish_reason = {"role": "assistant", "content": result.text}, result.final.finish_reason
+            if sub.chat_plan is not None:  # reasoning_content / tool_calls split off
+                message, finish_reason = sub.chat_plan.message(result.text, finish_reason)
+            choices.append({
                 "index": i,
-                "message": {"role": "assistant", "content": result.text},
+                "message": message,
                 "logprobs": None if sub.logprobs is None else {
                     "content": self.logprob_format.chat_content(result.logprobs)
                 },
-                "finish_reason": result.final.finish_reason,
-            }
-            for i, result in enumerate(results)
-        ]
+                "finish_reason": finish_reason,
+            })
         return {
             "id": sub.request_id,
             "object": "chat.completion",
@@ -467,16 +499,23 @@ class OpenAIServing:
         for index in range(len(sub.streams)):
             yield sse_event(chunk(index, {"role": "assistant", "content": ""}))
         finals: dict[int, Any] = {}
+        # reasoning_content / tool_calls deltas per choice (None: the text is the content)
+        parsers = [sub.chat_plan.delta_stream() if sub.chat_plan else None for _ in sub.streams]
         async for index, out, event in self._events(sub):
             if event is not None:
                 yield event
                 return
             logprobs = out.logprobs if sub.logprobs is not None and out.logprobs else None
-            if out.new_text or logprobs:
-                yield sse_event(chunk(index, {"content": out.new_text}, logprobs=logprobs))
+            parser = parsers[index]
+            delta = {"content": out.new_text} if parser is None else parser.feed(out.new_text, out.finished)
+            if (delta and (parser is not None or out.new_text)) or logprobs:
+                yield sse_event(chunk(index, delta or {}, logprobs=logprobs))
             if out.finished:
                 finals[index] = out
-                yield sse_event(chunk(index, {}, out.finish_reason))
+                finish_reason = out.finish_reason
+                if parser is not None and parser.called_tools and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+                yield sse_event(chunk(index, {}, finish_reason))
         if sub.include_usage and len(finals) == len(sub.streams):
             yield sse_event(chunk(None, usage=self._usage(list(finals.values()))))
         yield DONE_EVENT

@@ -60,15 +60,21 @@ class JsonConstraint:
 @dataclass(frozen=True)
 class ToolCallConstraint:
     """The answer is one or more tool calls in ``parser``'s format: ``tool_choice``
-    ``"required"`` (any of ``tools``) or a function name (that one)."""
+    ``"required"`` (any of ``tools``; with ``parallel_tool_calls`` text may follow the first
+    call, as further calls may) or a function name (that one, then the end)."""
 
     parser: str
     tools: list[dict[str, Any]] = field(hash=False)
     tool_choice: str | dict[str, Any] = field(hash=False, default="required")
     after_reasoning: bool = False
+    parallel_tool_calls: bool = True
 
 
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object", "additionalProperties": True}
+MAX_WHITESPACE = 16
+"""Longest run of whitespace a grammar allows between JSON tokens (and around a tool call's
+parameter values): enough for an indented nested object, and a sampled model cannot spend
+its whole budget on blank space."""
 
 
 class GrammarBackend:
@@ -103,7 +109,7 @@ class GrammarBackend:
         param = "response_format" if isinstance(constraint, JsonConstraint) else "tools"
         try:
             if isinstance(constraint, JsonConstraint):
-                body: Any = st.JSONSchemaFormat(json_schema=constraint.schema)
+                body: Any = st.JSONSchemaFormat(json_schema=constraint.schema, max_whitespace_cnt=MAX_WHITESPACE)
                 if constraint.after_reasoning:
                     body = st.SequenceFormat(elements=[_reasoning_prefix(st), body])
                 tag = st.StructuralTag(format=body)
@@ -113,6 +119,8 @@ class GrammarBackend:
                     tools=constraint.tools,
                     tool_choice=constraint.tool_choice,
                     reasoning="enabled" if constraint.after_reasoning else "disabled",
+                    max_whitespace_cnt=MAX_WHITESPACE,
+                    parallel_tool_calls=constraint.parallel_tool_calls,
                 )
             return compiler.compile_structural_tag(tag)
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError / its own types

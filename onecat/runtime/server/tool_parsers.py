@@ -186,6 +186,8 @@ def _convert(value: str, schema: Any) -> Any:
     """A raw parameter value as the type its schema names (vLLM's conversions); text that
     does not fit the type stays a string."""
     kind = _schema_type(schema)
+    if isinstance(schema, dict) and ("enum" in schema or "const" in schema):
+        value = value.strip()  # a choice among fixed values: the blanks around it are layout
     if kind == "string":
         return value
     if value.strip().lower() in ("null", "none"):
