@@ -17,6 +17,8 @@ from onecat.runtime.sampling_params import SamplingParams
 
 VOCAB = 64
 EOS = 3
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+DEVICES = ["cpu", pytest.param("cuda", marks=ON_GPU)]
 
 
 @dataclass
@@ -27,10 +29,11 @@ class Row:
     token_ids: list[int] = field(default_factory=lambda: [5, 6, 7])
     num_prompt_tokens: int = 3
     generator: torch.Generator | None = None
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+            self.generator = torch.Generator(device=self.device).manual_seed(self.params.seed)
 
 
 def reference_penalties(logits: list[float], prompt: list[int], output: list[int],
@@ -47,20 +50,21 @@ def reference_penalties(logits: list[float], prompt: list[int], output: list[int
     return out
 
 
-def test_penalties_match_the_reference():
+@pytest.mark.parametrize("device", DEVICES)
+def test_penalties_match_the_reference(device):
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, VOCAB, generator=gen) * 3
+    logits = (torch.randn(3, VOCAB, generator=gen) * 3).to(device)
     prompts = [[1, 2, 2, 9], [], [40, 41]]
     outputs = [[2, 5, 5, 5, 63], [7, 7], []]
     presence, frequency, repetition = [0.5, -1.0, 2.0], [0.25, 1.5, -2.0], [1.3, 0.7, 2.0]
     got = apply_penalties(
         logits.clone(), prompts, outputs,
-        torch.tensor(presence), torch.tensor(frequency), torch.tensor(repetition),
+        *(torch.tensor(v, device=device) for v in (presence, frequency, repetition)),
     )
     for i in range(3):
         want = reference_penalties(logits[i].tolist(), prompts[i], outputs[i],
                                    presence[i], frequency[i], repetition[i])
-        torch.testing.assert_close(got[i], torch.tensor(want), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got[i].cpu(), torch.tensor(want), rtol=1e-6, atol=1e-6)
 
 
 def test_greedy_follows_penalised_logits():
@@ -98,16 +102,18 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     assert sampler(logits, [Row(ignoring, [1], 1)]).token_ids == [EOS]  # EOS is no stop token here
 
 
-def test_logprobs_are_raw_log_softmax_with_top_alternatives():
+@pytest.mark.parametrize("device", DEVICES)
+def test_logprobs_are_raw_log_softmax_with_top_alternatives(device):
     gen = torch.Generator().manual_seed(1)
-    logits = torch.randn(3, VOCAB, generator=gen)
+    logits = torch.randn(3, VOCAB, generator=gen).to(device)
     rows = [
-        Row(SamplingParams(temperature=0.7, top_k=5, logprobs=4, frequency_penalty=1.0, seed=3)),
+        Row(SamplingParams(temperature=0.7, top_k=5, logprobs=4, frequency_penalty=1.0, seed=3), device=device),
         Row(SamplingParams(temperature=0)),  # asked for none
         Row(SamplingParams(temperature=0, logprobs=0)),
     ]
     out = Sampler()(logits, rows)
-    raw = logits.log_softmax(dim=-1)
+    logits = logits.cpu()
+    raw = logits.double().log_softmax(dim=-1)
     first = out.logprobs[0]
     assert first.token_id == out.token_ids[0]
     assert math.isclose(first.logprob, raw[0, first.token_id].item(), rel_tol=1e-5)
@@ -149,18 +155,20 @@ def test_logits_processor_hook_sees_outputs_and_masks():
     assert logits.isfinite().all(), "the caller's logits are not modified"
 
 
-def test_seeded_rows_are_reproducible_beside_other_rows():
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_rows_are_reproducible_beside_other_rows(device):
     gen = torch.Generator().manual_seed(3)
-    target = torch.randn(1, VOCAB, generator=gen)
+    target = torch.randn(1, VOCAB, generator=gen).to(device)
     params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
 
     def run(batch_with: int, steps: int = 12) -> list[int]:
-        row = Row(params)
-        others = [Row(SamplingParams(temperature=0.8, seed=k if k % 2 else None)) for k in range(batch_with)]
+        row = Row(params, device=device)
+        others = [Row(SamplingParams(temperature=0.8, seed=k if k % 2 else None, presence_penalty=0.1 * k),
+                      device=device) for k in range(batch_with)]
         picks = []
         sampler = Sampler()
         for _ in range(steps):
-            noise = torch.randn(batch_with, VOCAB, generator=gen)
+            noise = torch.randn(batch_with, VOCAB, generator=gen).to(device)
             batch = torch.cat([noise[: batch_with // 2], target, noise[batch_with // 2 :]])
             rows = others[: batch_with // 2] + [row] + others[batch_with // 2 :]
             picks.append(sampler(batch, rows).token_ids[batch_with // 2])
@@ -169,7 +177,7 @@ def test_seeded_rows_are_reproducible_beside_other_rows():
     alone = run(0)
     assert run(5) == alone and run(2) == alone
     assert len(set(alone)) > 1, "sampled, not greedy"
-    other_seed = Row(SamplingParams(temperature=1.0, top_p=0.95, seed=1235))
+    other_seed = Row(SamplingParams(temperature=1.0, top_p=0.95, seed=1235), device=device)
     assert [Sampler()(target, [other_seed]).token_ids[0] for _ in range(12)] != alone
 
 
@@ -229,3 +237,49 @@ def test_stop_string_spanning_tokens():
         pieces.append(detok.release(final=False))
     pieces.append(detok.release(final=True))
     assert "".join(pieces) == "ab"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_real_vocab_batch_on_gpu():
+    """32 rows of fp16 logits over Qwen3.5's 248k vocabulary mixing every feature: seeded rows
+    sample as they do alone, logprobs are the fp64 log-softmax, and one call stays cheap."""
+    import time
+
+    vocab, device = 248320, "cuda"
+    gen = torch.Generator(device=device).manual_seed(0)
+    logits = (torch.randn(32, vocab, device=device, generator=gen) * 4).half()
+    history = torch.randint(0, vocab, (564,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=64, temperature=0 if i % 4 == 0 else 0.8, top_p=0.9 if i % 3 == 0 else 1.0,
+            top_k=50 if i % 5 == 0 else 0, min_p=0.05 if i % 7 == 0 else 0.0, seed=i if i % 2 else None,
+            logprobs=5 if i % 3 == 1 else None, repetition_penalty=1.1 if i % 6 == 0 else 1.0,
+            frequency_penalty=0.3 if i % 8 == 1 else 0.0, min_tokens=70 if i % 9 == 0 else 0,
+        )
+
+    def rows() -> list[Row]:
+        return [Row(params(i), history, 500, device=device) for i in range(32)]
+
+    out = Sampler(eos_token_ids=[248044])(logits, rows())
+    fresh = rows()
+    for i in range(1, 32, 2):  # seeded rows: the same token as sampled alone
+        assert Sampler()(logits[i : i + 1], [fresh[i]]).token_ids[0] == out.token_ids[i], i
+    raw = logits.double().log_softmax(dim=-1)
+    for i in range(1, 32, 3):
+        lp = out.logprobs[i]
+        assert abs(lp.logprob - raw[i, lp.token_id].item()) < 1e-4
+        assert [t for t, _ in lp.top] == raw[i].topk(5).indices.tolist()
+    for i in (4, 8, 16, 20, 28):  # greedy rows without penalties or min_tokens
+        assert out.token_ids[i] == int(logits[i].argmax())
+
+    sampler, batch = Sampler(eos_token_ids=[248044]), rows()
+    sampler(logits, batch)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        sampler(logits, batch)
+    per_call = (time.perf_counter() - start) / 10
+    print(f"sampler, 32 rows x {vocab} vocab, every feature: {per_call * 1e3:.2f} ms per step")
+    assert per_call < 0.05
