@@ -248,3 +248,35 @@ def test_metrics_report_prefix_cache_counters():
     text = metrics.render().decode()
     assert "onecat:prefix_cache_queries_total 300.0" in text
     assert "onecat:prefix_cache_hits_total 128.0" in text
+
+
+def test_cli_flags(tmp_path, monkeypatch):
+    """``--no-enable-prefix-caching`` turns the cache off in the embedded engine's config and
+    is passed on to vLLM; the default is on and adds nothing to vLLM's arguments."""
+    from click.testing import CliRunner
+
+    from onecat.cli import main
+
+    class Stop(Exception):
+        pass
+
+    configs, vllm_args = [], []
+
+    def fake_engine(config):
+        configs.append(config)
+        raise Stop
+
+    def fake_vllm(artifact, **kwargs):
+        vllm_args.append(kwargs["vllm_args"])
+        raise Stop
+
+    monkeypatch.setattr("onecat.runtime.engine.LLMEngine", fake_engine)
+    monkeypatch.setattr("onecat.vllm_plugin.launcher.serve_from_onecat_flags", fake_vllm)
+    runner = CliRunner()
+    runner.invoke(main, ["generate", str(tmp_path), "--prompt", "x"])
+    runner.invoke(main, ["generate", str(tmp_path), "--prompt", "x", "--no-enable-prefix-caching"])
+    runner.invoke(main, ["serve", str(tmp_path), "--no-enable-prefix-caching"])
+    assert [c.enable_prefix_caching for c in configs] == [True, False, False]
+    runner.invoke(main, ["serve", str(tmp_path), "--engine", "vllm"])
+    runner.invoke(main, ["serve", str(tmp_path), "--engine", "vllm", "--no-enable-prefix-caching"])
+    assert vllm_args == [(), ("--no-enable-prefix-caching",)]
