@@ -92,20 +92,24 @@ def check_every_split(make_parser: Callable[[], ChatOutputParser], text: str) ->
 
 
 class ScriptedSampler:
-    """Wraps the engine's sampler so that every request generates ``text`` (then EOS): the
-    logits of each row allow only the script's next token. The real sampler, detokenizer,
-    server and parsers run as usual; only the model's choice is scripted."""
+    """Wraps the engine's sampler so that every request generates ``text`` first: the logits
+    of each row allow only the script's next token; after it, EOS (or, ``then_free``, the
+    model's own logits). The real sampler (logits processors included), detokenizer, server
+    and parsers run as usual; only the model's choice is scripted."""
 
-    def __init__(self, engine: Any, text: str) -> None:
+    def __init__(self, engine: Any, text: str, then_free: bool = False) -> None:
         self.sampler = engine.sampler
         self.script = list(engine.tokenizer.encode(text, add_special_tokens=False))
         self.eos = engine.tokenizer.eos_token_id
+        self.then_free = then_free
 
     def __call__(self, logits: torch.Tensor, rows: Any) -> Any:
-        scripted = torch.full(logits.shape, float("-inf"), device=logits.device)
+        scripted = logits.clone() if self.then_free else torch.full(logits.shape, float("-inf"), device=logits.device)
         for i, row in enumerate(rows):
             n = len(row.token_ids) - row.num_prompt_tokens
-            scripted[i, self.script[n] if n < len(self.script) else self.eos] = 0.0
+            if n < len(self.script) or not self.then_free:
+                scripted[i] = float("-inf")
+                scripted[i, self.script[n] if n < len(self.script) else self.eos] = 0.0
         return self.sampler(scripted, rows)
 
 
