@@ -68,12 +68,15 @@ class BlockManager:
         """Hashes of the full blocks among the first ``num_tokens`` tokens of ``seq`` (computed
         once per block and kept on the sequence: its tokens are only ever appended)."""
         full = min(num_tokens, seq.num_tokens) // self.block_size
+        self._extend_hashes(seq, full)
+        return seq.block_hashes[:full]
+
+    def _extend_hashes(self, seq: Sequence, full: int) -> None:
         hashes = seq.block_hashes
         while len(hashes) < full:
             start = len(hashes) * self.block_size
             parent = hashes[-1] if hashes else ROOT_HASH
             hashes.append(block_hash(parent, seq.token_ids[start : start + self.block_size]))
-        return hashes[:full]
 
     def cached_prefix(self, seq: Sequence, max_tokens: int) -> list[int]:
         """The cached blocks the first ``max_tokens`` tokens of ``seq`` start with (in order)."""
@@ -130,15 +133,17 @@ class BlockManager:
         """Enter the newly completed full blocks of ``seq`` (its computed tokens) into the
         cache. A block whose content another block already holds stays unregistered (it is
         freed as uncached)."""
-        if not self.caching:
-            return
-        hashes = self.hashes(seq, seq.num_computed_tokens)
-        for i in range(seq.num_registered_blocks, len(hashes)):
+        full = seq.num_computed_tokens // self.block_size
+        if not self.caching or full <= seq.num_registered_blocks:
+            return  # most steps: a decode token that did not complete a block
+        self._extend_hashes(seq, full)
+        hashes = seq.block_hashes
+        for i in range(seq.num_registered_blocks, full):
             block = seq.block_table[i]
             if hashes[i] not in self._by_hash and self._hash_of[block] is None:
                 self._by_hash[hashes[i]] = block
                 self._hash_of[block] = hashes[i]
-        seq.num_registered_blocks = max(seq.num_registered_blocks, len(hashes))
+        seq.num_registered_blocks = full
 
     def free(self, seq: Sequence) -> None:
         """Drop the references of ``seq`` to its blocks, last block first."""
