@@ -52,6 +52,8 @@ def test_chat_request_fields():
         {"messages": HELLO, "top_p": 0},
         {"messages": HELLO, "stream_options": {"include_usage": "maybe"}},
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
+        {"messages": HELLO, "tools": [{"type": "function"}]},
+        {"messages": HELLO, "response_format": {"type": "json_schema"}},
     ],
 )
 def test_chat_request_rejects_invalid_fields(fields):
@@ -66,8 +68,9 @@ def test_chat_request_rejects_invalid_fields(fields):
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"logit_bias": {"1": 2.0}}, "logit_bias"),
         ({"logprobs": True}, "logprobs"),
-        ({"tools": [{"type": "function"}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tool_choice": "required"}, "tool_choice"),  # no tools to choose from
+        ({"tools": [{"type": "function", "function": {"name": "f"}}],
+          "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
     ],
 )
