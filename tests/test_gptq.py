@@ -70,14 +70,12 @@ def test_gptq_integers_are_valid_and_match_their_dequantization() -> None:
     n, k, g = 64, 192, 64
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(2)) * 0.02
     h = add_to_hessian(None, correlated_inputs(512, k, rank=16, seed=3))
-    clip = w.reshape(n, k // g, g).abs().amax(-1) * 0.8
-    q, z, s = gptq_quantize(w, h, g, max_val=clip)
+    q, z, s = gptq_quantize(w, h, g)
     assert q.dtype == torch.uint8 and z.dtype == torch.uint8 and int(q.max()) <= 15 and int(z.max()) <= 15
     assert q.shape == (n, k) and z.shape == s.shape == (n, k // g)
     assert torch.equal(s.half().float(), s) and bool((s > 0).all())
-    # each group's range respects its clip: |(q - z) * s| never exceeds the clip by more than a step
-    wq = dequantize(q, z, s).reshape(n, k // g, g)
-    assert bool((wq.abs().amax(-1) <= clip + s).all())
+    # no group collapses to a single level
+    assert bool((q.reshape(n, k // g, g).amax(-1) > q.reshape(n, k // g, g).amin(-1)).all())
 
 
 def test_identity_hessian_is_plain_rounding() -> None:
@@ -131,8 +129,8 @@ def test_awq_gptq_artifact_reads_back_through_pack_reader(tiny_llama: Path, tmp_
     rtn = sum(layer["output_mse_rtn"] for layer in report["layers"])
     awq = sum(layer["output_mse_awq"] for layer in report["layers"])
     gptq = sum(layer["output_mse_gptq"] for layer in report["layers"])
-    # measured on this model: awq 0.67 x rtn, gptq 0.36 x rtn (0.53 x awq)
-    assert gptq < 0.8 * awq < rtn, (rtn, awq, gptq)
+    # measured on this model: awq (smoothing, no clip under awq+gptq) 0.93 x rtn, gptq 0.16 x rtn
+    assert gptq < 0.5 * awq and awq < rtn, (rtn, awq, gptq)
     for layer in report["layers"]:
         assert layer["gptq"] == {"linears": 7, "fallback_rtn": {}}
 

@@ -22,8 +22,7 @@ the Cholesky factorisation still fails); input channels that never saw a non-zer
 Groups: no activation reordering (the AutoAWQ GEMM format cannot hold a column permutation),
 so each group is ``g`` consecutive columns, and its scale and zero point are computed when the
 quantizer reaches its first column, from the weights as updated by the errors of the groups
-before it (optionally clamped to a clip range ``max_val`` from AWQ's clip search), with the
-same formulas as :mod:`onecat.quantize.quantizer`. The block size is rounded to a multiple of
+before it, with the same formulas as :mod:`onecat.quantize.quantizer`. The block size is rounded to a multiple of
 ``g`` so that a group never straddles two blocks. The result is integers ``q, zeros, scales``
 in onecat's contract (DEVELOPMENT.md, "Quantized integers"), so the AWQ GEMM writer packs them
 unchanged.
@@ -94,13 +93,11 @@ def gptq_quantize(
     *,
     damp: float = 0.01,
     block_size: int = 128,
-    max_val: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``W [N, K]`` (K % group_size == 0) with GPTQ against ``hessian [K, K]``.
 
-    ``max_val [N, K/g]``: optional clip range per group (the group's weights are clamped to
-    +-max_val before its range is taken). Returns ``(q [N, K] uint8, zeros [N, K/g] uint8,
-    scales [N, K/g] float32, fp16-representable)``, on W's device.
+    Returns ``(q [N, K] uint8, zeros [N, K/g] uint8, scales [N, K/g] float32,
+    fp16-representable)``, on W's device.
     """
     n, k = w.shape
     if k % group_size:
@@ -123,9 +120,6 @@ def gptq_quantize(
             g = col // group_size
             if col % group_size == 0:  # the group's range, from the weights as updated so far
                 part = wb[:, i : i + group_size]
-                if max_val is not None:
-                    limit = max_val[:, g : g + 1].to(part.device, torch.float32)
-                    part = torch.clamp(part, -limit, limit)
                 scales[:, g], zeros[:, g] = range_params(part.amin(dim=1), part.amax(dim=1))
             s, z = scales[:, g], zeros[:, g]
             x = wb[:, i]
