@@ -283,3 +283,16 @@ def test_real_vocab_batch_on_gpu():
     per_call = (time.perf_counter() - start) / 10
     print(f"sampler, 32 rows x {vocab} vocab, every feature: {per_call * 1e3:.2f} ms per step")
     assert per_call < 0.05
+
+
+def test_logit_bias_is_added_after_logprobs():
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 7] = 1.0
+    rows = [Row(SamplingParams(temperature=0, logprobs=1, logit_bias={9: 5.0, 7: -100.0})),
+            Row(SamplingParams(temperature=0, logprobs=1))]
+    out = Sampler()(logits, rows)
+    assert out.token_ids == [9, 7]
+    assert out.logprobs[0].top[0][0] == 7  # logprobs before the bias (vLLM)
+    with pytest.raises(RequestError) as info:
+        SamplingParams(logit_bias={3: 101.0}).validate()
+    assert info.value.param == "logit_bias"

@@ -220,6 +220,16 @@ def test_penalties_follow_the_reference(oc, server, reference, penalties):
                 break
 
 
+def test_logit_bias_steers_the_choice(oc, server):
+    tokenizer = server.async_engine.tokenizer
+    target = tokenizer.encode(" the")[-1]
+    for stream in (False, True):
+        response = oc.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0,
+                                         stream=stream, logit_bias={str(target): 100}, extra_body={"ignore_eos": True})
+        choices = [c for chunk in response for c in chunk.choices] if stream else response.choices
+        assert [t for c in choices if c.logprobs for t in c.logprobs.tokens] == [tokenizer.decode([target])] * 4
+
+
 def test_min_p_one_is_greedy(oc):
     fields = dict(model=MODEL, prompt=PROMPT, max_tokens=8)
     greedy = oc.completions.create(**fields, temperature=0, extra_body={"ignore_eos": True}).choices[0].text
@@ -292,7 +302,8 @@ CHAT_400 = [
     ({"extra_body": {"min_tokens": -1}}, "min_tokens"),
     ({"max_completion_tokens": 4, "extra_body": {"min_tokens": 5}}, "min_tokens"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
-    ({"logit_bias": {"5": 10}}, "logit_bias"),  # still refused, and says so
+    ({"logit_bias": {"five": 10}}, "logit_bias"),
+    ({"logit_bias": {"100000": 10}}, "logit_bias"),  # beyond the vocabulary
 ]
 
 

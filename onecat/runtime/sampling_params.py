@@ -5,7 +5,8 @@ the generated tokens), ``repetition_penalty`` (over prompt and generated tokens:
 logits divided by it, negative ones multiplied), ``min_p``, ``min_tokens`` (EOS, the stop
 token ids and the stop strings do not end the output before that many tokens), ``logprobs``
 (how many top alternatives to report per token besides the chosen one; up to
-``MAX_LOGPROBS``, vLLM's default ``--max-logprobs``). ``logits_processors`` is the
+``MAX_LOGPROBS``, vLLM's default ``--max-logprobs``), ``logit_bias`` (token id -> a value in
+[-100, 100] added to its logit after logprobs are taken). ``logits_processors`` is the
 per-request hook described in ``onecat.runtime.layers.sampler`` (grammar masks use it).
 
 The limits below are what the engine can take: counts and token ids fit int32, a seed fits
@@ -29,6 +30,8 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # torch.Generator.manual_seed takes in
 MAX_STOP_STRINGS = 64  # each is searched for after every generated token
 MAX_STOP_TOKEN_IDS = 1024  # each generated token is compared with them
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias (each is added at every step)
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias: [-100, 100]
 PENALTY_LIMIT = 2.0  # presence / frequency penalties lie in [-2, 2]; repetition in (0, 2]
 
 LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
@@ -75,6 +78,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
 
     @property
@@ -133,6 +137,15 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise RequestError(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}",
                                param="logprobs")
+        if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise RequestError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases",
+                               param="logit_bias")
+        for token, bias in self.logit_bias.items():
+            if not _is_int(token) or not 0 <= token <= MAX_INT32:
+                raise RequestError(f"logit_bias keys must be token ids in 0..{MAX_INT32}, got {token!r}",
+                                   param="logit_bias")
+            if not _is_number(bias) or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise RequestError(f"logit_bias values must be in [-100, 100], got {bias!r}", param="logit_bias")
         if not isinstance(self.logits_processors, list) or not all(map(callable, self.logits_processors)):
             raise RequestError("logits_processors must be a list of callables", param="logits_processors")
 

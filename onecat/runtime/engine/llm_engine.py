@@ -157,6 +157,8 @@ class LLMEngine:
         vocab = self.runner.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise RequestError(f"prompt token ids must be in 0..{vocab - 1}", param="prompt")
+        if any(t >= vocab for t in params.logit_bias):
+            raise RequestError(f"logit_bias token ids must be in 0..{vocab - 1}", param="logit_bias")
         if len(prompt_token_ids) >= self.max_model_len:
             raise RequestError(
                 f"the prompt has {len(prompt_token_ids)} tokens; this model serves at most "

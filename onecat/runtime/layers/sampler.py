@@ -18,7 +18,8 @@ order:
    before penalties, ``min_tokens``, temperature, ``min_p`` and top-k/top-p, which is vLLM's
    default ``--logprobs-mode raw_logprobs``; the chosen token's logprob and the
    ``logprobs`` most likely tokens are reported.
-3. **min_tokens**: while a request has fewer than ``min_tokens`` outputs, its stop token
+3. **logit_bias** added to its tokens' logits (as vLLM, after the logprobs are taken), then
+   **min_tokens**: while a request has fewer than ``min_tokens`` outputs, its stop token
    ids and EOS (unless ``ignore_eos``) are set to ``-inf``.
 4. **Penalties** (vLLM / OpenAI definitions), from per-row token counts scattered over the
    token ids on the device: ``repetition_penalty`` r on every token present in the prompt
@@ -170,6 +171,7 @@ class Sampler:
             k = max(params[i].logprobs for i in want_logprobs)
             top = logprobs.topk(k, dim=-1) if k else None
 
+        self._add_logit_bias(logits, rows)
         self._mask_stop_tokens(logits, rows)
         penalized = [i for i, p in enumerate(params) if p.has_penalties]
         if penalized:
@@ -214,6 +216,23 @@ class Sampler:
                 values = processor(outputs, values)
             if values is not logits[i]:
                 logits[i] = values
+
+    @staticmethod
+    def _add_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        """``logit_bias`` of every row in one scatter-add (ids beyond the logits are skipped)."""
+        row_index: list[int] = []
+        token_index: list[int] = []
+        values: list[float] = []
+        vocab = logits.shape[-1]
+        for i, row in enumerate(rows):
+            for token, bias in row.params.logit_bias.items():
+                if token < vocab:
+                    row_index.append(i)
+                    token_index.append(token)
+                    values.append(bias)
+        if row_index:
+            index = (torch.tensor(row_index, device=logits.device), torch.tensor(token_index, device=logits.device))
+            logits.index_put_(index, torch.tensor(values, device=logits.device), accumulate=True)
 
     def _mask_stop_tokens(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         """``min_tokens``: -inf on the stop ids of rows that may not stop yet."""

@@ -163,6 +163,7 @@ class OpenAIServing:
                 frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 logprobs=logprobs,
+                logit_bias=req.token_biases(),
             )
             params.validate()
             return params

@@ -3,8 +3,9 @@
 Sampling fields have vLLM's names, ranges and meanings: ``n`` (up to ``MAX_N`` choices),
 ``seed``, ``presence_penalty`` / ``frequency_penalty`` in [-2, 2], ``repetition_penalty`` in
 (0, 2], ``min_p`` in [0, 1], ``min_tokens``, logprobs (chat: ``logprobs`` + ``top_logprobs``
-up to 20; completions: ``logprobs`` up to 20), ``max_completion_tokens`` (chat). Fields OpenAI
-defines and the engine cannot honour (``logit_bias``, ``echo``, ``best_of`` > 1, ``suffix``,
+up to 20; completions: ``logprobs`` up to 20), ``logit_bias`` (token ids, biases clamped to
+[-100, 100]), ``max_completion_tokens`` (chat). Fields OpenAI
+defines and the engine cannot honour (``echo``, ``best_of`` > 1, ``suffix``,
 tools, JSON mode, ...) are accepted only at their neutral value; anything else is refused
 with a 400 naming the field, never silently ignored. Unknown extra fields are ignored, as
 OpenAI and vLLM do. vLLM's extensions ``top_k``, ``min_p``, ``min_tokens``,
@@ -25,7 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from onecat.runtime.errors import RequestError
 from onecat.runtime.sampling_params import (
+    LOGIT_BIAS_LIMIT,
     MAX_INT32,
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -95,7 +98,7 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     min_tokens: int = Field(default=0, ge=0, le=MAX_INT32)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     user: str | None = None
 
     @model_validator(mode="before")
@@ -110,14 +113,24 @@ class SamplingFields(BaseModel):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def token_biases(self) -> dict[int, float]:
+        """``logit_bias`` with token-id keys and biases clamped to [-100, 100] (as vLLM); a 400
+        naming the field when a key is not a token id."""
+        biases = {}
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise bad_request(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+            biases[token] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, bias))
+        return biases
+
     def include_usage(self) -> bool:
         """Whether a streamed response ends with a usage chunk."""
         return self.stream_options is not None and self.stream_options.include_usage
 
     def refuse_unsupported(self) -> None:
         """Raise a 400 for a field the engine cannot honour (set to a non-neutral value)."""
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported by onecat's engine", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
 
