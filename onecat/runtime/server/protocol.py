@@ -5,9 +5,11 @@ Sampling fields have vLLM's names, ranges and meanings: ``n`` (up to ``MAX_N`` c
 (0, 2], ``min_p`` in [0, 1], ``min_tokens``, logprobs (chat: ``logprobs`` + ``top_logprobs``
 up to 20; completions: ``logprobs`` up to 20), ``logit_bias`` (token ids, biases clamped to
 [-100, 100]), ``max_completion_tokens`` (chat). Fields OpenAI
-defines and the engine cannot honour (``echo``, ``best_of`` > 1, ``suffix``,
-tools, JSON mode, ...) are accepted only at their neutral value; anything else is refused
-with a 400 naming the field, never silently ignored. Unknown extra fields are ignored, as
+defines and the engine cannot honour (``echo``, ``best_of`` > 1, ``suffix``, ...) are
+accepted only at their neutral value; anything else is refused with a 400 naming the field,
+never silently ignored. Chat requests take ``tools``, ``tool_choice``,
+``parallel_tool_calls`` and ``response_format`` (``onecat.runtime.server.chat_plan`` checks
+them against the server's flags), and messages carry ``tool_calls`` / ``tool_call_id``. Unknown extra fields are ignored, as
 OpenAI and vLLM do. vLLM's extensions ``top_k``, ``min_p``, ``min_tokens``,
 ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``chat_template_kwargs`` and
 ``chat_template`` are supported (a request's own template only when the operator trusts
