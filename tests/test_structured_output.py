@@ -171,3 +171,20 @@ def test_refusals_name_the_field(server, monkeypatch):
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "response_format"
     assert "xgrammar" in response.json()["error"]["message"]
+
+
+@pytest.mark.gpu
+def test_mask_on_cuda_matches_cpu(tokenizer):
+    """The mask is applied on the logits' device: CUDA logits get the same allowed set."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    backend = GrammarBackend(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    compiled = backend.compile(JsonConstraint(WEATHER_PARAMETERS))
+    answer = tokenizer.encode('{"city": "Rome", "days": 9}', add_special_tokens=False)
+    on_cpu, on_gpu = backend.logits_processor(compiled), backend.logits_processor(compiled)
+    for step in range(len(answer) + 1):
+        logits = torch.randn(len(tokenizer) + 64)
+        want = on_cpu(answer[:step], logits.clone())
+        got = on_gpu(answer[:step], logits.cuda()).cpu()
+        assert torch.equal(torch.isfinite(got), torch.isfinite(want)), step
+        assert torch.equal(got[torch.isfinite(got)], want[torch.isfinite(want)])
