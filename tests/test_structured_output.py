@@ -174,10 +174,9 @@ def test_refusals_name_the_field(server, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_mask_on_cuda_matches_cpu(tokenizer):
     """The mask is applied on the logits' device: CUDA logits get the same allowed set."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     backend = GrammarBackend(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
     compiled = backend.compile(JsonConstraint(WEATHER_PARAMETERS))
     answer = tokenizer.encode('{"city": "Rome", "days": 9}', add_special_tokens=False)
