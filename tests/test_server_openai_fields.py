@@ -324,3 +324,12 @@ def test_out_of_range_completion_fields_are_400_naming_the_field(oc, fields, par
     with pytest.raises(openai.BadRequestError) as info:
         oc.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, **fields)
     assert info.value.body["param"] == param, info.value.body
+
+
+def test_choice_seeds_are_seed_plus_index_within_int64():
+    from onecat.runtime.sampling_params import SEED_MAX, SEED_MIN
+    from onecat.runtime.server.openai_serving import child_seed
+
+    assert [child_seed(5, i) for i in range(3)] == [5, 6, 7]
+    assert child_seed(None, 2) is None
+    assert child_seed(SEED_MAX, 1) == SEED_MIN and child_seed(SEED_MAX, 0) == SEED_MAX
