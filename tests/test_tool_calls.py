@@ -304,3 +304,33 @@ def test_cli_flags_are_checked_and_reach_vllm(tmp_path, monkeypatch):
     assert unknown.exit_code == 1 and "qwen3_coder" in unknown.output
     lonely = runner.invoke(main, ["serve", str(tmp_path), "--enable-auto-tool-choice"])
     assert lonely.exit_code == 1 and "--tool-call-parser" in lonely.output
+
+
+@pytest.mark.parametrize("parser", ["qwen3_coder", "hermes"])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_calls_in_each_format_parse_back(tiny_model, parser, choice):
+    """The grammar that forces a call writes it in the parser's own format: random logits
+    under the mask always end in a call the parser reads (every format, every forcing)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from onecat.runtime.server.structured_output import GrammarBackend, ToolCallConstraint
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    backend = GrammarBackend(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    compiled = backend.compile(ToolCallConstraint(parser, TOOLS, choice, parallel_tool_calls=False))
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        processor, out = backend.logits_processor(compiled), []
+        while not out or out[-1] != tokenizer.eos_token_id:
+            assert len(out) < 600, "the forced call did not end"
+            logits = processor(out, torch.randn(len(tokenizer), generator=generator) * 4)
+            out.append(int(torch.multinomial(logits.softmax(-1), 1, generator=generator)))
+        text = tokenizer.decode(out[:-1])
+        message = message_fields(ChatOutputParser(None, TOOL_PARSERS[parser](TOOLS)).parse(text, final=True))
+        (call,) = message["tool_calls"]
+        arguments = json.loads(call["function"]["arguments"])
+        if call["function"]["name"] == "get_weather":
+            check_weather_arguments(arguments)
+        else:
+            assert choice == "required" and arguments in ({"zone": "UTC"}, {"zone": "CET"})
