@@ -157,10 +157,14 @@ def test_refusals_name_the_field(server, monkeypatch):
         return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
 
     bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}
-    for body in ({"response_format": bad_schema}, {"response_format": {"type": "json_schema"}},
-                 {"response_format": {"type": "yaml"}}):
+    cases = [({"response_format": bad_schema}, "response_format"),
+             ({"response_format": {"type": "json_schema"}}, "response_format"),
+             ({"response_format": {"type": "yaml"}}, "response_format"),
+             ({"guided_json": {"type": "object"}}, "guided_json"),  # vLLM's extensions: not ignored
+             ({"structured_outputs": {"regex": "a+"}}, "structured_outputs")]
+    for body, param in cases:
         response = post(**body)
-        assert response.status_code == 400 and response.json()["error"]["param"] == "response_format", response.text
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
     assert post(response_format={"type": "text"}).status_code == 200
 
     def missing():

@@ -43,6 +43,7 @@ from onecat.runtime.server.api_errors import bad_request
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 Count = Annotated[int, Field(ge=1, le=MAX_INT32)]
 MAX_TOOLS = 128  # OpenAI's limit on the tools of one request
+VLLM_STRUCTURED_OUTPUT_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 MAX_N = 128  # OpenAI's limit on n; each choice is a sequence of its own in the engine
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
@@ -288,6 +289,12 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    # vLLM's other structured-output extensions: refused (400), never silently ignored
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # the request's own template (vLLM's extension)
 
@@ -296,6 +303,10 @@ class ChatCompletionRequest(SamplingFields):
         super().refuse_unsupported()
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
+        for name in VLLM_STRUCTURED_OUTPUT_FIELDS:
+            if getattr(self, name) is not None:
+                raise bad_request(f"{name} is not supported by onecat; send response_format "
+                                  "(json_object or json_schema) instead", param=name)
         choice = self.effective_tool_choice()
         if choice in ("required",) or isinstance(choice, NamedToolChoice):
             if not self.tools:
