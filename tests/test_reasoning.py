@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import pytest
 from chat_output_helpers import ScriptedSampler, add_up, check_every_split, sse_deltas
+from server_helpers import make_engine
 
 from onecat.runtime.server.chat_output import ChatOutputParser, message_fields
+from onecat.runtime.server.chat_plan import ChatOptions
+from onecat.runtime.server.launcher import BackgroundServer
 from onecat.runtime.server.reasoning import Qwen3ReasoningParser, ReasoningState, initial_state
-from onecat.tiny import QWEN3_5_CHAT_TEMPLATE
+from onecat.tiny import QWEN3_5_CHAT_TEMPLATE, build_tiny_model
 
 IN, ANSWER, OPENS = ReasoningState.IN_REASONING, ReasoningState.ANSWER, ReasoningState.MODEL_OPENS
 
@@ -62,14 +65,15 @@ def test_streamed_reasoning_adds_up_at_every_split(state, text):
 
 # ----- through the server -------------------------------------------------------------------
 
-pytest.importorskip("fastapi")
-openai = pytest.importorskip("openai")
 
-from server_helpers import make_engine  # noqa: E402
 
-from onecat.runtime.server.chat_plan import ChatOptions  # noqa: E402
-from onecat.runtime.server.launcher import BackgroundServer  # noqa: E402
-from onecat.tiny import build_tiny_model  # noqa: E402
+def server_deps():
+    """The openai client module; skips the test where the server's packages are missing."""
+    for name in ("fastapi", "uvicorn"):
+        pytest.importorskip(name)
+    return pytest.importorskip("openai")
+
+
 
 THOUGHT = "The user asks about Paris.\nCheck the forecast.\n</think>\n\nSunny, 24 degrees."
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
@@ -77,6 +81,7 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
+    server_deps()
     return build_tiny_model("qwen3_5", tmp_path_factory.mktemp("reasoning") / "tiny-qwen3_5")
 
 
@@ -85,7 +90,7 @@ def test_reasoning_content_through_the_server(tiny_model):
     engine = make_engine(tiny_model)
     engine.sampler = ScriptedSampler(engine, THOUGHT)
     with BackgroundServer(engine, chat_options=ChatOptions(reasoning_parser="qwen3")) as srv:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        client = server_deps().OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         response = client.chat.completions.create(model="tiny-qwen3_5", messages=ASK, max_tokens=100)
         message = response.choices[0].message
         assert message.reasoning_content == "The user asks about Paris.\nCheck the forecast."
@@ -110,6 +115,6 @@ def test_reasoning_content_through_the_server(tiny_model):
     engine = make_engine(tiny_model)
     engine.sampler = ScriptedSampler(engine, THOUGHT)
     with BackgroundServer(engine) as srv:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        client = server_deps().OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         plain = client.chat.completions.create(model="tiny-qwen3_5", messages=ASK, max_tokens=100)
         assert plain.choices[0].message.content == THOUGHT

@@ -20,11 +20,14 @@ from chat_output_helpers import (
     stream,
 )
 from click.testing import CliRunner
+from server_helpers import make_engine
 
 from onecat.runtime.server.chat_output import ChatOutputParser, message_fields
+from onecat.runtime.server.chat_plan import ChatOptions
+from onecat.runtime.server.launcher import BackgroundServer
 from onecat.runtime.server.reasoning import Qwen3ReasoningParser, ReasoningState
 from onecat.runtime.server.tool_parsers import TOOL_PARSERS, HermesToolParser, Qwen3CoderToolParser
-from onecat.tiny import QWEN3_5_CHAT_TEMPLATE
+from onecat.tiny import QWEN3_5_CHAT_TEMPLATE, build_tiny_model
 
 QWEN_CALLS = (
     "I will check both.\n\n"
@@ -148,15 +151,15 @@ def test_reasoning_then_calls():
 
 # ----- through the server -------------------------------------------------------------------
 
-pytest.importorskip("fastapi")
-pytest.importorskip("xgrammar")
-openai = pytest.importorskip("openai")
 
-from server_helpers import make_engine  # noqa: E402
 
-from onecat.runtime.server.chat_plan import ChatOptions  # noqa: E402
-from onecat.runtime.server.launcher import BackgroundServer  # noqa: E402
-from onecat.tiny import build_tiny_model  # noqa: E402
+def server_deps():
+    """The openai client module; skips the test where the server's packages are missing."""
+    for name in ("fastapi", "uvicorn", "xgrammar"):
+        pytest.importorskip(name)
+    return pytest.importorskip("openai")
+
+
 
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 ASK = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
@@ -165,6 +168,7 @@ PARSERS = ChatOptions(enable_auto_tool_choice=True, tool_call_parser="qwen3_code
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
+    server_deps()
     return build_tiny_model("qwen3_5", tmp_path_factory.mktemp("tools") / "tiny-qwen3_5")
 
 
@@ -177,7 +181,7 @@ def server(tiny_model):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return server_deps().OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
 @pytest.mark.timeout(300)
@@ -222,7 +226,7 @@ def test_auto_tool_choice_parses_the_model_calls(tiny_model):
     engine = make_engine(tiny_model, max_model_len=1024)
     engine.sampler = ScriptedSampler(engine, QWEN_CALLS)
     with BackgroundServer(engine, chat_options=PARSERS) as srv:
-        scripted = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        scripted = server_deps().OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         response = scripted.chat.completions.create(
             model="tiny-qwen3_5", messages=ASK, tools=TOOLS, max_tokens=200, extra_body=NO_THINKING)
         choice = response.choices[0]
