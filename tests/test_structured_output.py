@@ -84,6 +84,9 @@ def test_mask_allows_exactly_the_grammar(tokenizer):
     fresh = backend.logits_processor(compiled)
     done = fresh(answer, torch.zeros(width))
     assert torch.isfinite(done).nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+    # an output taken back (shorter than what the mask has seen) starts the grammar over
+    assert torch.equal(torch.isfinite(fresh(answer[:2], torch.zeros(width))),
+                       torch.isfinite(backend.logits_processor(compiled)(answer[:2], torch.zeros(width))))
     with pytest.raises(RequestError, match="does not fit"):
         backend.logits_processor(compiled)(tokenizer.encode("[", add_special_tokens=False), torch.zeros(width))
 

@@ -153,6 +153,9 @@ class GrammarLogitsProcessor:
         self._accepted = 0
 
     def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        if len(output_token_ids) < self._accepted:  # the output was taken back: start over
+            self.matcher.reset()
+            self._accepted = 0
         for token in output_token_ids[self._accepted:]:
             if not self.matcher.accept_token(token):
                 raise RequestError(f"token {token} does not fit the request's grammar")
