@@ -26,6 +26,7 @@ Usage::
 
     python bench/quantize.py --device cpu --samples 16 --seqlen 256 --json out.json
     python bench/quantize.py --device cuda --samples 128 --seqlen 512
+    python bench/quantize.py --device cuda --samples 128 --seqlen 512 --method awq+gptq
 """
 
 from __future__ import annotations
@@ -278,7 +279,8 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def measure_one(model: Path, out: Path, device: str, samples: int, seqlen: int) -> dict:
+def measure_one(model: Path, out: Path, device: str, samples: int, seqlen: int,
+                method: str = "awq") -> dict:
     """Quantize ``model`` into ``out`` once and return times and peak memory."""
     from onecat.quantize.pipeline import REPORT_NAME, quantize_model
 
@@ -294,6 +296,7 @@ def measure_one(model: Path, out: Path, device: str, samples: int, seqlen: int) 
             calib="builtin:pydoc",
             samples=samples,
             seqlen=seqlen,
+            method=method,
             device=device,
             overwrite=True,
             show_progress=False,
@@ -306,6 +309,7 @@ def measure_one(model: Path, out: Path, device: str, samples: int, seqlen: int) 
     return {
         "model": model.name,
         "device": device,
+        "method": method,
         "layers": len(types),
         "layer_types": types,
         "calibration": f"builtin:pydoc {samples} x {seqlen}",
@@ -326,7 +330,8 @@ def measure_one(model: Path, out: Path, device: str, samples: int, seqlen: int) 
     }
 
 
-def run_child(model: Path, out: Path, device: str, samples: int, seqlen: int) -> dict:
+def run_child(model: Path, out: Path, device: str, samples: int, seqlen: int,
+              method: str = "awq") -> dict:
     """Run :func:`measure_one` in a fresh interpreter so that its peak RSS is its own."""
     cmd = [
         sys.executable,
@@ -337,6 +342,7 @@ def run_child(model: Path, out: Path, device: str, samples: int, seqlen: int) ->
         device,
         str(samples),
         str(seqlen),
+        method,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -381,6 +387,7 @@ def main() -> None:
     parser.add_argument("--dense-layers", type=int, nargs="*", default=[2, 4])
     parser.add_argument("--no-moe", action="store_true", help="skip the 35B-A3B MoE layer")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--method", default="awq", choices=["awq", "awq+gptq"])
     parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints")
     args = parser.parse_args()
 
@@ -410,7 +417,8 @@ def main() -> None:
     results: dict[str, list[dict]] = {}
     for family, ckpt in runs:
         r = run_child(
-            ckpt, args.workdir / f"{ckpt.name}-awq", args.device, args.samples, args.seqlen
+            ckpt, args.workdir / f"{ckpt.name}-awq", args.device, args.samples, args.seqlen,
+            args.method,
         )
         results.setdefault(family, []).append(r)
         print(json.dumps(r), flush=True)
@@ -444,8 +452,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 7 and sys.argv[1] == "--child":
-        model, out, device, samples, seqlen = sys.argv[2:]
-        print(json.dumps(measure_one(Path(model), Path(out), device, int(samples), int(seqlen))))
+    if len(sys.argv) == 8 and sys.argv[1] == "--child":
+        model, out, device, samples, seqlen, method = sys.argv[2:]
+        print(json.dumps(measure_one(Path(model), Path(out), device, int(samples), int(seqlen),
+                                     method)))
     else:
         main()

@@ -74,11 +74,14 @@ def inverse_hessian_factor(h: torch.Tensor, damp: float) -> tuple[torch.Tensor, 
     mean = float(diag.mean())
     if not mean > 0 or not bool(torch.isfinite(h).all()):
         raise HessianNotPositiveDefinite("the Hessian is zero or not finite")
-    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
-    for attempt in range(4):
-        lower, info = torch.linalg.cholesky_ex(h + eye * (damp * 10**attempt * mean))
+    added = 0.0
+    for attempt in range(4):  # damping in place: at most three [K, K] tensors live at once
+        diag.add_(damp * 10**attempt * mean - added)
+        added = damp * 10**attempt * mean
+        lower, info = torch.linalg.cholesky_ex(h)
         if int(info) == 0:
             inverse = torch.cholesky_inverse(lower)
+            del lower
             upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
             if int(info) == 0:
                 return upper, dead
@@ -97,38 +100,60 @@ def gptq_quantize(
     """Quantize ``W [N, K]`` (K % group_size == 0) with GPTQ against ``hessian [K, K]``.
 
     Returns ``(q [N, K] uint8, zeros [N, K/g] uint8, scales [N, K/g] float32,
-    fp16-representable)``, on W's device.
+    fp16-representable)``, on W's device. Raises :class:`HessianNotPositiveDefinite`.
     """
-    n, k = w.shape
+    upper, dead = inverse_hessian_factor(hessian.to(w.device), damp)
+    q, z, s = gptq_round(w.unsqueeze(0), upper.unsqueeze(0), dead.unsqueeze(0), group_size,
+                         block_size=block_size)
+    return q[0], z[0], s[0]
+
+
+@torch.no_grad()
+def gptq_round(
+    w: torch.Tensor,
+    upper: torch.Tensor,
+    dead: torch.Tensor,
+    group_size: int,
+    *,
+    block_size: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTQ of a batch of weights ``W [B, N, K]`` with the factors of
+    :func:`inverse_hessian_factor` (``upper [B, K, K]``, ``dead [B, K]``): one pass over the
+    columns serves the whole batch (e.g. every MoE expert's down_proj at once). Rows are
+    independent given their Hessian, so linears that share an input can be stacked along N.
+
+    Returns ``(q [B, N, K] uint8, zeros [B, N, K/g] uint8, scales [B, N, K/g] float32)``.
+    """
+    batch, n, k = w.shape
     if k % group_size:
         raise ValueError(f"in-features {k} do not divide by group size {group_size}")
     weight = w.float().clone()
-    upper, dead = inverse_hessian_factor(hessian.to(weight.device), damp)
-    weight[:, dead] = 0.0
+    weight.masked_fill_(dead.unsqueeze(1), 0.0)
+    upper = upper.float()
     groups = k // group_size
-    q = torch.empty(n, k, dtype=torch.uint8, device=weight.device)
-    scales = torch.empty(n, groups, dtype=torch.float32, device=weight.device)
+    q = torch.empty(batch, n, k, dtype=torch.uint8, device=weight.device)
+    scales = torch.empty(batch, n, groups, dtype=torch.float32, device=weight.device)
     zeros = torch.empty_like(scales)
     block = max(group_size, block_size // group_size * group_size)
     for b0 in range(0, k, block):
         b1 = min(b0 + block, k)
-        wb = weight[:, b0:b1]  # a view: updated in place
-        ub = upper[b0:b1, b0:b1]
-        err = torch.empty(n, b1 - b0, dtype=torch.float32, device=weight.device)
+        wb = weight[:, :, b0:b1]  # a view: updated in place
+        ub = upper[:, b0:b1, b0:b1]
+        err = torch.empty(batch, n, b1 - b0, dtype=torch.float32, device=weight.device)
         for i in range(b1 - b0):
             col = b0 + i
             g = col // group_size
             if col % group_size == 0:  # the group's range, from the weights as updated so far
-                part = wb[:, i : i + group_size]
-                scales[:, g], zeros[:, g] = range_params(part.amin(dim=1), part.amax(dim=1))
-            s, z = scales[:, g], zeros[:, g]
-            x = wb[:, i]
+                part = wb[:, :, i : i + group_size]
+                scales[:, :, g], zeros[:, :, g] = range_params(part.amin(dim=-1), part.amax(dim=-1))
+            s, z = scales[:, :, g], zeros[:, :, g]
+            x = wb[:, :, i]
             qi = (torch.round(x / s) + z).clamp(0, MAX_INT)
-            q[:, col] = qi.to(torch.uint8)
-            e = (x - (qi - z) * s) / ub[i, i]
+            q[:, :, col] = qi.to(torch.uint8)
+            e = (x - (qi - z) * s) / ub[:, i, i].unsqueeze(1)  # [B, N]
             if i + 1 < b1 - b0:
-                wb[:, i + 1 :].addr_(e, ub[i, i + 1 :], alpha=-1.0)
-            err[:, i] = e
+                wb[:, :, i + 1 :].baddbmm_(e.unsqueeze(2), ub[:, i : i + 1, i + 1 :], alpha=-1.0)
+            err[:, :, i] = e
         if b1 < k:
-            weight[:, b1:].addmm_(err, upper[b0:b1, b1:], alpha=-1.0)
+            weight[:, :, b1:].baddbmm_(err, upper[:, b0:b1, b1:], alpha=-1.0)
     return q, zeros.to(torch.uint8), scales

@@ -50,7 +50,8 @@ from onecat.quantize.gptq import (
     HessianNotPositiveDefinite,
     add_to_hessian,
     enough_rows,
-    gptq_quantize,
+    gptq_round,
+    inverse_hessian_factor,
     smoothed_hessian,
 )
 from onecat.quantize.layer_build import LayerFactory
@@ -60,6 +61,7 @@ from onecat.quantize.recipe import Mapping, Recipe
 from onecat.quantize.smoothing import fold_into_balance, fold_into_smooth
 
 CHUNK_TOKENS = 4096  # tokens per forward chunk of the calibration pass
+GPTQ_BATCH_BYTES = 1 << 30  # weights, working copy and factors of one batched GPTQ call
 
 
 @dataclass
@@ -342,32 +344,73 @@ class LayerQuantizer:
     def _quantize_gptq(self, quantized: list[str], modules: dict, cap: _Capture,
                        input_scale: dict, where: str) -> tuple[dict, dict]:
         """GPTQ of every quantized linear against its smoothed Hessian (plain rounding where
-        there are too few calibration rows); returns (packed, report)."""
+        there are too few calibration rows); returns (packed, report).
+
+        Linears that share an input (q/k/v, gate/up, every expert's gate/up) share one
+        Hessian factor and are stacked along their rows; inputs with distinct Hessians but
+        equal shapes (each expert's down_proj) run as one batch; both within
+        ``GPTQ_BATCH_BYTES`` per call."""
         settings = self.recipe.gptq
-        packed, fallback, cached = {}, {}, (None, None, 0)
-        for name in sorted(quantized, key=lambda n: cap.key_of[n]):  # linears sharing an input together
-            mod = modules[name]
-            key = cap.key_of[name]
-            if cached[0] != key:
-                h, rows = cap.hessian(key)
-                if h is not None and key in input_scale:
-                    h = smoothed_hessian(h, input_scale[key])
-                cached = (key, h, rows)
-            _, h, rows = cached
-            k = mod.weight.shape[1]
-            ints = None
+        by_key: dict[str, list[str]] = {}
+        for name in quantized:
+            by_key.setdefault(cap.key_of[name], []).append(name)
+        ints: dict[str, tuple] = {}
+        fallback: dict[str, str] = {}
+        jobs: dict[tuple[int, int], list] = {}  # (rows, K) -> [(names, upper, dead)]
+        for key, names in by_key.items():
+            k = modules[names[0]].weight.shape[1]
+            h, rows = cap.hessian(key)
+            why = None
             if h is None or not enough_rows(rows, k):
-                fallback[name] = f"{rows} calibration rows for {k} in-features"
+                why = f"{rows} calibration rows for {k} in-features"
             else:
+                if key in input_scale:
+                    h = smoothed_hessian(h, input_scale[key])
                 try:
-                    ints = gptq_quantize(mod.weight.data, h, self.group_size, damp=settings.damp,
-                                         block_size=settings.block_size)
+                    upper, dead = inverse_hessian_factor(h, settings.damp)
                 except HessianNotPositiveDefinite as exc:
-                    fallback[name] = f"Hessian: {exc}"
-            if ints is None:
-                ints = quantize_groups(mod.weight.data, self.group_size)
-            packed[name] = self._store(mod, ints, where + name)
+                    why = f"Hessian: {exc}"
+                del h
+            if why is not None:
+                for name in names:
+                    fallback[name] = why
+                    ints[name] = quantize_groups(modules[name].weight.data, self.group_size)
+                continue
+            rows_total = sum(modules[n].weight.shape[0] for n in names)
+            jobs.setdefault((rows_total, k), []).append((names, upper, dead))
+        for (rows_total, k), same_shape in jobs.items():
+            per_job = (rows_total * k * 2 + k * k) * 4  # weights + working copy + factor
+            per_call = max(1, GPTQ_BATCH_BYTES // per_job)
+            for c in range(0, len(same_shape), per_call):
+                batch = same_shape[c : c + per_call]
+                ints.update(self._gptq_batch(batch, modules, rows_total, k))
+        packed = {name: self._store(modules[name], ints[name], where + name) for name in quantized}
         return packed, {"linears": len(quantized) - len(fallback), "fallback_rtn": fallback}
+
+    def _gptq_batch(self, batch: list, modules: dict, rows_total: int, k: int) -> dict[str, tuple]:
+        """Run GPTQ on jobs of equal shape, ``batch = [(names, upper, dead)]``, in row slices."""
+        settings, g = self.recipe.gptq, self.group_size
+        upper = torch.stack([u for _, u, _ in batch])
+        dead = torch.stack([d for _, _, d in batch])
+        weights = [[modules[n].weight.data for n in names] for names, _, _ in batch]
+        out = {n: (torch.empty(w.shape, dtype=torch.uint8, device=w.device),
+                   torch.empty(w.shape[0], k // g, dtype=torch.uint8, device=w.device),
+                   torch.empty(w.shape[0], k // g, dtype=torch.float32, device=w.device))
+               for (names, _, _), ws in zip(batch, weights, strict=True) for n, w in zip(names, ws, strict=True)}
+        step = max(1, GPTQ_BATCH_BYTES // (len(batch) * k * 8))
+        for r0 in range(0, rows_total, step):
+            r1 = min(r0 + step, rows_total)
+            w = torch.stack([_rows(ws, r0, r1) for ws in weights])
+            q, z, s = gptq_round(w, upper, dead, g, block_size=settings.block_size)
+            for b, (names, _, _) in enumerate(batch):
+                start = 0
+                for n in names:
+                    lo, hi = max(r0, start), min(r1, start + out[n][0].shape[0])
+                    if lo < hi:
+                        for dst, src in zip(out[n], (q, z, s), strict=True):
+                            dst[lo - start : hi - start] = src[b, lo - r0 : hi - r0]
+                    start += out[n][0].shape[0]
+        return out
 
     def _store(self, mod: nn.Module, ints: tuple, where: str) -> dict[str, torch.Tensor]:
         """Set ``mod.weight`` to the dequantized integers and return its AWQ GEMM tensors."""
@@ -425,6 +468,17 @@ class LayerQuantizer:
             for leaf, t in parts.items():
                 out[f"{module}.{leaf}"] = t.contiguous()
         return out
+
+
+def _rows(weights: list[torch.Tensor], r0: int, r1: int) -> torch.Tensor:
+    """Rows ``r0:r1`` of the row-wise concatenation of ``weights`` (without building it)."""
+    parts, start = [], 0
+    for w in weights:
+        lo, hi = max(r0, start), min(r1, start + w.shape[0])
+        if lo < hi:
+            parts.append(w[lo - start : hi - start])
+        start += w.shape[0]
+    return torch.cat(parts)
 
 
 def _first(output):
