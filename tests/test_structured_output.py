@@ -131,6 +131,13 @@ def test_json_schema_answers_validate(client):
             seed=seed, extra_body=NO_THINKING)
         assert response.choices[0].finish_reason == "stop"
         check_weather_arguments(json.loads(response.choices[0].message.content))
+    several = client.chat.completions.create(  # each choice has its own grammar state
+        model="tiny-qwen3_5", messages=ASK, response_format=WEATHER_FORMAT, max_tokens=400, seed=5,
+        n=3, extra_body=NO_THINKING)
+    assert len(several.choices) == 3
+    for choice in several.choices:
+        assert choice.finish_reason == "stop"
+        check_weather_arguments(json.loads(choice.message.content))
     chunks = list(client.chat.completions.create(
         model="tiny-qwen3_5", messages=ASK, response_format=WEATHER_FORMAT, max_tokens=400, seed=7,
         stream=True, extra_body=NO_THINKING))
