@@ -86,6 +86,8 @@ def shared_prefix_waves() -> list[dict[str, list[int]]]:
         {"c": prefix + tokens(1, 6) + tokens(3, 20)},  # a's prompt continued: hits 72
         {"d": prefix + tokens(4, 3), "e": prefix + tokens(5, 12), "f": tokens(6, 40)},
         {"g": prefix + tokens(1, 6)},  # a's prompt again: hits 72 of 76 (never all)
+        {"h": prefix + tokens(7, 3)},  # hits 64, checkpoints its last block (72)
+        {"i": prefix + tokens(7, 3)},  # h again: hits 72 of 73, its one token runs as a decode
     ]
 
 
@@ -98,8 +100,8 @@ def test_outputs_match_without_the_cache_and_prefixes_hit(dense):
     assert got[0] == reference[0]  # margins on this model and these prompts are far above ATOL
     stats = engine.stats()
     queries = sum(len(ids) for wave in waves for ids in wave.values())
-    # b 64, c 72, d 64, e 64, g 72; a and f find nothing
-    assert (stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (queries, 64 + 72 + 64 + 64 + 72)
+    # b 64, c 72, d 64, e 64, g 72, h 64, i 72; a and f find nothing
+    assert (stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (queries, 64 + 72 + 64 + 64 + 72 + 64 + 72)
 
 
 def test_branching_point_is_checkpointed_for_the_next_request(dense):

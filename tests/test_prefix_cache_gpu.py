@@ -46,6 +46,8 @@ def run(caching: bool, eager: bool) -> tuple[tuple[dict, dict], dict]:
         {"b": prefix + ids(2, 33)},  # hits 256 (interval)
         {"c": prefix + ids(3, 7), "d": prefix + ids(4, 50)},  # hit 288 (b's branching point)
         {"e": prefix + ids(1, 20) + ids(5, 40)},  # a's prompt continued: hits 304 (a's last block)
+        {"f": prefix + ids(6, 5)},  # hits 288, checkpoints its last block (304)
+        {"g": prefix + ids(6, 5)},  # f again: hits 304 of 305; its one token replays the decode graph
     ]
     tokens: dict[str, list[int]] = {}
     for wave in waves:
@@ -63,6 +65,6 @@ def run(caching: bool, eager: bool) -> tuple[tuple[dict, dict], dict]:
 def test_prefix_cache_matches_no_cache_on_gpu(eager):
     reference, _ = run(caching=False, eager=eager)
     got, stats = run(caching=True, eager=eager)
-    assert stats["prefix_cache_hits"] == 256 + 288 + 288 + 304
+    assert stats["prefix_cache_hits"] == 256 + 288 + 288 + 304 + 288 + 304
     worst = assert_same_greedy_runs(reference, got, GPU_RTOL, relative=True, label="prefix cache GPU")
     print(f"prefix cache vs none: max |logit diff| / max |logit| = {worst:.2e}")
