@@ -104,6 +104,20 @@ def test_outputs_match_without_the_cache_and_prefixes_hit(dense):
     assert (stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (queries, 64 + 72 + 64 + 64 + 72 + 64 + 72)
 
 
+def test_restores_and_saves_beside_decode_graphs(dense, monkeypatch):
+    """With (CPU-emulated) decode graphs: a hit leaving one prompt token replays the decode
+    graph from the restored state, and checkpoints are taken in steps that replay graphs."""
+    from test_runtime_graphs import emulate_graphs
+
+    waves = shared_prefix_waves()
+    reference = run_waves(engine_for(dense, caching=False), waves)
+    engine = engine_for(dense, caching=True)
+    emulate_graphs(monkeypatch, engine)
+    got = run_waves(engine, waves)
+    assert engine.runner.graphs
+    assert_same_greedy_runs(reference, got, ATOL, label="prefix cache with graphs")
+
+
 def test_branching_point_is_checkpointed_for_the_next_request(dense):
     """Requests sharing a 40-token prefix that no interval boundary ends: the second one
     computes it (its KV blocks are cached, the states are not) and checkpoints the state
