@@ -266,6 +266,19 @@ def test_metrics_report_prefix_cache_counters():
     assert "onecat:prefix_cache_hits_total 128.0" in text
 
 
+def test_stats_report_the_cache(dense):
+    engine = engine_for(dense, caching=True)
+    engine.add_request("a", tokens(80, 70), GREEDY)
+    drain(engine)
+    stats = engine.stats()
+    # 70 prompt + 5 computed generated tokens: 9 full blocks; checkpoints at 32 (the latest
+    # interval one) and 64 (the last block); 8 rows (max_num_seqs)
+    assert stats["cached_kv_blocks"] == 9
+    assert (stats["state_checkpoints"], stats["total_state_checkpoints"]) == (2, 8)
+    text = ServerMetrics(engine.stats).render().decode()
+    assert "onecat:kv_blocks_cached 9.0" in text and "onecat:state_checkpoints 2.0" in text
+
+
 def test_cli_flags(tmp_path, monkeypatch):
     """``--no-enable-prefix-caching`` turns the cache off in the embedded engine's config and
     is passed on to vLLM; the default is on and adds nothing to vLLM's arguments."""

@@ -197,6 +197,7 @@ class LLMEngine:
 
     def stats(self) -> dict[str, int]:
         """Counters for /metrics and tests."""
+        points = self.scheduler.checkpoints
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
@@ -208,6 +209,9 @@ class LLMEngine:
             "generation_tokens_total": self._generation_tokens_total,
             "prefix_cache_queries": self.scheduler.prefix_cache_queries,
             "prefix_cache_hits": self.scheduler.prefix_cache_hits,
+            "cached_kv_blocks": self.block_manager.num_cached,
+            "state_checkpoints": 0 if points is None else len(points),
+            "total_state_checkpoints": 0 if points is None else points.num_rows,
         }
 
     # --- stepping ----------------------------------------------------------------------

@@ -23,6 +23,9 @@ _GAUGES = {
     "total_kv_blocks": ("onecat:kv_blocks_total", "Paged-KV blocks in the cache."),
     "free_state_slots": ("onecat:state_slots_free", "Free recurrent-state slots (GDN layers)."),
     "total_state_slots": ("onecat:state_slots_total", "Recurrent-state slots."),
+    "cached_kv_blocks": ("onecat:kv_blocks_cached", "Paged-KV blocks in the prefix cache (held or free)."),
+    "state_checkpoints": ("onecat:state_checkpoints", "GDN state checkpoints held for prefix caching."),
+    "total_state_checkpoints": ("onecat:state_checkpoints_capacity", "GDN state checkpoint rows."),
 }
 _COUNTERS = {
     "prompt_tokens_total": ("onecat:prompt_tokens", "Prompt tokens processed."),
