@@ -20,6 +20,7 @@ models of those shapes on the GPU as ``bench/e2e.py`` does (``--layers`` to cut 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import tempfile
@@ -55,7 +56,7 @@ def time_to_first_token(engine: LLMEngine, request_id: str, ids: list[int]) -> t
 def make_engine(args, caching: bool, workdir: str) -> LLMEngine:
     settings = dict(
         device=args.device, max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=args.budget,
-        enable_prefix_caching=caching,
+        num_kv_blocks=1024, enable_prefix_caching=caching,
     )
     if args.model == "tiny":
         from onecat.tiny import build_tiny_model
@@ -103,6 +104,11 @@ def bench(args, caching: bool, workdir: str) -> dict:
             **{f"hit_{name}_tokens": statistics.median(h) for name, h in hits.items()},
         }
     engine.close()
+    engine.runner.release_graphs()
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the next engine plans its memory on a clean GPU
     return results
 
 
