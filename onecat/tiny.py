@@ -76,8 +76,9 @@ def pydoc_text() -> str:
     return "\n\n".join(topics[key] for key in sorted(topics))
 
 
-def build_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
-    """Train a byte-level BPE tokenizer on pydoc text and save it (with a chat template)."""
+def build_tokenizer(out_dir: Path, vocab_size: int = 512, text: str | None = None) -> None:
+    """Train a byte-level BPE tokenizer on ``text`` (default: the pydoc text) and save it
+    (with a chat template)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -90,7 +91,7 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    text = pydoc_text()
+    text = pydoc_text() if text is None else text
     tok.train_from_iterator((text[i : i + 4096] for i in range(0, len(text), 4096)), trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -299,14 +300,20 @@ def _separate_routing(model: torch.nn.Module, seed: int) -> None:
 def _add_mtp_tensors(out_dir: Path, hidden: int, generator: torch.Generator) -> None:
     """Real Qwen3.5 checkpoints carry a multi-token-prediction head (``mtp.*``) that
     transformers ignores on load; add a small one so tools must copy it through."""
-    shard = out_dir / "model-mtp.safetensors"
     tensors = {
         "mtp.fc.weight": torch.randn(hidden, 2 * hidden, generator=generator) * 0.02,
         "mtp.norm.weight": torch.zeros(hidden),
         "mtp.pre_fc_norm_hidden.weight": torch.zeros(hidden),
         "mtp.pre_fc_norm_embedding.weight": torch.zeros(hidden),
     }
-    tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()}
+    write_mtp_tensors(out_dir, tensors)
+
+
+def write_mtp_tensors(out_dir: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Save ``mtp.*`` ``tensors`` (as bf16) into their own shard of the checkpoint at
+    ``out_dir`` and list them in its index (created from a single ``model.safetensors``)."""
+    shard = out_dir / "model-mtp.safetensors"
+    tensors = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in tensors.items()}
     save_file(tensors, shard, metadata={"format": "pt"})
     index_path = out_dir / "model.safetensors.index.json"
     if index_path.exists():
