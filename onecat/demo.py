@@ -1,9 +1,11 @@
 """``make demo``: onecat end to end on a machine with no GPU and no model download.
 
-Builds a tiny random Qwen3.5 (real key layout, local tokenizer), quantizes it with AWQ,
-packs it into the Volta layout, serves the packed artifact with the OpenAI-compatible server
-on a free loopback port, asks one chat completion with the official ``openai`` client,
-prints the answer and where every artifact is, and shuts the server down.
+Copies the trained tiny Qwen3.5 (``tests/fixtures/trained-qwen3_5``, made by
+``onecat/tiny_train.py``: the real architecture trained on the pydoc topics, local
+tokenizer), quantizes it with AWQ, packs it into the Volta layout, serves the packed artifact
+with the OpenAI-compatible server on a free loopback port, asks one chat completion with the
+official ``openai`` client, prints the answer and where every artifact is, and shuts the
+server down.
 
 Run: ``python -m onecat.demo [--out demo-out]``.
 """
@@ -25,7 +27,8 @@ from rich.table import Table
 
 from onecat.errors import OnecatError
 
-QUESTION = "What is a tensor core?"
+QUESTION = 'Explain: The "if" statement'
+"""A question the tiny model was trained to answer (one of its pydoc topics)."""
 
 
 @dataclass
@@ -52,7 +55,7 @@ def _step(console: Console, timings: dict[str, float], name: str) -> Iterator[No
 
 
 def run_demo(out_dir: str | Path = "demo-out", console: Console | None = None) -> DemoResult:
-    """Build, quantize, pack, serve and query a tiny Qwen3.5 under ``out_dir``."""
+    """Copy the trained tiny Qwen3.5, quantize, pack, serve and query it under ``out_dir``."""
     import openai
     import transformers
 
@@ -61,7 +64,7 @@ def run_demo(out_dir: str | Path = "demo-out", console: Console | None = None) -
     from onecat.runtime.config import EngineConfig
     from onecat.runtime.engine import LLMEngine
     from onecat.runtime.server.launcher import BackgroundServer
-    from onecat.tiny import build_tiny_model
+    from onecat.tiny_train import fixture_dir
 
     transformers.logging.set_verbosity_error()  # its "slow reference kernel" notes are noise here
     console = console or Console()
@@ -73,15 +76,21 @@ def run_demo(out_dir: str | Path = "demo-out", console: Console | None = None) -
     timings: dict[str, float] = {}
     console.print(
         Panel.fit(
-            "onecat demo: a tiny random Qwen3.5 (hybrid Gated DeltaNet + gated attention),\n"
+            "onecat demo: a tiny trained Qwen3.5 (hybrid Gated DeltaNet + gated attention),\n"
             "quantized to 4 bits with AWQ, packed for Volta, served with an OpenAI API on CPU.",
             border_style="cyan",
         )
     )
 
-    with _step(console, timings, "1/4 build a tiny Qwen3.5 (random weights, local tokenizer)"):
-        build_tiny_model("qwen3_5", model_dir)
-        console.print(f"checkpoint: {model_dir}")
+    with _step(console, timings, "1/4 copy the trained tiny Qwen3.5 (pydoc topics, local tokenizer)"):
+        source = fixture_dir("qwen3_5")
+        if not (source / "config.json").is_file():
+            raise OnecatError(
+                f"the trained tiny model {source} is missing: run the demo from an onecat "
+                "checkout, or train it with `python -m onecat.tiny_train --family qwen3_5`"
+            )
+        shutil.copytree(source, model_dir)
+        console.print(f"checkpoint: {model_dir} (from {source})")
 
     with _step(console, timings, "2/4 quantize (AWQ, 4 bits, group 32, 4 pydoc samples of 64 tokens)"):
         quantize_model(model_dir, awq_dir, calib="builtin:pydoc", samples=4, seqlen=64, group_size=32)
@@ -101,7 +110,7 @@ def run_demo(out_dir: str | Path = "demo-out", console: Console | None = None) -
             reply = client.chat.completions.create(
                 model=engine.model_name,
                 messages=[{"role": "user", "content": QUESTION}],
-                max_tokens=24,
+                max_tokens=48,
                 temperature=0.0,
             )
         console.print("server stopped")
@@ -124,13 +133,13 @@ def _print_summary(console: Console, result: DemoResult) -> None:
         f"{result.usage.get('completion_tokens')} completion tokens)"
     )
     console.print(
-        "[yellow]The model's weights are random, so the answer is gibberish: the demo shows "
-        "the pipeline working end to end, not a language model.[/]"
+        "[yellow]A 4-layer model of 1-2M parameters trained for minutes on the pydoc topics: it "
+        "recites what it read rather than reasons; the demo shows the pipeline end to end.[/]"
     )
     table = Table(title="artifacts", show_header=True)
     table.add_column("step")
     table.add_column("path")
-    table.add_row("tiny Qwen3.5 (bf16)", str(result.model_dir))
+    table.add_row("trained tiny Qwen3.5 (bf16)", str(result.model_dir))
     table.add_row("AWQ checkpoint", str(result.awq_dir))
     table.add_row("onecat packed artifact", str(result.packed_dir))
     console.print(table)
