@@ -125,7 +125,7 @@ def test_awq_gptq_artifact_reads_back_through_pack_reader(tiny_llama: Path, tmp_
     config = read_json(out / "config.json")
     assert config["quantization_config"]["version"] == "gemm"
     report = json.loads((out / REPORT_NAME).read_text())
-    assert report["method"] == "awq+gptq" and report["gptq"] == {"damp": 0.01, "block_size": 128}
+    assert report["method"] == "awq+gptq" and report["gptq"] == {"damp": 0.5, "block_size": 128}
     rtn = sum(layer["output_mse_rtn"] for layer in report["layers"])
     awq = sum(layer["output_mse_awq"] for layer in report["layers"])
     gptq = sum(layer["output_mse_gptq"] for layer in report["layers"])

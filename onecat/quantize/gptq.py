@@ -94,7 +94,7 @@ def gptq_quantize(
     hessian: torch.Tensor,
     group_size: int,
     *,
-    damp: float = 0.01,
+    damp: float = 0.5,
     block_size: int = 128,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``W [N, K]`` (K % group_size == 0) with GPTQ against ``hessian [K, K]``.

@@ -40,7 +40,7 @@ class GptqSettings:
     fraction of the Hessian's mean diagonal added to its diagonal, ``block_size`` the columns
     updated together before the lazy update of the rest."""
 
-    damp: float = 0.01
+    damp: float = 0.5
     block_size: int = 128
 
 
