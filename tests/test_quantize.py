@@ -411,5 +411,8 @@ def test_host_memory_does_not_grow_with_depth(tmp_path: Path, monkeypatch) -> No
     monkeypatch.setattr(CheckpointReader, "release", measured_release)
     quantize_rtn(src, tmp_path / "out", group_size=128, show_progress=False)
     assert len(after_layer) == 6
-    growth = max(after_layer[1:]) - after_layer[1]
-    assert growth < 0.2, f"host RSS grew by {growth:.2f} GiB over layers 2-6: {after_layer}"
+    # a leak grows with every layer (+0.47 GiB by the last one before the fix); transient
+    # allocator peaks come and go (0.21 GiB once, mid-run, in a busy full-suite process)
+    growth = after_layer[-1] - after_layer[1]
+    peak = max(after_layer[1:]) - after_layer[1]
+    assert growth < 0.2 and peak < 0.35, f"host RSS grew by {growth:.2f} GiB (peak {peak:.2f}) over layers 2-6: {after_layer}"
