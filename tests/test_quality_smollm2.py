@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import resource
 import time
 from pathlib import Path
@@ -45,8 +46,12 @@ CALIB_SAMPLES = 32
 CALIB_SEQLEN = 256
 MIN_GAP_CLOSED = 0.40
 MIN_GPTQ_GAP_CLOSED = 0.45  # measured 0.548 (jargon) and 0.592 (pydoc) at damping 0.5
-# (evaluation text, calibration text; "jargon-file" is the glossary body written to a file)
+# (evaluation text, calibration text; "jargon-file" is the glossary body written to a file).
+# CI runs the first setting only (four quantizations of SmolLM2 take ~15 min on 2 cores); the
+# swapped setting's numbers are in BENCHMARKS.md: `ONECAT_QUALITY_BOTH_SETTINGS=1` runs it too.
 SETTINGS = [("builtin:jargon", "builtin:pydoc"), ("builtin:pydoc", "jargon-file")]
+if not os.environ.get("ONECAT_QUALITY_BOTH_SETTINGS"):
+    SETTINGS = SETTINGS[:1]
 
 pytestmark = pytest.mark.slow
 
@@ -103,7 +108,7 @@ def _peak_rss_mib() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
 
 
-@pytest.mark.parametrize("eval_text,calib", SETTINGS, ids=["eval-jargon", "eval-pydoc"])
+@pytest.mark.parametrize("eval_text,calib", SETTINGS, ids=["eval-jargon", "eval-pydoc"][: len(SETTINGS)])
 def test_awq_and_gptq_close_the_round_to_nearest_gap(
     jargon_text: str, smollm2_fp32: Path, tmp_path: Path, eval_text: str, calib: str
 ) -> None:
