@@ -27,10 +27,12 @@ import json
 import math
 
 import torch
+from kernels import copy_bandwidth_gbs  # bench/kernels.py (scripts run from bench/)
 
 from onecat.kernels.attention import paged_decode_attention
 from onecat.kernels.timing import copies_for, graph_time_us
 from onecat.runtime.context import ForwardContext
+from onecat.runtime.engine.model_runner import next_power_of_two
 from onecat.runtime.layers.attention import PagedAttention
 
 HEADS, KV_HEADS, DIM, BLOCK = 24, 4, 256, 16
@@ -38,26 +40,6 @@ MAX_MODEL_LEN = 32768
 CASES = [(b, [n] * b) for b in (1, 8, 32) for n in (256, 2048, 8192)] + [
     (b, [8192] + [256] * (b - 1)) for b in (8, 32)
 ]
-
-
-def copy_bandwidth_gbs() -> float:
-    """Device-to-device copy bandwidth in GB/s (bytes read + written), median of 10."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(12):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times = sorted(times[2:])
-    return 2 * src.numel() / (times[len(times) // 2] * 1e-3) / 1e9
-
-
-def _next_power_of_two(n: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
 def make_batch(lengths: list[int], layers: int, gen: torch.Generator):
@@ -90,7 +72,7 @@ def bench_case(lengths: list[int], copy_gbs: float, gen: torch.Generator) -> dic
     caches, tables, q, lens = make_batch(lengths, layers, gen)
     blocks = max(math.ceil(n / BLOCK) for n in lengths)
     exact = tables[:, :blocks].contiguous()
-    graph_width = min(_next_power_of_two(max(blocks, 16)), MAX_MODEL_LEN // BLOCK)
+    graph_width = min(next_power_of_two(max(blocks, 16)), MAX_MODEL_LEN // BLOCK)
     padded = tables[:, :graph_width].contiguous()
     scale = DIM**-0.5
 

@@ -159,26 +159,18 @@ class Kernel:
         ``args`` are ctypes values in the kernel's parameter order (``c_void_p`` for pointers,
         ``c_int`` for ints).
         """
+        params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        self.launch_params(grid, block, stream, params)
+
+    def launch_params(self, grid: tuple[int, int, int], block: int, stream: int, params: ctypes.Array) -> None:
+        """Launch with a ready ``void*`` array pointing at the argument values."""
         lib = _libcuda()
         make_current(self.device_index)
-        params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-        _check(
-            lib,
-            lib.cuLaunchKernel(
-                self.handle,
-                grid[0],
-                grid[1],
-                grid[2],
-                block,
-                1,
-                1,
-                0,
-                ctypes.c_void_p(stream),
-                params,
-                None,
-            ),
-            f"cuLaunchKernel({self.name}, grid={grid}, block={block})",
+        result = lib.cuLaunchKernel(
+            self.handle, grid[0], grid[1], grid[2], block, 1, 1, 0, ctypes.c_void_p(stream), params, None
         )
+        if result:
+            _check(lib, result, f"cuLaunchKernel({self.name}, grid={grid}, block={block})")
 
 
 class PreparedLaunch:
@@ -203,12 +195,4 @@ class PreparedLaunch:
         """Launch on ``stream`` with ``values`` (ints; pointers as ints) in parameter order."""
         for slot, value in zip(self.args, values, strict=True):
             slot.value = value
-        lib = _libcuda()
-        make_current(self.kernel.device_index)
-        grid = self.grid
-        result = lib.cuLaunchKernel(
-            self.kernel.handle, grid[0], grid[1], grid[2], self.block, 1, 1, 0,
-            ctypes.c_void_p(stream), self.params, None,
-        )  # fmt: skip
-        if result:
-            _check(lib, result, f"cuLaunchKernel({self.kernel.name}, grid={grid}, block={self.block})")
+        self.kernel.launch_params(self.grid, self.block, stream, self.params)

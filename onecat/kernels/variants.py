@@ -132,13 +132,10 @@ class LaunchPlan:
     resolved once per (variant, M, N, K, group, device) by :func:`launch_plan`."""
 
     variant: Variant
-    kernel: Kernel
-    grid: tuple[int, int, int]
-    block: int
     per: int  # GEMV: k tiles per warp; wmma: k tiles per split; dequant: unused
     workspace_floats: int  # fp32 partial sums [M, N]; 0 when the kernel needs no workspace
     counters: int  # int counters after the partial sums
-    launch: PreparedLaunch  # the kernel with its grid, block and argument slots
+    launch: PreparedLaunch  # the kernel with its grid, block and argument slots (built once)
 
 
 _plans: dict[tuple, LaunchPlan] = {}
@@ -179,7 +176,7 @@ def launch_plan(variant: Variant, m: int, n: int, k: int, group_size: int, devic
     p, i = ctypes.c_void_p, ctypes.c_int
     arg_types = [p, p, p, i, i, i] if variant.kind == "dequant" else [p] * 7 + [i] * 5
     launch = PreparedLaunch(kernel, grid, block, arg_types)
-    plan = _plans[key] = LaunchPlan(variant, kernel, grid, block, per, workspace, counters, launch)
+    plan = _plans[key] = LaunchPlan(variant, per, workspace, counters, launch)
     return plan
 
 

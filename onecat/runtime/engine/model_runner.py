@@ -51,7 +51,8 @@ MAX_STATE_CHECKPOINTS = 16
 """Most GDN state checkpoints kept for prefix caching (each is a whole slot: ~151 MB on the 27B)."""
 
 
-def _next_power_of_two(n: int) -> int:
+def next_power_of_two(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for n <= 1)."""
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
@@ -331,7 +332,7 @@ class ModelRunner:
         if all(layer.uses_decode_kernel() for layer in self.attention):
             width = max_width  # the kernel's work follows the context lengths, not the width
         else:  # the torch path gathers the whole width: key graphs by a power-of-two width
-            width = min(_next_power_of_two(max(blocks, MIN_GRAPH_BLOCKS)), _next_power_of_two(max_width))
+            width = min(next_power_of_two(max(blocks, MIN_GRAPH_BLOCKS)), next_power_of_two(max_width))
         key = (bucket, width)
         if key not in self.graphs:
             try:
