@@ -178,6 +178,40 @@ def timed_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: int, see
     return batch * steps / elapsed
 
 
+def workload_prompts(count: int, input_len: int, range_ratio: float, vocab: int, seed: int) -> list[list[int]]:
+    """``count`` random prompts whose lengths are uniform in ``input_len * (1 -+ range_ratio)``
+    (``onecat bench serve``'s random dataset)."""
+    rng = torch.Generator().manual_seed(seed)
+    low, high = max(1, int(input_len * (1 - range_ratio))), int(input_len * (1 + range_ratio))
+    lengths = torch.randint(low, high + 1, (count,), generator=rng).tolist()
+    return [random_prompt(n, vocab, seed + 1 + i) for i, n in enumerate(lengths)]
+
+
+def timed_workload(engine: LLMEngine, prompts: list[list[int]], concurrency: int, output_len: int) -> dict:
+    """The engine alone on a server's closed-loop workload: at most ``concurrency`` requests
+    in flight, a new one added as soon as one finishes (what ``onecat bench serve
+    --max-concurrency`` does over HTTP), ``output_len`` greedy tokens each. Output tokens/s
+    over the whole run and steps by kind: the figure the server is compared with."""
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    queue = list(enumerate(prompts))
+    in_flight = 0
+    steps = mixed = 0
+    sync()
+    start = time.perf_counter()
+    while queue or in_flight:
+        while queue and in_flight < concurrency:
+            i, prompt = queue.pop(0)
+            engine.add_request(f"w{id(prompts)}-{i}", prompt, params)
+            in_flight += 1
+        mixed += engine.num_waiting() > 0 or any(s.num_pending_tokens > 1 for s in engine.scheduler.running)
+        steps += 1
+        in_flight -= sum(out.finished for out in engine.step())
+    sync()
+    elapsed = time.perf_counter() - start
+    return {"concurrency": concurrency, "requests": len(prompts), "output_tok_s": len(prompts) * output_len / elapsed,
+            "steps": steps, "steps_with_prompts": mixed, "ms_per_step": elapsed * 1e3 / steps}
+
+
 def graph_matches_eager(engine: LLMEngine, prompt_len: int, tokens: int = 8) -> dict:
     """Greedy tokens and first-step logits of one request decoded under CUDA graphs and
     eagerly: a correctness check of the graph path on the benchmarked model."""

@@ -17,7 +17,15 @@ import json
 import time
 
 import torch
-from e2e import fill_random, random_prompt, start_decoding, sync, text_config
+from e2e import (
+    fill_random,
+    random_prompt,
+    start_decoding,
+    sync,
+    text_config,
+    timed_workload,
+    workload_prompts,
+)
 from torch.profiler import ProfilerActivity, profile
 
 from onecat.runtime.config import EngineConfig
@@ -26,6 +34,13 @@ from onecat.runtime.models.config import ModelConfig
 from onecat.runtime.models.qwen3_5 import Qwen3_5ForCausalLM
 from onecat.runtime.quant_plan import QuantPlan
 from onecat.runtime.sampling_params import SamplingParams
+
+
+def host_summary(prof, calls: int, top: int) -> list:
+    """The CPU-side operators with the most self time, per repetition (ms)."""
+    ops = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    ops.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    return [[e.key[:80], e.count / calls, round(e.self_cpu_time_total / calls / 1e3, 3)] for e in ops[:top]]
 
 
 def kernel_summary(prof, calls: int, top: int) -> dict:
@@ -87,6 +102,48 @@ def profile_prefill(engine: LLMEngine, length: int, top: int) -> dict:
     return result
 
 
+def profile_mixed(engine: LLMEngine, batch: int, prompt_len: int, steps: int, top: int) -> dict:
+    """Steps that decode ``batch - 1`` sequences while a new ``prompt_len``-token prompt is
+    prefilled in the same step (a server's typical step): wall, kernels, launches, host ops."""
+    vocab = engine.runner.model_config.vocab_size
+    ids = start_decoding(engine, batch - 1, 128, 4 * steps + 64, 99 * batch, tag="mix")
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def run(tag: str) -> float:
+        sync()
+        start = time.perf_counter()
+        for i in range(steps):
+            engine.add_request(f"{tag}{i}", random_prompt(prompt_len, vocab, 1000 + i), params)
+            engine.step()
+        sync()
+        return (time.perf_counter() - start) * 1e3 / steps
+
+    run("warm")
+    wall_ms = run("timed")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run("prof")
+    for rid in ids:
+        engine.abort_request(rid)
+    result = {"batch": batch, "prompt_len": prompt_len, "wall_ms": wall_ms, **kernel_summary(prof, steps, top)}
+    result["host_gap_ms"] = wall_ms - result["kernel_ms"]
+    result["host_ops"] = host_summary(prof, steps, top)
+    return result
+
+
+def profile_workload(engine: LLMEngine, concurrency: int, top: int) -> dict:
+    """``bench/serve_h200.py``'s workload (prompts of 128-512 tokens, 64 output tokens, closed
+    loop at ``concurrency``) on the engine alone: timed, then profiled per step."""
+    vocab = engine.runner.model_config.vocab_size
+    timed_workload(engine, workload_prompts(concurrency, 320, 0.6, vocab, 1), concurrency, 64)  # warm-up
+    result = timed_workload(engine, workload_prompts(2 * concurrency, 320, 0.6, vocab, 2), concurrency, 64)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        profiled = timed_workload(engine, workload_prompts(concurrency, 320, 0.6, vocab, 3), concurrency, 64)
+    result.update(kernel_summary(prof, profiled["steps"], top))
+    result["host_gap_ms"] = result["ms_per_step"] - result["kernel_ms"]
+    result["host_ops"] = host_summary(prof, profiled["steps"], top)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="27b")
@@ -96,6 +153,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--prefill-len", type=int, default=2048)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--mixed", default="", help="BATCH:PROMPT_LEN pairs, e.g. 32:320")
+    parser.add_argument("--workload", default="", help="concurrencies of the serve workload, e.g. 32")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     cfg = ModelConfig.from_dict(text_config(args.model, args.layers))
@@ -103,8 +162,10 @@ def main() -> None:
         model = Qwen3_5ForCausalLM(cfg, QuantPlan(default=128), torch.float16)
     fill_random(model)
     batches = [int(b) for b in args.batches.split(",")]
+    batches_needed = batches + [int(p.split(":")[0]) for p in filter(None, args.mixed.split(","))]
+    batches_needed += [int(c) for c in filter(None, args.workload.split(","))]
     engine = LLMEngine.from_model(
-        EngineConfig(model=f"random-{args.model}", max_num_seqs=max(batches), max_model_len=4096,
+        EngineConfig(model=f"random-{args.model}", max_num_seqs=max(batches_needed), max_model_len=4096,
                      max_num_batched_tokens=args.prefill_len, num_kv_blocks=2048, device="cuda"),
         model,
     )  # fmt: skip
@@ -114,6 +175,15 @@ def main() -> None:
         print(json.dumps(report["decode"][-1]), flush=True)
     report["prefill"] = profile_prefill(engine, args.prefill_len, args.top)
     print(json.dumps(report["prefill"]), flush=True)
+    report["mixed"] = []
+    for pair in filter(None, args.mixed.split(",")):
+        batch, length = map(int, pair.split(":"))
+        report["mixed"].append(profile_mixed(engine, batch, length, args.steps, args.top))
+        print(json.dumps(report["mixed"][-1]), flush=True)
+    report["workload"] = []
+    for c in filter(None, args.workload.split(",")):
+        report["workload"].append(profile_workload(engine, int(c), args.top))
+        print(json.dumps(report["workload"][-1]), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)

@@ -85,10 +85,14 @@ def serve_random_model(args: argparse.Namespace) -> None:
         model, AutoTokenizer.from_pretrained(args.tokenizer),
     )
     figures = {"model": args.serve_model, "layers": raw["num_hidden_layers"],
-               "setup_s": time.perf_counter() - t0, "engine_decode_tok_s": {}}
+               "setup_s": time.perf_counter() - t0, "engine_decode_tok_s": {}, "engine_workload_tok_s": {}}
     for batch in args.engine_batches:
         figures["engine_decode_tok_s"][batch] = e2e.timed_decode(engine, batch, 128, 24, 1000 * batch)
         print(f"  engine batch {batch}: {figures['engine_decode_tok_s'][batch]:.1f} tok/s", flush=True)
+        # the same closed-loop workload the driver sends over HTTP, on the engine alone
+        prompts = e2e.workload_prompts(max(8, 2 * batch), args.input_len, args.range_ratio, VOCAB, 7 * batch)
+        figures["engine_workload_tok_s"][batch] = e2e.timed_workload(engine, prompts, batch, args.output_len)["output_tok_s"]
+        print(f"  engine workload at concurrency {batch}: {figures['engine_workload_tok_s'][batch]:.1f} tok/s", flush=True)
     Path(args.engine_json).write_text(json.dumps(figures))
     serve(engine, host="127.0.0.1", port=args.port, log_level="warning")
 
@@ -127,7 +131,9 @@ def bench_model(name: str, args: argparse.Namespace, tokenizer: Path, work: Path
     command = [sys.executable, str(Path(__file__).resolve()), "--serve-model", name, "--port", str(port),
                "--tokenizer", str(tokenizer), "--engine-json", str(engine_json),
                "--max-num-seqs", str(max(args.concurrency)), "--max-model-len", str(args.max_model_len),
-               "--engine-batches", ",".join(map(str, args.concurrency))]
+               "--engine-batches", ",".join(map(str, args.concurrency)),
+               "--input-len", str(args.input_len), "--range-ratio", str(args.range_ratio),
+               "--output-len", str(args.output_len)]
     if args.layers:
         command += ["--layers", str(args.layers)]
     t0 = time.perf_counter()
@@ -173,18 +179,20 @@ def print_table(report: dict) -> None:
     from rich.table import Table
 
     table = Table(title="onecat serve under onecat bench serve (output tokens/s; latencies ms, median / p99)")
-    for column in ("model", "conc.", "ok/fail", "req/s", "output tok/s", "engine tok/s", "server/engine",
-                   "TTFT", "TPOT", "ITL"):
+    for column in ("model", "conc.", "ok/fail", "req/s", "output tok/s", "engine decode", "server/decode",
+                   "engine workload", "server/workload", "TTFT", "TPOT", "ITL"):
         table.add_column(column, justify="left" if column == "model" else "right")
     for name, entry in report["models"].items():
         engine = entry["engine"]["engine_decode_tok_s"]
         for r in entry["runs"]:
             c = r["concurrency"]
             eng = engine.get(str(c))
+            work = entry["engine"].get("engine_workload_tok_s", {}).get(str(c))
             table.add_row(
                 name, str(c), f"{r['completed']}/{r['failed']}", f"{r['request_throughput']:.2f}",
                 f"{r['output_throughput']:.1f}", f"{eng:.1f}" if eng else "-",
                 f"{r['output_throughput'] / eng:.0%}" if eng else "-",
+                f"{work:.1f}" if work else "-", f"{r['output_throughput'] / work:.0%}" if work else "-",
                 f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f}",
                 f"{r['median_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f}",
                 f"{r['median_itl_ms']:.1f} / {r['p99_itl_ms']:.1f}",
