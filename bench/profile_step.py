@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import zlib
 
 import torch
 from e2e import (
@@ -84,8 +85,8 @@ def profile_prefill(engine: LLMEngine, length: int, top: int) -> dict:
     vocab = engine.runner.model_config.vocab_size
     params = SamplingParams(max_tokens=1, temperature=0.0)
 
-    def once(tag: str) -> float:
-        engine.add_request(tag, random_prompt(length, vocab, 5), params)
+    def once(tag: str) -> float:  # a new prompt each time: no prefix-cache hits
+        engine.add_request(tag, random_prompt(length, vocab, zlib.crc32(tag.encode())), params)
         sync()
         start = time.perf_counter()
         while engine.has_unfinished_requests():
@@ -109,11 +110,11 @@ def profile_mixed(engine: LLMEngine, batch: int, prompt_len: int, steps: int, to
     ids = start_decoding(engine, batch - 1, 128, 4 * steps + 64, 99 * batch, tag="mix")
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
-    def run(tag: str) -> float:
+    def run(tag: str) -> float:  # new prompts each time: no prefix-cache hits
         sync()
         start = time.perf_counter()
         for i in range(steps):
-            engine.add_request(f"{tag}{i}", random_prompt(prompt_len, vocab, 1000 + i), params)
+            engine.add_request(f"{tag}{i}", random_prompt(prompt_len, vocab, zlib.crc32(f"{tag}{i}".encode())), params)
             engine.step()
         sync()
         return (time.perf_counter() - start) * 1e3 / steps

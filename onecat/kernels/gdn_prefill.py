@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from onecat.errors import OnecatError
 from onecat.kernels.loader import get_kernel
+from onecat.kernels.workspace import to_device
 
 CHUNK = 64
 """Tokens per chunk (``kChunk`` in gdn_prefill.cu)."""
@@ -124,7 +125,7 @@ def prefill_batch(
     if cached is not None and (cached.starts, cached.lengths, cached.slots) == key and cached.meta.device == device:
         return cached
     seqs, chunks = chunk_tables(*key)
-    meta = torch.tensor(seqs + chunks, dtype=torch.int32, device=device)
+    meta = to_device(seqs + chunks, torch.int32, device)
     batch = PrefillBatch(*key, len(chunks) // 3, max(s + n for s, n in zip(key[0], key[1], strict=True)), meta)
     _cached = batch
     return batch

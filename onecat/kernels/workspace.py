@@ -27,3 +27,13 @@ def stream_buffer(purpose: str, device: torch.device, stream: int, floats: int, 
         make = torch.zeros if zeroed else torch.empty
         buf = _buffers[key] = make(max(floats, _MIN_FLOATS), dtype=torch.float32, device=device)
     return buf
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.tensor(values)`` on ``device`` without stalling the host: on CUDA the values
+    go through pinned memory with an asynchronous copy (a copy from pageable memory waits
+    for the stream, i.e. for every kernel queued before it)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

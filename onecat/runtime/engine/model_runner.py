@@ -13,9 +13,13 @@ a checkpoint after it (``Sequence.save_to``), outside any CUDA graph.
 
 Inside decode graphs the small elementwise steps run fused (``layers/fusion.py``).
 
-CUDA graphs: the decode tokens of a step run as a replayed graph (beside an eager pass for
+CUDA graphs: the decode tokens of a step run as a replayed graph (beside a pass for the
 prompt chunks in the same step), one per batch-size bucket (1, 2, 4, 8, 16, 32, ... up to
-``max_num_seqs``), all captured at start (``warmup``). With the paged decode-attention
+``max_num_seqs``), all captured at start (``warmup``). Prompt passes of up to 512 tokens
+replay piecewise graphs (``prompt_graphs.py``: everything but the attention and GDN cores,
+per token-count bucket), also captured at start; longer ones run eagerly. Host-to-device
+copies of batch metadata go through pinned memory, so the host never waits for the GPU
+before the step's sampled tokens are read. With the paged decode-attention
 kernel a graph serves every context length (its block table spans ``max_model_len``); the
 torch attention fallback gathers the whole table, so there graphs are also keyed by a
 power-of-two table width and captured on first use. Padding rows write their key/value to
@@ -32,9 +36,11 @@ import math
 import torch
 
 from onecat.errors import OnecatError
+from onecat.kernels.workspace import to_device
 from onecat.runtime.config import EngineConfig
 from onecat.runtime.context import ForwardContext, PrefillChunk, set_context
 from onecat.runtime.distributed.parallel_state import min_over_ranks
+from onecat.runtime.engine.prompt_graphs import PromptGraphs, supports_prompt_graphs
 from onecat.runtime.engine.sequence import Sequence
 from onecat.runtime.layers import fusion
 from onecat.runtime.layers.attention import PagedAttention
@@ -116,6 +122,7 @@ class ModelRunner:
         self.max_model_len = min(wanted_len, capacity)
         self._allocate()
         self.graphs: dict[tuple[int, int], _DecodeGraph] = {}
+        self.prompt_graphs: PromptGraphs | None = None  # captured by warmup()
         self.graph_pool = None
         self.graph_batch_sizes = [1 << i for i in range(int(math.log2(self.num_slots)) + 1)]
         if self.graph_batch_sizes[-1] < self.num_slots:
@@ -222,7 +229,7 @@ class ModelRunner:
         fresh = [s.state_slot for s in seqs if s.fresh_slot]
         if not fresh:
             return
-        index = torch.tensor(fresh, dtype=torch.int64, device=self.device)
+        index = to_device(fresh, torch.int64, self.device)
         for layer in self.gdn:
             layer.conv_state.index_fill_(0, index, 0)
             layer.recurrent_state.index_fill_(0, index, 0)
@@ -233,8 +240,8 @@ class ModelRunner:
         """Copy GDN conv + recurrent states from row ``src`` to row ``dst`` for each pair."""
         if not pairs or not self.gdn:
             return
-        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.device)
-        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.device)
+        src = to_device([p[0] for p in pairs], torch.int64, self.device)
+        dst = to_device([p[1] for p in pairs], torch.int64, self.device)
         for layer in self.gdn:
             layer.conv_state.index_copy_(0, dst, layer.conv_state.index_select(0, src))
             layer.recurrent_state.index_copy_(0, dst, layer.recurrent_state.index_select(0, src))
@@ -284,7 +291,7 @@ class ModelRunner:
         rows: list[int] = []
         sampled: list[Sequence] = []
         decodes = [seq for seq, count in scheduled if count == 1]
-        as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=self.device)  # noqa: E731
+        as_tensor = lambda values: to_device(values, torch.int64, self.device)  # noqa: E731
         for seq, count in scheduled:
             start = seq.num_computed_tokens
             first = len(ids)
@@ -299,6 +306,10 @@ class ModelRunner:
                 rows.append(len(ids) - 1)
                 sampled.append(seq)
         ctx = ForwardContext(slot_mapping=as_tensor(slots), prefills=prefills)
+        graphs = self.prompt_graphs
+        if not decodes and graphs is not None and graphs.bucket(len(ids)) is not None:
+            hidden = graphs.run(as_tensor(ids), as_tensor(positions), ctx)
+            return sampled, self.model.compute_logits(hidden[as_tensor(rows)])
         if decodes:
             width = max(len(s.block_table) for s in decodes)
             ctx.num_decodes = len(decodes)
@@ -324,6 +335,15 @@ class ModelRunner:
         for batch in self.graph_batch_sizes:
             if not self._graph_fits(batch) or self._graph_for(batch, 1) is None:
                 break
+        if self.use_graphs and supports_prompt_graphs(self.model):
+            graphs = PromptGraphs(self.model, self.max_num_batched_tokens, self.graph_pool)
+            try:
+                graphs.capture()
+            except Exception as exc:  # stay correct: prompt passes run eagerly
+                logger.warning("CUDA graph capture of prompt passes failed (%s); running them eagerly", exc)
+                graphs.release()
+            else:
+                self.prompt_graphs, self.graph_pool = graphs, graphs.pool
         torch.cuda.synchronize(self.device)
 
     def _graph_for(self, batch: int, blocks: int) -> _DecodeGraph | None:
@@ -351,6 +371,9 @@ class ModelRunner:
         for graph in self.graphs.values():
             graph.graph.reset()
         self.graphs.clear()
+        if self.prompt_graphs is not None:
+            self.prompt_graphs.release()
+            self.prompt_graphs = None
         self.graph_pool = None
         gc.collect()
         if self.device.type == "cuda":
@@ -395,8 +418,9 @@ class ModelRunner:
                 values.extend(table[start:])
                 graph.rows[i] = list(table)
         if values:
-            index = torch.tensor([rows, cols], dtype=torch.int64).to(graph.block_tables.device)
-            graph.block_tables[index[0], index[1]] = torch.tensor(values, dtype=torch.int64).to(graph.block_tables.device)
+            device = graph.block_tables.device
+            index = to_device([rows, cols], torch.int64, device)
+            graph.block_tables[index[0], index[1]] = to_device(values, torch.int64, device)
 
     def _run_graph(self, decodes: list[Sequence]) -> torch.Tensor | None:
         batch = len(decodes)
@@ -413,7 +437,7 @@ class ModelRunner:
             [s.state_slot for s in decodes],
         ]
         host = [column + [value] * pad for column, value in zip(columns, graph.scratch, strict=True)]
-        graph.inputs.copy_(torch.tensor(host, dtype=torch.int64))
+        graph.inputs.copy_(to_device(host, torch.int64, graph.inputs.device))
         self._update_tables(graph, [s.block_table for s in decodes] + [[self.num_blocks]] * pad)
         graph.graph.replay()
         return graph.logits[:batch]

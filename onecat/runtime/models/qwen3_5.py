@@ -32,7 +32,6 @@ from onecat.runtime.layers.norm import (
     RMSNorm,
     add_rms_norm,
     gated_rms_norm,
-    gated_rms_norm_math,
     rms_norm_math,
 )
 from onecat.runtime.layers.rotary import PartialRotaryEmbedding, apply_partial_rope
@@ -89,15 +88,27 @@ class GatedAttention(nn.Module):
         self.rotary = PartialRotaryEmbedding(int(d * cfg.partial_rotary_factor), cfg.rope_theta)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d**-0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, hidden]`` at ``positions [T]`` -> ``[T, hidden]``."""
+    def project(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Token-wise part before the core: ((q, k, v), (gate,)) of ``x [T, hidden]``."""
         q, k, v, gate = attention_inputs(
             self.qkv_proj(x), positions, self.q_norm.weight, self.k_norm.weight,
             self.rotary.inv_freq, self.q_norm.eps, self.num_heads, self.num_kv_heads,
             self.head_dim, self.rotary.rotary_dim,
         )
-        out = self.attn(q, k, v)
-        return self.o_proj(sigmoid_gate(out.reshape(x.shape[0], -1), gate))
+        return (q, k, v), (gate,)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The part that mixes tokens of a sequence (reads the batch context): ``[T, H, D]``."""
+        return self.attn(q, k, v)
+
+    def finish(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """Token-wise part after the core: gate and output projection -> ``[T, hidden]``."""
+        return self.o_proj(sigmoid_gate(out.reshape(out.shape[0], -1), gate))
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, hidden]`` at ``positions [T]`` -> ``[T, hidden]``."""
+        inputs, carry = self.project(positions, x)
+        return self.finish(self.core(*inputs), *carry)
 
 
 @fused
@@ -210,51 +221,59 @@ class GatedDeltaNet(nn.Module):
             self.conv_state.index_copy_(0, slots, conv.to(self.conv_state.dtype))
             self.recurrent_state.index_copy_(0, slots, rec)
 
-    def _decode_in_place(
-        self, mixed: torch.Tensor, z: torch.Tensor, ba: torch.Tensor, slots: torch.Tensor
-    ) -> torch.Tensor:
+    def _decode_in_place(self, mixed: torch.Tensor, ba: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Decode tokens on the GPU: conv step, then the sm_70 delta-rule kernel, which
         updates the recurrent states in their slots (no gather and scatter of 64 KB per head)."""
         conv_out, conv_state = conv_step(mixed, self.conv_state, slots, self.conv1d.weight)
         self.conv_state.index_copy_(0, slots, conv_state)
-        core = gdn_kernel.gated_delta_rule_decode_(
+        return gdn_kernel.gated_delta_rule_decode_(
             conv_out, ba, self.A_log, self.dt_bias, self.recurrent_state, slots, self.num_k_heads
         )
-        out = gated_rms_norm(core, z.reshape(core.shape), self.norm.weight, self.norm.eps)
-        return out.reshape(mixed.shape[0], -1)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, hidden]`` -> ``[T, hidden]`` (positions unused: the state carries order)."""
-        ctx = get_context()
+    def project(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Token-wise part before the core: ((mixed, ba), (z,)) of ``x [T, hidden]``
+        (positions unused: the state carries order)."""
         mixed, z = self.in_proj_qkvz(x).split(self.in_proj_qkvz.output_sizes, dim=-1)
-        ba = self.in_proj_ba(x)
+        return (mixed, self.in_proj_ba(x)), (z,)
+
+    def core(self, mixed: torch.Tensor, ba: torch.Tensor) -> torch.Tensor:
+        """Conv and delta rule over the batch's sequences, states read and written in their
+        slots: the core output ``[T, Hv, dv]`` before the gated norm."""
+        ctx = get_context()
         b, a = ba.split(self.num_v_heads, dim=-1)
         dims = (self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim)
         outputs = []
         if ctx.num_decodes:
             n = ctx.num_decodes
             slots = ctx.decode_state_slots
-            if x.is_cuda and self.conv_state.numel() and gdn_kernel.supports(self.head_k_dim, self.head_v_dim, x.dtype):
-                outputs.append(self._decode_in_place(mixed[:n], z[:n], ba[:n], slots))
+            if mixed.is_cuda and self.conv_state.numel() and gdn_kernel.supports(self.head_k_dim, self.head_v_dim, mixed.dtype):
+                outputs.append(self._decode_in_place(mixed[:n], ba[:n], slots))
             else:
                 out, conv_state, rec_state = gated_deltanet_decode(
-                    mixed[:n], z[:n], b[:n], a[:n], self.conv_state, self.recurrent_state, slots,
-                    self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps, *dims,
+                    mixed[:n], b[:n], a[:n], self.conv_state, self.recurrent_state, slots,
+                    self.conv1d.weight, self.A_log, self.dt_bias, *dims,
                 )
                 self._save_states(slots, conv_state, rec_state)
                 outputs.append(out)
-        if ctx.prefills and x.is_cuda and gdn_prefill.supports(
-            self.head_k_dim, self.head_v_dim, self.conv1d.weight.shape[1], x.dtype
+        if ctx.prefills and mixed.is_cuda and gdn_prefill.supports(
+            self.head_k_dim, self.head_v_dim, self.conv1d.weight.shape[1], mixed.dtype
         ):
-            outputs.append(self._prefill_in_place(mixed, z, ba, ctx.prefills))
+            outputs.append(self._prefill_in_place(mixed, ba, ctx.prefills))
         else:
-            outputs += self._prefill_torch(mixed, z, a, b, ctx.prefills)
-        core = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-        return self.out_proj(core)
+            outputs += self._prefill_torch(mixed, a, b, ctx.prefills)
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
-    def _prefill_in_place(
-        self, mixed: torch.Tensor, z: torch.Tensor, ba: torch.Tensor, prefills: list[PrefillChunk]
-    ) -> torch.Tensor:
+    def finish(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Token-wise part after the core: gated norm and output projection -> ``[T, hidden]``."""
+        out = gated_rms_norm(core, z.reshape(core.shape), self.norm.weight, self.norm.eps)
+        return self.out_proj(out.reshape(core.shape[0], -1))
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, hidden]`` -> ``[T, hidden]``."""
+        inputs, carry = self.project(positions, x)
+        return self.finish(self.core(*inputs), *carry)
+
+    def _prefill_in_place(self, mixed: torch.Tensor, ba: torch.Tensor, prefills: list[PrefillChunk]) -> torch.Tensor:
         """All prompt chunks of the step on the GPU at once (they follow each other in the
         batch): the sm_70 conv and chunked delta-rule kernels, which read and write the conv
         and recurrent states in their slots (``kernels/gdn_prefill.cu``)."""
@@ -269,14 +288,12 @@ class GatedDeltaNet(nn.Module):
             [chunk.start - first for chunk in prefills], [chunk.length for chunk in prefills], slots, mixed.device
         )
         conv_out = gdn_prefill.causal_conv1d_prefill_(mixed[first:end], conv_state, self.conv1d.weight, batch)
-        core = gdn_prefill.gated_delta_rule_prefill_(
+        return gdn_prefill.gated_delta_rule_prefill_(
             conv_out, ba[first:end], self.A_log, self.dt_bias, rec_state, batch, self.num_k_heads
         )
-        out = gated_rms_norm(core, z[first:end].reshape(core.shape), self.norm.weight, self.norm.eps)
-        return out.reshape(end - first, -1)
 
     def _prefill_torch(
-        self, mixed: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, prefills: list[PrefillChunk]
+        self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, prefills: list[PrefillChunk]
     ) -> list[torch.Tensor]:
         """Prompt chunks one sequence at a time in torch (CPU, fp32, other head sizes)."""
         dims = (self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim)
@@ -290,7 +307,7 @@ class GatedDeltaNet(nn.Module):
             g, beta = decay_and_rate(a[part], b[part], self.A_log, self.dt_bias)
             out, rec_state = gated_delta_rule_chunked(q, k, v, g, beta, rec_state[0])
             self._save_states(slot, conv_state[None], rec_state[None])
-            outputs.append(self.norm(out, z[part].reshape(out.shape)).reshape(chunk.length, -1))
+            outputs.append(out.to(mixed.dtype))
         return outputs
 
 
@@ -328,7 +345,6 @@ def conv_step(
 @fused
 def gated_deltanet_decode(
     mixed: torch.Tensor,
-    z: torch.Tensor,
     b: torch.Tensor,
     a: torch.Tensor,
     conv_states: torch.Tensor,
@@ -337,23 +353,20 @@ def gated_deltanet_decode(
     conv_weight: torch.Tensor,
     A_log: torch.Tensor,
     dt_bias: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
     num_k_heads: int,
     head_k_dim: int,
     num_v_heads: int,
     head_v_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One token of ``B`` sequences through the GDN core: conv step, delta-rule step, gated
-    norm, reading the sequences' states from their ``slots`` of the state buffers. Returns
-    the output ``[B, Hv*dv]`` and the new conv and recurrent states ``[B, ...]`` (the caller
-    writes them back)."""
+    """One token of ``B`` sequences through the GDN core: conv step and delta-rule step,
+    reading the sequences' states from their ``slots`` of the state buffers. Returns the
+    core output ``[B, Hv, dv]`` and the new conv and recurrent states ``[B, ...]`` (the
+    caller writes them back)."""
     conv_out, conv_state = causal_conv1d_step(mixed, conv_states[slots], conv_weight)
     q, k, v = split_heads(conv_out, num_k_heads, head_k_dim, num_v_heads, head_v_dim)
     g, beta = decay_and_rate(a, b, A_log, dt_bias)
     out, rec_state = gated_delta_rule_step(q, k, v, g, beta, rec_states[slots])
-    out = gated_rms_norm_math(out, z.reshape(out.shape), norm_weight, eps)
-    return out.reshape(out.shape[0], -1), conv_state, rec_state
+    return out.to(mixed.dtype), conv_state, rec_state
 
 
 class MLP(nn.Module):
@@ -446,12 +459,31 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer on the flat batch. ``x`` is the previous layer's output before its
         residual add (fused with this layer's first norm); returns (output, residual)."""
-        mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
+        inputs, carry, residual = self.begin(positions, x, residual)
+        return self.end(self.mixer.core(*inputs), carry, residual)
+
+    @property
+    def mixer(self) -> GatedDeltaNet | GatedAttention:
+        """The token mixer: Gated DeltaNet or gated attention."""
+        return self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
+
+    def begin(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], torch.Tensor]:
+        """Everything token-wise before the mixer's core: (core inputs, what ``end`` needs
+        besides the core output, residual)."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
-        h = all_reduce(mixer(positions, h))  # tensor parallel: sum the ranks' row-parallel parts
+        inputs, carry = self.mixer.project(positions, h)
+        return inputs, carry, residual
+
+    def end(
+        self, core: torch.Tensor, carry: tuple[torch.Tensor, ...], residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything token-wise after the mixer's core: (output before the residual add, residual)."""
+        h = all_reduce(self.mixer.finish(core, *carry))  # tensor parallel: sum the ranks' row-parallel parts
         norm = self.post_attention_layernorm
         h, residual = add_rms_norm(h, residual, norm.weight, norm.eps)
         return all_reduce(self.mlp(h)), residual
