@@ -13,13 +13,13 @@ a checkpoint after it (``Sequence.save_to``), outside any CUDA graph.
 
 Inside decode graphs the small elementwise steps run fused (``layers/fusion.py``).
 
-CUDA graphs: the decode tokens of a step run as a replayed graph (beside a pass for the
-prompt chunks in the same step), one per batch-size bucket (1, 2, 4, 8, 16, 32, ... up to
-``max_num_seqs``), all captured at start (``warmup``). Prompt passes of up to 512 tokens
-replay piecewise graphs (``prompt_graphs.py``: everything but the attention and GDN cores,
-per token-count bucket), also captured at start; longer ones run eagerly. Host-to-device
-copies of batch metadata go through pinned memory, so the host never waits for the GPU
-before the step's sampled tokens are read. With the paged decode-attention
+CUDA graphs: a step of decode tokens only replays a whole-model graph, one per batch-size
+bucket (1, 2, 4, 8, 16, 32, ... up to ``max_num_seqs``); a step with prompt tokens (decode
+tokens beside them or not) replays piecewise graphs (``prompt_graphs.py``: everything but
+the attention and GDN cores, per token-count bucket up to ``max_num_batched_tokens``). All
+are captured at start (``warmup``); the piecewise graphs' activation memory is planned
+like the prefill's. Host-to-device copies of batch metadata go through pinned memory, so
+the host never waits for the GPU before the step's sampled tokens are read. With the paged decode-attention
 kernel a graph serves every context length (its block table spans ``max_model_len``); the
 torch attention fallback gathers the whole table, so there graphs are also keyed by a
 power-of-two table width and captured on first use. Padding rows write their key/value to
@@ -161,13 +161,18 @@ class ModelRunner:
         gc.collect()  # garbage in cycles would count as this model's memory
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
         self._profile_run(min(config.max_num_batched_tokens, max_len))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         others = total - free - torch.cuda.memory_reserved(self.device)
         sampling = config.max_num_seqs * self.model_config.vocab_size * 16
-        available = int(total * config.gpu_memory_utilization) - others - peak - sampling - GRAPH_RESERVE_BYTES
+        # the piecewise prompt graphs keep about one pass's activations in their own pool
+        prompt_graphs = peak - before if self.use_graphs and supports_prompt_graphs(self.model) else 0
+        available = (
+            int(total * config.gpu_memory_utilization) - others - peak - prompt_graphs - sampling - GRAPH_RESERVE_BYTES
+        )
         if available <= 0:
             raise OnecatError(
                 f"the model leaves no GPU memory for the KV cache ({peak / 2**30:.1f} GiB used at "
@@ -265,13 +270,9 @@ class ModelRunner:
         self._reset_fresh_slots(seqs)
         decodes = [seq for seq, count in scheduled if count == 1]
         logits = None
-        if self.use_graphs and decodes and self._graph_fits(len(decodes)):
+        if self.use_graphs and len(decodes) == len(scheduled) and self._graph_fits(len(decodes)):
             logits = self._run_graph(decodes)
             sampled = decodes
-            if logits is not None and len(decodes) < len(scheduled):
-                more, more_logits = self._run_eager([item for item in scheduled if item[1] != 1])
-                sampled = decodes + more
-                logits = torch.cat([logits, more_logits]) if more else logits
         if logits is None:
             sampled, logits = self._run_eager(scheduled)
         if self.dtype == torch.float16 and not self._overflow_warned and not bool(torch.isfinite(logits).all()):
@@ -306,10 +307,6 @@ class ModelRunner:
                 rows.append(len(ids) - 1)
                 sampled.append(seq)
         ctx = ForwardContext(slot_mapping=as_tensor(slots), prefills=prefills)
-        graphs = self.prompt_graphs
-        if not decodes and graphs is not None and graphs.bucket(len(ids)) is not None:
-            hidden = graphs.run(as_tensor(ids), as_tensor(positions), ctx)
-            return sampled, self.model.compute_logits(hidden[as_tensor(rows)])
         if decodes:
             width = max(len(s.block_table) for s in decodes)
             ctx.num_decodes = len(decodes)
@@ -318,6 +315,10 @@ class ModelRunner:
             )
             ctx.decode_context_lens = as_tensor([s.num_computed_tokens + 1 for s in decodes])
             ctx.decode_state_slots = as_tensor([s.state_slot for s in decodes])
+        graphs = self.prompt_graphs
+        if graphs is not None and graphs.bucket(len(ids)) is not None:
+            hidden = graphs.run(as_tensor(ids), as_tensor(positions), ctx)
+            return sampled, self.model.compute_logits(hidden[as_tensor(rows)])
         set_context(ctx)
         try:
             hidden = self.model(as_tensor(ids), as_tensor(positions))

@@ -1,4 +1,4 @@
-"""CUDA graphs for prompt passes, captured piece by piece between the token mixers' cores.
+"""CUDA graphs for passes with prompt tokens, captured piece by piece between the mixers' cores.
 
 A prompt pass cannot be one graph: attention and Gated DeltaNet mix tokens within each
 sequence, so their work depends on how the step's tokens split into sequences (lengths,
@@ -19,7 +19,10 @@ per stretch between two cores:
 A pass pads its ``n`` tokens to the bucket, replays the stretches in order, and between
 them runs each mixer's ``core`` eagerly on the first ``n`` rows, in the pass's
 ``ForwardContext`` (KV writes, slots and lengths concern the real tokens only; padding rows
-are token-wise garbage that nothing reads). Stretches hand tensors to each other and to the
+are token-wise garbage that nothing reads). A step that decodes some sequences while it
+prefills others runs as one such pass: the cores handle both kinds of tokens, and the
+weights (all experts, for a MoE prompt) are read once for the whole step. Steps with only
+decode tokens replay the whole-model decode graphs instead (no eager cores at all). Stretches hand tensors to each other and to the
 cores through static buffers, one set sized for the largest bucket (smaller buckets use their
 leading rows), so memory does not grow with depth. All graphs share the runner's pool and
 replay in capture order, one pass at a time.
@@ -40,9 +43,6 @@ from onecat.runtime.models.qwen3_5 import GatedDeltaNet, Qwen3_5ForCausalLM
 logger = logging.getLogger(__name__)
 
 MIN_BUCKET = 16
-MAX_BUCKET = 512
-"""Largest prompt pass run from graphs: longer passes keep the GPU busy long enough that
-their launches overlap with it, and each bucket's graphs hold their own activation memory."""
 
 
 def supports_prompt_graphs(model: Qwen3_5ForCausalLM) -> bool:
@@ -51,10 +51,9 @@ def supports_prompt_graphs(model: Qwen3_5ForCausalLM) -> bool:
     return all(m.is_packed for m in model.modules() if isinstance(m, FusedExperts))
 
 
-def prompt_buckets(max_tokens: int) -> list[int]:
-    """Token-count buckets: powers of two from ``MIN_BUCKET`` up to ``min(max_tokens,
-    MAX_BUCKET)`` (that limit itself included)."""
-    limit = min(max_tokens, MAX_BUCKET)
+def prompt_buckets(limit: int) -> list[int]:
+    """Token-count buckets: powers of two from ``MIN_BUCKET`` up to ``limit`` (the step's
+    token budget, itself included)."""
     buckets = []
     size = MIN_BUCKET
     while size < limit:
@@ -145,8 +144,9 @@ class PromptGraphs:
         return next((b for b in self.buckets if b >= tokens), None)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
-        """Final hidden states ``[n, hidden]`` of a prompt pass of ``n`` tokens (no decode
-        tokens) in ``context``: the stretches replayed, the cores run between them. Before
+        """Final hidden states ``[n, hidden]`` of a pass of ``n`` tokens (decode tokens
+        first, then prompt chunks) in ``context``: the stretches replayed, the cores run
+        between them. Before
         :meth:`capture` (or on CPU) the stretches run as plain code on the same buffers."""
         tokens = input_ids.shape[0]
         bucket = self.bucket(tokens)
