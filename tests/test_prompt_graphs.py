@@ -45,7 +45,7 @@ def _run(path: Path, piecewise: bool, device: str = "cpu") -> tuple[dict, dict, 
     logits = record_logits(engine)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     text = "The quick brown fox jumps over the lazy dog while the cat sleeps in the sun. " * 4
-    ids = engine.tokenizer.encode(text)
+    ids = [t % engine.runner.model_config.vocab_size for t in engine.tokenizer.encode(text)]
     engine.add_request("long", ids[:90], params)  # two prompt-only chunks, the second with cached tokens
     engine.add_request("short", ids[3:12], params)
     outputs = drain(engine)
@@ -67,26 +67,34 @@ def test_piecewise_prompt_pass_matches_plain_pass(fixture):
         torch.testing.assert_close(logits[rid], expected, atol=1e-4, rtol=1e-4, msg=f"{fixture} {rid}")
 
 
-def _packed(fixture: str, tmp_path: Path) -> Path:
+def _packed(source: Path, tmp_path: Path) -> Path:
     from runtime_helpers import write_awq_checkpoint
 
     from onecat.pack.writer import pack_checkpoint
 
-    write_awq_checkpoint(FIXTURES / fixture, tmp_path / "awq")
+    write_awq_checkpoint(source, tmp_path / "awq")
     return pack_checkpoint(tmp_path / "awq", tmp_path / "packed", show_progress=False)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("fixture", ["trained-qwen3_5", "trained-qwen3_5_moe"])
-def test_captured_prompt_graphs_match_eager_passes(fixture, tmp_path):
+@pytest.mark.parametrize("name", ["trained-qwen3_5", "qwen3_5_moe"])
+def test_captured_prompt_graphs_match_eager_passes(name, tmp_path):
     """Real CUDA graphs (packed weights: the W4A16 and grouped-MoE kernels inside them)
     against ``enforce_eager`` on the same GPU: the fused elementwise kernels round
-    differently, so logits agree to fp16 tolerance and tokens exactly (margins)."""
-    path = _packed(fixture, tmp_path)
+    differently, so logits agree to fp16 tolerance. The trained dense model's tokens have
+    margins and must be identical; the MoE is the tiny random one whose routing margins are
+    guaranteed (``SeparatedRouting``; a trained router can flip an expert at fp16 rounding),
+    whose tokens may part only at a near tie."""
+    from runtime_helpers import assert_same_greedy_runs
+
+    from onecat.tiny import build_tiny_model
+
+    source = FIXTURES / name if name.startswith("trained") else build_tiny_model(name, tmp_path / "fp")
+    path = _packed(source, tmp_path)
     ref_tokens, ref_logits, _ = _run(path, piecewise=False, device="cuda")
     tokens, logits, passes = _run(path, piecewise=True, device="cuda")
     assert passes >= 3
-    assert tokens == ref_tokens
-    for rid, expected in ref_logits.items():
-        torch.testing.assert_close(logits[rid], expected, atol=3e-2, rtol=3e-2, msg=f"{fixture} {rid}")
+    if name.startswith("trained"):
+        assert tokens == ref_tokens
+    assert_same_greedy_runs((ref_tokens, ref_logits), (tokens, logits), 3e-2, relative=True, label=name)
