@@ -338,6 +338,7 @@ class ModelRunner:
                 break
         if self.use_graphs and supports_prompt_graphs(self.model):
             graphs = PromptGraphs(self.model, self.max_num_batched_tokens, self.graph_pool)
+            reserved = torch.cuda.memory_reserved(self.device)
             try:
                 graphs.capture()
             except Exception as exc:  # stay correct: prompt passes run eagerly
@@ -345,6 +346,10 @@ class ModelRunner:
                 graphs.release()
             else:
                 self.prompt_graphs, self.graph_pool = graphs, graphs.pool
+                logger.info(
+                    "captured prompt-pass graphs for %d token buckets (up to %d tokens): %.0f MiB",
+                    len(graphs.buckets), graphs.size, (torch.cuda.memory_reserved(self.device) - reserved) / 2**20,
+                )
         torch.cuda.synchronize(self.device)
 
     def _graph_for(self, batch: int, blocks: int) -> _DecodeGraph | None:
