@@ -264,3 +264,17 @@ def test_runtime_experts_on_cuda_match_their_cpu_reference(tokens):
         y = module.cuda()(x, ids, weights)
         ref = module.cpu()(x.cpu(), ids.cpu(), weights.cpu())
         check_close(y, ref.double().cuda(), f"{type(module).__name__} T={tokens}", path_of(tokens, 4))
+
+
+@pytest.mark.parametrize("small_tiles", [True, False])
+@pytest.mark.parametrize("tokens", [40, 300])
+def test_grouped_row_tile_sizes_match_fp64(experts_35b, tokens, small_tiles, monkeypatch):
+    """Both row-tile sizes of the grouped path (16 rows for few pairs per expert, 64 rows)
+    on the same routings, whichever the op would pick."""
+    from onecat.kernels import moe
+
+    monkeypatch.setattr(moe, "SMALL_TILE_PAIRS_PER_EXPERT", 1 << 30 if small_tiles else 0)
+    x, ids, weights = random_routing(tokens, E, TOP_K, seed=100 + tokens)
+    y = moe.w4a16_moe(x, ids, weights, *experts_35b, G)
+    label = f"T={tokens} {'16' if small_tiles else '64'}-row tiles"
+    check_close(y, reference(x, ids, weights, experts_35b, G), label, "grouped wmma")

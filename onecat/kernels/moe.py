@@ -11,7 +11,9 @@ expert parallelism, vLLM's ``-1``) contribute nothing.
   gather-GEMV launches (``w4a16_moe_gemv.cu``): gate+up with SiLU-and-multiply per pair,
   then the down projection per token over its experts with the routing weights applied.
 - CUDA, more pairs (prefill): the pairs are sorted by expert on the GPU by one small kernel,
-  then two grouped wmma GEMMs over 64-row tiles of one expert each (``w4a16_moe_wmma.cu``).
+  then two grouped wmma GEMMs over row tiles of one expert each (``w4a16_moe_wmma.cu``):
+  16-row tiles while the experts average at most :data:`SMALL_TILE_PAIRS_PER_EXPERT` pairs
+  (a short prompt: ~10 rows per expert would leave a 64-row tile mostly padding), else 64.
 - CPU: the reference (:func:`reference_moe`): the dequant contract, fp32 matmuls, the hidden
   activations rounded to ``x.dtype`` as the kernels round them to fp16.
 - Meta / fake tensors: ``x``'s shape and dtype.
@@ -53,7 +55,9 @@ MAX_EXPERTS = 1024
 
 _GATE_UP_WARPS = 8  # w4a16_moe_gemv.cu kGateUpWarps
 _DOWN_WARPS = 16  # kDownWarps
-_GROUP_ROWS = 64  # w4a16_moe_wmma.cu kMoeRows
+SMALL_TILE_PAIRS_PER_EXPERT = 0  # 16-row tiles off until timed on the GPU
+"""Up to this many (token, expert) pairs per expert on average the grouped path uses 16-row tiles."""
+_GROUP_ROWS = {False: 64, True: 16}  # w4a16_moe_wmma.cu tile rows: 64, and the _r16 kernels
 _GROUP_WARPS = 4  # kMoeWarps
 _ALIGN_THREADS = 1024  # kAlignThreads
 _ROUTE_WARPS = 4  # w4a16_moe_route.cu kRouteWarps
@@ -185,25 +189,27 @@ def _cuda_moe(
         return out
     # Grouped path: row tiles of one expert each; the grid covers the most tiles P pairs
     # can need (each expert with pairs adds at most one partial tile), blocks beyond exit.
-    row_tiles = math.ceil(pairs / _GROUP_ROWS) + min(e, pairs)
+    small = pairs <= SMALL_TILE_PAIRS_PER_EXPERT * e
+    rows, suffix = _GROUP_ROWS[small], "_r16" if small else ""
+    row_tiles = math.ceil(pairs / rows) + min(e, pairs)
     if row_tiles > _GRID_Y_MAX:
         raise OnecatError(
             f"onecat.kernels.moe.w4a16_moe: {t} tokens x top-{top_k} is too many pairs for one "
-            f"call; split the batch (at most {(_GRID_Y_MAX - e) * _GROUP_ROWS} pairs)"
+            f"call; split the batch (at most {(_GRID_Y_MAX - e) * rows} pairs)"
         )
     meta = torch.empty(2 * (e + 1) + pairs, dtype=torch.int32, device=x.device)
     # A token's top_k rows lie in different blocks: they are summed with fp32 atomics into
     # a zeroed workspace (one memset and one conversion per prefill call).
     summed = torch.zeros((t, h), dtype=torch.float32, device=x.device)
     get_kernel("w4a16_moe_wmma_align", device).launch(
-        (1, 1, 1), _ALIGN_THREADS, stream, [_ptr(ids), *flags, *_ints(pairs, e), _ptr(meta)]
+        (1, 1, 1), _ALIGN_THREADS, stream, [_ptr(ids), *flags, *_ints(pairs, e, rows), _ptr(meta)]
     )
-    get_kernel("w4a16_moe_wmma_gate_up", device).launch(
+    get_kernel(f"w4a16_moe_wmma_gate_up{suffix}", device).launch(
         (math.ceil(i // TILE / (_GROUP_WARPS // 2)), row_tiles, 1), 32 * _GROUP_WARPS, stream,
         [_ptr(x), _ptr(meta), *_ints(e), _ptr(w13_qweight), _ptr(w13_scales_zeros), _ptr(hidden),
          *_ints(top_k, h, i, group_size)],
     )  # fmt: skip
-    get_kernel("w4a16_moe_wmma_down", device).launch(
+    get_kernel(f"w4a16_moe_wmma_down{suffix}", device).launch(
         (math.ceil(h // TILE / _GROUP_WARPS), row_tiles, 1), 32 * _GROUP_WARPS, stream,
         [_ptr(hidden), _ptr(meta), *_ints(e), _ptr(weights), *weights32, _ptr(w2_qweight),
          _ptr(w2_scales_zeros), _ptr(summed), *_ints(top_k, h, i, group_size)],

@@ -19,6 +19,10 @@
 // Data layout: the stacked Volta layout of w4a16_moe_gemv.cu (per expert as in
 // w4a16_common.cuh); x [T, H] fp16 row-major.
 //
+// Row tiles of MT = 64 rows (``w4a16_moe_wmma_gate_up`` / ``_down``) or MT = 16 rows (the
+// ``_r16`` kernels, for few pairs per expert: a 64-row tile of an expert with ~10 pairs is
+// mostly padding); the align kernel takes MT as ``rows_per_tile``.  Below, 64 stands for MT.
+//
 // Thread mapping of the GEMMs (the structure of w4a16_wmma.cu, MT = 64 rows, 4 warps):
 //   grid (column groups, row-tile bound), block 4 warps.  blockIdx.y is a row tile: a binary
 //   search of tile_start gives its expert e and its rows (sorted positions r0 .. r0+rows-1,
@@ -40,17 +44,19 @@
 
 namespace onecat {
 
-constexpr int kMoeRows = 64;    // rows per tile (MT)
 constexpr int kMoeWarps = 4;    // warps per block (32 columns each)
 constexpr int kMoeChunk = 2;    // k tiles per chunk (CT)
 constexpr int kMoeLds = kMoeChunk * kTile + 8;  // shared row stride in halves (144 bytes)
 constexpr int kMoeLdc = 36;                     // epilogue row stride in floats
 constexpr int kAlignThreads = 1024;             // also the largest E the align kernel takes
 
-constexpr int kSmemA = kMoeRows * kMoeLds * 2;
-constexpr int kSmemB = kMoeWarps * kTile * kMoeLds * 2;
-constexpr int kSmemC = kMoeWarps * kMoeRows * kMoeLdc * 4;
-constexpr int kSmemBytes = (kSmemA + kSmemB) > kSmemC ? (kSmemA + kSmemB) : kSmemC;
+template <int ROWS>
+struct MoeSmem {  // shared memory of a ROWS-row tile: sA + sB in the main loop, sC after it
+  static constexpr int kA = ROWS * kMoeLds * 2;
+  static constexpr int kB = kMoeWarps * kTile * kMoeLds * 2;
+  static constexpr int kC = kMoeWarps * ROWS * kMoeLdc * 4;
+  static constexpr int kBytes = (kA + kB) > kC ? (kA + kB) : kC;
+};
 
 __device__ __forceinline__ int moe_pair_expert(const void* ids, int ids64, int p, int E) {
   const long long e = ids64 ? reinterpret_cast<const long long*>(ids)[p]
@@ -60,7 +66,7 @@ __device__ __forceinline__ int moe_pair_expert(const void* ids, int ids64, int p
 
 // The grouped GEMM of one row tile of one expert.  GATE_UP: A = x rows by token, N = 2I
 // (gate | up), output h; otherwise A = h rows by sorted position, N = H, output ws.
-template <bool GATE_UP>
+template <bool GATE_UP, int ROWS>
 __device__ __forceinline__ void moe_tile(const half* __restrict__ a, const int* __restrict__ meta,
                                          int E, const uint4* __restrict__ qweight,
                                          const half2* __restrict__ scales_zeros, int N, int K,
@@ -78,17 +84,17 @@ __device__ __forceinline__ void moe_tile(const half* __restrict__ a, const int* 
     if (__ldg(tile_start + mid) <= tile_index) lo = mid; else hi = mid - 1;
   }
   const int e = lo;
-  const int r0 = __ldg(expert_start + e) + (tile_index - __ldg(tile_start + e)) * kMoeRows;
-  const int rows = min(kMoeRows, __ldg(expert_start + e + 1) - r0);
+  const int r0 = __ldg(expert_start + e) + (tile_index - __ldg(tile_start + e)) * ROWS;
+  const int rows = min(ROWS, __ldg(expert_start + e + 1) - r0);
 
-  __shared__ __align__(128) unsigned char smem[kSmemBytes];
-  __shared__ int row_source[kMoeRows];  // activation row of each tile row (-1: padding)
-  __shared__ int row_pair[kMoeRows];    // pair index of each tile row
+  __shared__ __align__(128) unsigned char smem[MoeSmem<ROWS>::kBytes];
+  __shared__ int row_source[ROWS];  // activation row of each tile row (-1: padding)
+  __shared__ int row_pair[ROWS];    // pair index of each tile row
   half* sA = reinterpret_cast<half*>(smem);
-  half* sB = reinterpret_cast<half*>(smem + kSmemA);
+  half* sB = reinterpret_cast<half*>(smem + MoeSmem<ROWS>::kA);
   float* sC = reinterpret_cast<float*>(smem);
 
-  if (threadIdx.x < kMoeRows) {
+  if (threadIdx.x < ROWS) {
     const int r = threadIdx.x;
     const int pair = r < rows ? __ldg(sorted_pairs + r0 + r) : -1;
     row_pair[r] = pair;
@@ -118,10 +124,10 @@ __device__ __forceinline__ void moe_tile(const half* __restrict__ a, const int* 
 
   constexpr int kChunk = kMoeChunk * kTile;
   constexpr int kVecsPerRow = kChunk / 8;
-  constexpr int kXVecs = kMoeRows * kVecsPerRow;
+  constexpr int kXVecs = ROWS * kVecsPerRow;
   constexpr int kThreads = 32 * kMoeWarps;
   constexpr int kXPerThread = kXVecs / kThreads;
-  constexpr int kMFrags = kMoeRows / 16;
+  constexpr int kMFrags = ROWS / 16;
 
   uint4 wv[kMoeChunk];
   half2 sz[kMoeChunk];
@@ -200,7 +206,7 @@ __device__ __forceinline__ void moe_tile(const half* __restrict__ a, const int* 
   }
 
   __syncthreads();  // sA/sB are reused as sC
-  float* sC_warp = sC + warp * kMoeRows * kMoeLdc;
+  float* sC_warp = sC + warp * ROWS * kMoeLdc;
 #pragma unroll
   for (int i = 0; i < kMFrags; ++i)
 #pragma unroll
@@ -210,21 +216,21 @@ __device__ __forceinline__ void moe_tile(const half* __restrict__ a, const int* 
   if (GATE_UP) {
     const int itiles = I / kTile;
     constexpr int kHalf = kMoeWarps / 2;
-    for (int i = threadIdx.x; i < kHalf * kMoeRows * kTile; i += kThreads) {
-      const int w = i / (kMoeRows * kTile);
-      const int r = (i / kTile) % kMoeRows;
+    for (int i = threadIdx.x; i < kHalf * ROWS * kTile; i += kThreads) {
+      const int w = i / (ROWS * kTile);
+      const int r = (i / kTile) % ROWS;
       const int col = i % kTile;
       const int c = blockIdx.x * kHalf + w;
       if (r < rows && c < itiles) {
-        const float g = sC[(w * kMoeRows + r) * kMoeLdc + col];
-        const float u = sC[((w + kHalf) * kMoeRows + r) * kMoeLdc + col];
+        const float g = sC[(w * ROWS + r) * kMoeLdc + col];
+        const float u = sC[((w + kHalf) * ROWS + r) * kMoeLdc + col];
         h[(size_t)(r0 + r) * I + c * kTile + col] = __float2half_rn(g / (1.0f + __expf(-g)) * u);
       }
     }
   } else {
-    for (int i = threadIdx.x; i < kMoeWarps * kMoeRows * kTile; i += kThreads) {
-      const int w = i / (kMoeRows * kTile);
-      const int r = (i / kTile) % kMoeRows;
+    for (int i = threadIdx.x; i < kMoeWarps * ROWS * kTile; i += kThreads) {
+      const int w = i / (ROWS * kTile);
+      const int r = (i / kTile) % ROWS;
       const int col = i % kTile;
       const int c = blockIdx.x * kMoeWarps + w;
       if (r < rows && c < ntiles) {
@@ -232,7 +238,7 @@ __device__ __forceinline__ void moe_tile(const half* __restrict__ a, const int* 
         const float rw = weights32 ? reinterpret_cast<const float*>(weights)[pair]
                                    : __half2float(reinterpret_cast<const half*>(weights)[pair]);
         atomicAdd(ws + (size_t)(pair / top_k) * N + c * kTile + col,
-                  rw * sC[(w * kMoeRows + r) * kMoeLdc + col]);
+                  rw * sC[(w * ROWS + r) * kMoeLdc + col]);
       }
     }
   }
@@ -242,7 +248,7 @@ __device__ __forceinline__ void moe_tile(const half* __restrict__ a, const int* 
 
 // meta = expert_start [E+1] | tile_start [E+1] | sorted_pairs [P], int32 (see the top).
 extern "C" __global__ void __launch_bounds__(onecat::kAlignThreads)
-w4a16_moe_wmma_align(const void* ids, int ids64, int P, int E, int* __restrict__ meta) {
+w4a16_moe_wmma_align(const void* ids, int ids64, int P, int E, int rows_per_tile, int* __restrict__ meta) {
   using namespace onecat;
   __shared__ int pairs_sum[kAlignThreads];
   __shared__ int tiles_sum[kAlignThreads];
@@ -256,7 +262,7 @@ w4a16_moe_wmma_align(const void* ids, int ids64, int P, int E, int* __restrict__
   }
   __syncthreads();
   const int count = tid < E ? cursor[tid] : 0;
-  const int tiles = (count + kMoeRows - 1) / kMoeRows;
+  const int tiles = (count + rows_per_tile - 1) / rows_per_tile;
   pairs_sum[tid] = count;
   tiles_sum[tid] = tiles;
   __syncthreads();
@@ -286,12 +292,13 @@ w4a16_moe_wmma_align(const void* ids, int ids64, int P, int E, int* __restrict__
   }
 }
 
+// 64-row tiles (many pairs per expert) and 16-row tiles (a few: less padding per tile).
 extern "C" __global__ void __launch_bounds__(32 * onecat::kMoeWarps)
 w4a16_moe_wmma_gate_up(const half* __restrict__ x, const int* __restrict__ meta, int E,
                        const uint4* __restrict__ w13_qweight, const half2* __restrict__ w13_scales,
                        half* __restrict__ h, int top_k, int H, int I, int group_size) {
-  onecat::moe_tile<true>(x, meta, E, w13_qweight, w13_scales, 2 * I, H, group_size, top_k, h, I,
-                         nullptr, 0, nullptr);
+  onecat::moe_tile<true, 64>(x, meta, E, w13_qweight, w13_scales, 2 * I, H, group_size, top_k, h, I,
+                             nullptr, 0, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(32 * onecat::kMoeWarps)
@@ -299,6 +306,23 @@ w4a16_moe_wmma_down(const half* __restrict__ h, const int* __restrict__ meta, in
                     const void* weights, int weights32, const uint4* __restrict__ w2_qweight,
                     const half2* __restrict__ w2_scales, float* __restrict__ ws, int top_k, int H,
                     int I, int group_size) {
-  onecat::moe_tile<false>(h, meta, E, w2_qweight, w2_scales, H, I, group_size, top_k, nullptr, I,
-                          weights, weights32, ws);
+  onecat::moe_tile<false, 64>(h, meta, E, w2_qweight, w2_scales, H, I, group_size, top_k, nullptr, I,
+                              weights, weights32, ws);
+}
+
+extern "C" __global__ void __launch_bounds__(32 * onecat::kMoeWarps)
+w4a16_moe_wmma_gate_up_r16(const half* __restrict__ x, const int* __restrict__ meta, int E,
+                       const uint4* __restrict__ w13_qweight, const half2* __restrict__ w13_scales,
+                       half* __restrict__ h, int top_k, int H, int I, int group_size) {
+  onecat::moe_tile<true, 16>(x, meta, E, w13_qweight, w13_scales, 2 * I, H, group_size, top_k, h, I,
+                             nullptr, 0, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(32 * onecat::kMoeWarps)
+w4a16_moe_wmma_down_r16(const half* __restrict__ h, const int* __restrict__ meta, int E,
+                    const void* weights, int weights32, const uint4* __restrict__ w2_qweight,
+                    const half2* __restrict__ w2_scales, float* __restrict__ ws, int top_k, int H,
+                    int I, int group_size) {
+  onecat::moe_tile<false, 16>(h, meta, E, w2_qweight, w2_scales, H, I, group_size, top_k, nullptr, I,
+                              weights, weights32, ws);
 }
