@@ -19,6 +19,9 @@ class EngineConfig:
     ``enable_prefix_caching`` reuses the KV blocks and GDN states of prompt prefixes computed
     before (``onecat.runtime.engine.scheduler``); ``state_checkpoint_interval`` (tokens, rounded
     down to whole KV blocks) is how often a long prompt's GDN states are checkpointed for it.
+    ``speculative_config`` (vLLM's ``--speculative-config``), e.g. ``{"method": "mtp",
+    "num_speculative_tokens": 3}``, turns on speculative decoding with the checkpoint's MTP
+    head (``onecat.runtime.engine.speculative``).
     """
 
     model: str
@@ -34,3 +37,4 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
     state_checkpoint_interval: int = 1024
+    speculative_config: dict | None = None

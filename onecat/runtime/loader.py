@@ -10,7 +10,8 @@ Three kinds of checkpoint are read, each decided from config.json's quantization
 Which linears are quantized is read per module from the tensors present (a
 :class:`~onecat.runtime.quant_plan.QuantPlan`), so mixed checkpoints load. Keys may use the
 multimodal wrapper's layout (``model.language_model.layers.N...``) or the text-only one
-(``model.layers.N...``); ``model.visual.*`` and ``mtp.*`` are ignored. MoE experts may be
+(``model.layers.N...``); ``model.visual.*`` is ignored, ``mtp.*`` is read only when the
+multi-token-prediction head is asked for (speculative decoding). MoE experts may be
 fused 3-D tensors (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]) or
 per expert (``experts.E.gate_proj`` ...). Each parameter loads itself (its ``weight_loader``).
 """
@@ -150,14 +151,21 @@ def read_model_config(path: str | Path) -> tuple[dict[str, Any], ModelConfig]:
     return raw, ModelConfig.from_dict(raw, str(path / "config.json"))
 
 
-def load_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> Qwen3_5ForCausalLM:
+def load_model(path: str | Path, device: torch.device, dtype: torch.dtype, *, mtp: bool = False) -> Qwen3_5ForCausalLM:
     """Build the model of checkpoint ``path`` on ``device`` (activations in ``dtype``) and load
-    every weight. Raises OnecatError on unsupported or incomplete checkpoints."""
+    every weight; ``mtp`` also loads the multi-token-prediction head (``mtp.*``). Raises
+    OnecatError on unsupported or incomplete checkpoints."""
     path = Path(path)
     raw, cfg = read_model_config(path)
     source = WeightSource(path, raw)
+    if mtp and not source.has("mtp.fc.weight"):
+        raise OnecatError(
+            f"{path}: speculative decoding with method 'mtp' needs the checkpoint's "
+            "multi-token-prediction head (mtp.* tensors), which it lacks; copy them from the "
+            "original checkpoint (onecat quantize and pack keep them) or drop --speculative-config"
+        )
     with torch.device(device):
-        model = Qwen3_5ForCausalLM(cfg, source.plan(), dtype)
+        model = Qwen3_5ForCausalLM(cfg, source.plan(), dtype, mtp=mtp)
     load_weights(model, source)
     return model
 

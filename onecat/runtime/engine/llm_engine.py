@@ -22,6 +22,12 @@ from onecat.runtime.engine.detokenizer import IncrementalDetokenizer
 from onecat.runtime.engine.model_runner import ModelRunner
 from onecat.runtime.engine.scheduler import Scheduler
 from onecat.runtime.engine.sequence import Sequence, SequenceStatus
+from onecat.runtime.engine.speculative import (
+    SpeculationStats,
+    SpeculativeConfig,
+    accept,
+    can_speculate,
+)
 from onecat.runtime.errors import RequestError
 from onecat.runtime.layers.sampler import Sampler, TokenLogprobs
 from onecat.runtime.models.qwen3_5 import Qwen3_5ForCausalLM
@@ -85,11 +91,18 @@ class LLMEngine:
         dtype = torch.float16 if device.type == "cuda" else torch.float32
         path = Path(config.model)
         check_shardable(path, config.tensor_parallel_size)  # before any worker starts
+        speculation = self._speculation(config)
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
         except Exception as exc:
             raise OnecatError(f"{path}: cannot load the tokenizer ({exc}); copy the tokenizer files next to config.json") from None
-        runner = create_runner(config, functools.partial(load_model_shard, path), device, dtype)
+        if speculation is not None:
+            from onecat.runtime.loader import load_model
+
+            factory = functools.partial(load_model, path, mtp=True)
+        else:
+            factory = functools.partial(load_model_shard, path)
+        runner = create_runner(config, factory, device, dtype)
         self._setup(config, runner, tokenizer, _generation_eos(path))
 
     @classmethod
@@ -99,6 +112,8 @@ class LLMEngine:
         """An engine over an already built model (benchmarks build random packed models);
         without a tokenizer outputs carry token ids and empty text."""
         engine = cls.__new__(cls)
+        if cls._speculation(config) is not None and model.mtp is None:
+            raise OnecatError("--speculative-config: the model was built without its MTP head (mtp=True)")
         engine._setup(config, ModelRunner(config, model), tokenizer, [])
         return engine
 
@@ -114,6 +129,16 @@ class LLMEngine:
         engine = cls.__new__(cls)
         engine._setup(config, create_runner(config, factory, device, dtype), tokenizer, [])
         return engine
+
+    @staticmethod
+    def _speculation(config: EngineConfig) -> SpeculativeConfig | None:
+        speculation = SpeculativeConfig.parse(config.speculative_config)
+        if speculation is not None and config.tensor_parallel_size > 1:
+            raise OnecatError(
+                "--speculative-config: speculative decoding runs on one GPU for now; drop it or "
+                "use --tensor-parallel-size 1"
+            )
+        return speculation
 
     def close(self) -> None:
         """Stop tensor-parallel worker processes (nothing to do on one device)."""
@@ -140,6 +165,8 @@ class LLMEngine:
             eos_ids.add(tokenizer.eos_token_id)
         self.eos_token_ids = eos_ids
         self.sampler = Sampler(eos_token_ids=eos_ids)  # min_tokens masks EOS
+        self.speculation = SpeculativeConfig.parse(config.speculative_config)
+        self.speculation_stats = SpeculationStats()
         runner.warmup()  # decode graphs of every batch size, before any request waits on them
         self._sequences: dict[str, Sequence] = {}
         self._prompt_tokens_total = 0
@@ -212,6 +239,18 @@ class LLMEngine:
             "cached_kv_blocks": self.block_manager.num_cached,
             "state_checkpoints": 0 if points is None else len(points),
             "total_state_checkpoints": 0 if points is None else points.num_rows,
+            **self._speculation_counters(),
+        }
+
+    def _speculation_counters(self) -> dict[str, Any]:
+        if self.speculation is None:
+            return {}
+        stats = self.speculation_stats
+        return {
+            "spec_decode_num_drafts": stats.num_drafts,
+            "spec_decode_num_draft_tokens": stats.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": stats.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(stats.accepted_per_position),
         }
 
     # --- stepping ----------------------------------------------------------------------
@@ -224,6 +263,8 @@ class LLMEngine:
         the requests of a batch whose forward pass raised, when the engine can go on
         (``_forward_failed``). Any other exception means the engine's state is unknown.
         """
+        if self.speculation is not None:
+            return self._step_speculative()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
@@ -248,6 +289,133 @@ class LLMEngine:
             except Exception as exc:
                 outputs.append(self._fail(seq, exc))
         return outputs
+
+    def _step_speculative(self) -> list[RequestOutput]:
+        """One step with speculative decoding (``engine/speculative.py``): verify each
+        sequence's drafts, keep what the model agrees with, roll GDN states back where a draft
+        was rejected, emit the kept tokens, and draft again with the MTP head."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        try:
+            hidden, firsts = self.runner.run_hidden(scheduled)
+        except Exception as exc:
+            return self._forward_failed(scheduled, exc)
+        # logits rows: each sampling sequence's pending token and the drafts in its chunk
+        rows: list[int] = []
+        verified: list[int | None] = []
+        for (seq, count), first in zip(scheduled, firsts, strict=True):
+            end = seq.num_computed_tokens + count
+            if end < seq.num_tokens:  # a prompt chunk: nothing to sample yet
+                verified.append(None)
+                continue
+            verified.append(end - seq.num_tokens)
+            rows.extend(range(first + count - 1 - verified[-1], first + count))
+        logits = self.runner.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)]) if rows else None
+        picks: dict[int, tuple[list[int], list[int], int] | Exception] = {}  # index -> (kept, drafts, start)
+        plain: list[int] = []  # sequences that decode without drafts, sampled together below
+        rolled_back: list[Sequence] = []
+        cursor = 0
+        for i, ((seq, count), checked) in enumerate(zip(scheduled, verified, strict=True)):
+            start = seq.num_computed_tokens
+            if checked is None:
+                seq.num_computed_tokens += count
+                continue
+            drafts, seq.draft_token_ids = seq.draft_token_ids[:checked], []
+            row = slice(cursor, cursor + checked + 1)
+            cursor += checked + 1
+            if not can_speculate(seq.params):
+                seq.num_computed_tokens += count
+                plain.append(i)
+                picks[i] = ([], [], row.start)
+                continue
+            try:
+                kept, token = accept(self.sampler, logits[row], drafts, seq.params, seq.generator)
+            except Exception as exc:
+                seq.num_computed_tokens += count
+                picks[i] = exc
+                continue
+            self.speculation_stats.record(checked, kept)
+            if kept < checked:  # the chunk ran past a rejected draft: recompute the kept ones next step
+                rolled_back.append(seq)
+                seq.num_computed_tokens = start
+            else:
+                seq.num_computed_tokens = start + count
+            picks[i] = (drafts[:kept] + [token], drafts, start)
+        self.runner.restore_snapshots(rolled_back)
+        self.scheduler.commit(scheduled)
+        if plain:
+            try:
+                result = self.sampler(logits[[picks[i][2] for i in plain]], [scheduled[i][0] for i in plain])
+                for i, token, lp in zip(plain, result.token_ids, result.logprobs, strict=True):
+                    picks[i] = ([token], [], -1, lp)
+            except Exception:
+                for i in plain:
+                    pick = self._sample_alone(scheduled[i][0], logits[picks[i][2] : picks[i][2] + 1])
+                    picks[i] = pick if isinstance(pick, Exception) else ([pick[0]], [], -1, pick[1])
+        outputs = []
+        drafting: list[tuple[Sequence, int, torch.Tensor, bool]] = []
+        for i, ((seq, count), first) in enumerate(zip(scheduled, firsts, strict=True)):
+            pick = picks.get(i)
+            if pick is None:  # prompt chunk: the MTP head still reads it (its KV cache)
+                if self._drafts_for(seq):
+                    drafting.append((seq, seq.num_computed_tokens - count, hidden[first : first + count], False))
+                continue
+            try:
+                if isinstance(pick, Exception):
+                    raise pick
+                tokens, logprobs = pick[0], (pick[3] if len(pick) > 3 else None)
+                committed = seq.num_tokens
+                out = self._append_tokens(seq, tokens, logprobs)
+            except Exception as exc:
+                outputs.append(self._fail(seq, exc))
+                continue
+            outputs.append(out)
+            if not out.finished and self._drafts_for(seq):
+                start = pick[2]
+                last = committed - 1 + len(tokens) - 1  # position of the last token before the new one
+                drafting.append((seq, start, hidden[first : first + last - start + 1], True))
+        self._draft(drafting)
+        return outputs
+
+    def _drafts_for(self, seq: Sequence) -> bool:
+        return seq.status != SequenceStatus.FINISHED and can_speculate(seq.params)
+
+    def _draft(self, items: list[tuple[Sequence, int, torch.Tensor, bool]]) -> None:
+        """Run the MTP head over the new positions of ``items`` and store the drafts."""
+        if not items:
+            return
+        n = self.speculation.num_speculative_tokens
+        ready = []
+        for seq, start, rows, draft in items:
+            last = start + rows.shape[0] - 1
+            draft = draft and self._draft_room(seq) > 0 and self.block_manager.can_grow(seq, last + n)
+            if draft:
+                self.block_manager.grow(seq, last + n)
+            ready.append((seq, start, rows, draft))
+        drafts = self.runner.propose(ready, n)
+        for (seq, _, _, draft), tokens in zip(ready, drafts, strict=True):
+            if draft:
+                seq.draft_token_ids = tokens[: self._draft_room(seq)]
+
+    def _draft_room(self, seq: Sequence) -> int:
+        """Drafts worth verifying: a verify step emits up to drafts + 1 tokens, within the
+        request's max_tokens and the model length."""
+        left = seq.params.max_tokens - seq.num_completion_tokens - 1
+        return min(self.speculation.num_speculative_tokens, left, self.max_model_len - seq.num_tokens)
+
+    def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: TokenLogprobs | None) -> RequestOutput:
+        """Append several tokens (stopping at the first that finishes the request); one output."""
+        out = self._append(seq, tokens[0], logprobs)
+        for token in tokens[1:]:
+            if out.finished:
+                break
+            more = self._append(seq, token)
+            out.new_token_ids += more.new_token_ids
+            out.new_text += more.new_text
+            out.finished, out.finish_reason = more.finished, more.finish_reason
+            out.completion_tokens = more.completion_tokens
+        return out
 
     def _sample_alone(self, seq: Sequence, logits: torch.Tensor) -> tuple[int, TokenLogprobs | None] | Exception:
         """The token (and logprobs) of one row sampled by itself, or the exception its

@@ -30,6 +30,7 @@ which routes on the GPU, so MoE decode batches of any size run as graphs too.
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import math
 
@@ -106,6 +107,7 @@ class ModelRunner:
         self.attention = [m for m in model.modules() if isinstance(m, PagedAttention)]
         self.gdn = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
         self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        self.speculative = config.speculative_config is not None
         wanted_len = config.max_model_len or self.model_config.max_position_embeddings
         self.num_checkpoints = 0  # set by _plan_memory
         self.num_blocks, self.num_slots = self._plan_memory(config, wanted_len)
@@ -120,6 +122,7 @@ class ModelRunner:
                 "--gpu-memory-utilization"
             )
         self.max_model_len = min(wanted_len, capacity)
+        self.num_snapshots = self.num_slots if self.speculative else 0  # a GDN state copy per slot
         self._allocate()
         self.graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self.prompt_graphs: PromptGraphs | None = None  # captured by warmup()
@@ -179,8 +182,9 @@ class ModelRunner:
                 f"peak of {total / 2**30:.1f} GiB); raise --gpu-memory-utilization or lower "
                 "--max-num-batched-tokens"
             )
-        if slots * self.slot_bytes() > available // 2:
-            fitting = max(1, available // 2 // max(self.slot_bytes(), 1))
+        per_slot = self.slot_bytes() * (2 if self.speculative else 1)  # speculation: + a snapshot each
+        if slots * per_slot > available // 2:
+            fitting = max(1, available // 2 // max(per_slot, 1))
             logger.warning(
                 "GDN states of %d sequences would take %.1f GiB; serving at most %d at a time "
                 "(lower --max-num-seqs to silence this)",
@@ -193,7 +197,7 @@ class ModelRunner:
             available -= self.num_checkpoints * self.slot_bytes()
         if not self.block_bytes():  # only linear attention: blocks are bookkeeping, no memory
             return config.num_kv_blocks or slots * per_seq_blocks, slots
-        blocks = config.num_kv_blocks or (available - slots * self.slot_bytes()) // self.block_bytes()
+        blocks = config.num_kv_blocks or (available - slots * per_slot) // self.block_bytes()
         return int(blocks), int(slots)
 
     @torch.inference_mode()
@@ -220,12 +224,10 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]
         for layer in self.gdn:
             kernel = layer.conv1d.weight.shape[1]
-            layer.conv_state = torch.zeros(
-                self.num_slots + 1 + self.num_checkpoints, layer.conv_dim, kernel - 1, dtype=self.dtype, device=self.device
-            )
+            rows = self.num_slots + 1 + self.num_checkpoints + self.num_snapshots
+            layer.conv_state = torch.zeros(rows, layer.conv_dim, kernel - 1, dtype=self.dtype, device=self.device)
             layer.recurrent_state = torch.zeros(
-                self.num_slots + 1 + self.num_checkpoints, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim,
-                dtype=torch.float32, device=self.device,
+                rows, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, dtype=torch.float32, device=self.device,
             )
 
     # --- running a batch ---------------------------------------------------------------
@@ -285,27 +287,34 @@ class ModelRunner:
         return sampled, logits
 
     def _run_eager(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
+        hidden, firsts = self._forward(scheduled)
+        rows = [first + count - 1 for (seq, count), first in zip(scheduled, firsts, strict=True)
+                if seq.num_computed_tokens + count == seq.num_tokens]
+        sampled = [seq for seq, count in scheduled if seq.num_computed_tokens + count == seq.num_tokens]
+        return sampled, self.model.compute_logits(hidden[to_device(rows, torch.int64, self.device)])
+
+    def _forward(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[int]]:
+        """Final hidden states ``[T, hidden]`` of every scheduled token (piecewise graphs when
+        a bucket fits, else eager) and each entry's first row. On a GPU with prompt graphs
+        the tensor is a view of their buffer: valid until the next pass."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         prefills: list[PrefillChunk] = []
-        rows: list[int] = []
-        sampled: list[Sequence] = []
+        firsts: list[int] = []
         decodes = [seq for seq, count in scheduled if count == 1]
         as_tensor = lambda values: to_device(values, torch.int64, self.device)  # noqa: E731
         for seq, count in scheduled:
             start = seq.num_computed_tokens
             first = len(ids)
-            ids.extend(seq.token_ids[start : start + count])
+            firsts.append(first)
+            ids.extend(seq.chunk_token_ids(start, count))
             positions.extend(range(start, start + count))
             slots.extend(self._slot(seq, p) for p in range(start, start + count))
             if count > 1:
                 prefills.append(
                     PrefillChunk(first, count, start, as_tensor(seq.block_table), seq.state_slot)
                 )
-            if start + count == seq.num_tokens:
-                rows.append(len(ids) - 1)
-                sampled.append(seq)
         ctx = ForwardContext(slot_mapping=as_tensor(slots), prefills=prefills)
         if decodes:
             width = max(len(s.block_table) for s in decodes)
@@ -317,15 +326,92 @@ class ModelRunner:
             ctx.decode_state_slots = as_tensor([s.state_slot for s in decodes])
         graphs = self.prompt_graphs
         if graphs is not None and graphs.bucket(len(ids)) is not None:
-            hidden = graphs.run(as_tensor(ids), as_tensor(positions), ctx)
-            return sampled, self.model.compute_logits(hidden[as_tensor(rows)])
+            return graphs.run(as_tensor(ids), as_tensor(positions), ctx), firsts
         set_context(ctx)
         try:
-            hidden = self.model(as_tensor(ids), as_tensor(positions))
-            logits = self.model.compute_logits(hidden[as_tensor(rows)])
+            return self.model(as_tensor(ids), as_tensor(positions)), firsts
         finally:
             set_context(None)
-        return sampled, logits
+
+    # --- speculative decoding (the MTP head drafts, the model verifies) -----------------
+
+    @torch.inference_mode()
+    def run_hidden(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[int]]:
+        """Like :meth:`run`, but returns the final hidden states of every scheduled token
+        (``[T, hidden]``, a copy) and each entry's first row: speculative decoding verifies
+        drafts with the logits of several rows and feeds the MTP head the hidden states.
+        Before the pass the GDN states of sequences whose chunk holds drafts are saved
+        (:meth:`restore_snapshots` rolls them back when drafts are rejected)."""
+        seqs = [seq for seq, _ in scheduled]
+        self._copy_states([(s.restore_from, s.state_slot) for s in seqs if s.restore_from is not None])
+        self._reset_fresh_slots(seqs)
+        drafted = [s for s, count in scheduled if s.num_computed_tokens + count > s.num_tokens]
+        self._copy_states([(s.state_slot, self._snapshot_row(s)) for s in drafted])
+        hidden, firsts = self._forward(scheduled)
+        hidden = hidden.clone()
+        self._copy_states([(s.state_slot, s.save_to) for s in seqs if s.save_to is not None])
+        return hidden, firsts
+
+    def _snapshot_row(self, seq: Sequence) -> int:
+        return self.num_slots + 1 + self.num_checkpoints + seq.state_slot
+
+    def restore_snapshots(self, seqs: list[Sequence]) -> None:
+        """Roll the GDN states of ``seqs`` back to before the last :meth:`run_hidden`."""
+        self._copy_states([(self._snapshot_row(s), s.state_slot) for s in seqs])
+
+    @torch.inference_mode()
+    def propose(self, items: list[tuple[Sequence, int, torch.Tensor, bool]], num_drafts: int) -> list[list[int]]:
+        """Run the MTP head and draft tokens greedily.
+
+        Each item ``(seq, start, hidden, draft)``: the head reads ``hidden [n, H]`` (the
+        model's final hidden states at positions ``start .. start + n - 1``) with the tokens
+        that follow them (``seq.token_ids[start + 1 .. start + n]``, all known), writing its
+        KV cache there; if ``draft``, the last position's output yields the first draft and
+        ``num_drafts - 1`` more steps feed the head its own output and draft. The sequence's
+        blocks must cover ``start + n - 1 + num_drafts`` tokens. Returns the drafts per item
+        (empty where ``draft`` is False)."""
+        embed = self.model.model.embed_tokens
+        as_tensor = lambda values: to_device(values, torch.int64, self.device)  # noqa: E731
+        chunks = [(seq, list(range(start, start + h.shape[0]))) for seq, start, h, _ in items]
+        hidden = torch.cat([h for _, _, h, _ in items])
+        ids = [seq.token_ids[p + 1] for seq, positions in chunks for p in positions]
+        out = self._run_mtp(chunks, as_tensor(ids), hidden, embed)
+        drafts: list[list[int]] = [[] for _ in items]
+        ends = list(itertools.accumulate(h.shape[0] for _, _, h, _ in items))
+        active = [i for i, item in enumerate(items) if item[3]]
+        if not active or num_drafts == 0:
+            return drafts
+        last = out[to_device([ends[i] - 1 for i in active], torch.int64, self.device)]
+        positions = [items[i][1] + items[i][2].shape[0] - 1 for i in active]
+        for step in range(num_drafts):
+            tokens = self.model.compute_logits(last).argmax(dim=-1)
+            for i, token in zip(active, tokens.tolist(), strict=True):
+                drafts[i].append(token)
+            if step + 1 == num_drafts:
+                break
+            positions = [p + 1 for p in positions]
+            chunks = [(items[i][0], [p]) for i, p in zip(active, positions, strict=True)]
+            last = self._run_mtp(chunks, tokens, last, embed)
+        return drafts
+
+    def _run_mtp(
+        self, chunks: list[tuple[Sequence, list[int]]], next_ids: torch.Tensor, hidden: torch.Tensor, embed: torch.nn.Module
+    ) -> torch.Tensor:
+        """One pass of the MTP head over consecutive positions of each sequence (its attention
+        reads and writes the head's KV layer through the sequence's block table)."""
+        prefills: list[PrefillChunk] = []
+        slots: list[int] = []
+        positions: list[int] = []
+        for seq, chunk_positions in chunks:
+            prefills.append(PrefillChunk(len(positions), len(chunk_positions), chunk_positions[0],
+                                         to_device(seq.block_table, torch.int64, self.device), seq.state_slot))
+            positions += chunk_positions
+            slots += [self._slot(seq, p) for p in chunk_positions]
+        set_context(ForwardContext(slot_mapping=to_device(slots, torch.int64, self.device), prefills=prefills))
+        try:
+            return self.model.mtp(to_device(positions, torch.int64, self.device), hidden, embed(next_ids))
+        finally:
+            set_context(None)
 
     def warmup(self) -> None:
         """Capture the decode graphs of every batch-size bucket now (at the smallest KV

@@ -87,6 +87,7 @@ class Scheduler:
         self._release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
+        seq.draft_token_ids.clear()
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:

@@ -34,6 +34,10 @@ class Sequence:
     into ``state_slot`` before the forward pass (a cache hit), ``save_to`` the row it copies
     ``state_slot`` into afterwards, to be published under ``save_key`` (``save_transient``: an
     interval checkpoint, which replaces the previous one, ``transient_key``).
+
+    Speculative decoding: ``draft_token_ids`` are tokens proposed after the newest one, not
+    yet part of the sequence; the next step computes them beside the pending tokens and keeps
+    those the model agrees with.
     """
 
     def __init__(
@@ -64,6 +68,7 @@ class Sequence:
         self.save_transient = False
         self.transient_key: bytes | None = None
         self.finish_reason: str | None = None
+        self.draft_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:
@@ -77,8 +82,16 @@ class Sequence:
 
     @property
     def num_pending_tokens(self) -> int:
-        """Tokens not yet computed (prompt left to prefill, or the newest sampled token)."""
-        return len(self.token_ids) - self.num_computed_tokens
+        """Tokens not yet computed (prompt left to prefill, or the newest sampled token), plus
+        the draft tokens to verify."""
+        return len(self.token_ids) - self.num_computed_tokens + len(self.draft_token_ids)
+
+    def chunk_token_ids(self, start: int, count: int) -> list[int]:
+        """Token ids at positions ``start .. start + count - 1``, drafts following the sequence."""
+        end = start + count
+        if end <= len(self.token_ids):
+            return self.token_ids[start:end]
+        return (self.token_ids + self.draft_token_ids)[start:end]
 
     def __repr__(self) -> str:
         return (

@@ -249,10 +249,15 @@ class Sampler:
             index = (torch.tensor(row_index), torch.tensor(token_index))
             logits.index_put_(tuple(t.to(logits.device) for t in index), torch.tensor(float("-inf"), device=logits.device))
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Temperature, min_p, top-k / top-p and one draw for each random row."""
+    def shared_generator(self, device: torch.device) -> torch.Generator:
+        """The generator of rows without a seed on ``device``."""
+        return self._shared_generator(device)
+
+    @staticmethod
+    def probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """Each random row's sampling distribution ``[R, V]``: temperature, min_p, top-k and
+        top-p applied to ``logits`` (fp32), then softmax (step 6 of the module docstring)."""
         device = logits.device
-        params = [row.params for row in rows]
         logits = logits / torch.tensor([p.temperature for p in params], device=device)[:, None]
         if any(p.min_p > 0 for p in params):
             logits = _min_p(logits, torch.tensor([p.min_p for p in params], device=device))
@@ -260,7 +265,12 @@ class Sampler:
         if any(0 < p.top_k < vocab or p.top_p < 1 for p in params):
             top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
             logits = _filter(logits, top_k, torch.tensor([p.top_p for p in params], device=device))
-        probs = logits.softmax(dim=-1)
+        return logits.softmax(dim=-1)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Temperature, min_p, top-k / top-p and one draw for each random row."""
+        device = logits.device
+        probs = self.probabilities(logits, [row.params for row in rows])
         q = torch.empty_like(probs)
         if any(row.generator is None for row in rows):
             q.exponential_(generator=self._shared_generator(device))

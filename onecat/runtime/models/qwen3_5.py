@@ -439,10 +439,13 @@ class SparseMoE(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: token mixer (GDN or gated attention), then MLP or MoE."""
 
-    def __init__(self, cfg: ModelConfig, index: int, plan: QuantPlan, dtype: torch.dtype) -> None:
+    def __init__(
+        self, cfg: ModelConfig, index: int, plan: QuantPlan, dtype: torch.dtype, prefix: str | None = None,
+        layer_type: str | None = None,
+    ) -> None:
         super().__init__()
-        prefix = f"model.layers.{index}"
-        self.layer_type = cfg.layer_types[index]
+        prefix = prefix or f"model.layers.{index}"
+        self.layer_type = layer_type or cfg.layer_types[index]
         if self.layer_type == "linear_attention":
             self.linear_attn = GatedDeltaNet(cfg, f"{prefix}.linear_attn", plan, dtype)
         else:
@@ -510,7 +513,8 @@ class Qwen3_5Model(nn.Module):
 class Qwen3_5ForCausalLM(nn.Module):
     """The language model and its (untied by default) output projection."""
 
-    def __init__(self, cfg: ModelConfig, plan: QuantPlan, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, plan: QuantPlan, dtype: torch.dtype, *, mtp: bool = False) -> None:
+        """``mtp``: also build the multi-token-prediction head (``mtp.*``) for speculative decoding."""
         super().__init__()
         self.config = cfg
         self.model = Qwen3_5Model(cfg, plan, dtype)
@@ -520,6 +524,7 @@ class Qwen3_5ForCausalLM(nn.Module):
             self.lm_head.sources = []
         else:
             self.lm_head = merged_linear(plan, ["lm_head"], cfg.hidden_size, [cfg.vocab_size], dtype)
+        self.mtp = MtpHead(cfg, plan, dtype) if mtp else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of the flat batch (see ``onecat.runtime.context``)."""
@@ -528,3 +533,32 @@ class Qwen3_5ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` of the given hidden states."""
         return self.lm_head(hidden)
+
+
+class MtpHead(nn.Module):
+    """Qwen3.5's multi-token-prediction head (``mtp.*``), a drafter for speculative decoding.
+
+    At position ``t`` it reads the model's final (normed) hidden state ``h[t]`` and the
+    embedding of token ``t+1``: ``fc([norm_e(embed(x[t+1])) ; norm_h(h[t])])``, one
+    full-attention decoder layer (``mtp.layers.0``, with its own KV cache, at position ``t``;
+    an MLP or a MoE like the model's), then ``mtp.norm``. The model's ``lm_head`` turns the
+    result into logits for token ``t+2``. Drafting further, the head reads its own output in
+    place of ``h`` (as vLLM's MTP proposer does).
+    """
+
+    def __init__(self, cfg: ModelConfig, plan: QuantPlan, dtype: torch.dtype) -> None:
+        super().__init__()
+        hidden = cfg.hidden_size
+        self.pre_fc_norm_embedding = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.fc = merged_linear(plan, ["mtp.fc"], 2 * hidden, [hidden], dtype)
+        self.layers = nn.ModuleList(
+            [DecoderLayer(cfg, 0, plan, dtype, prefix="mtp.layers.0", layer_type="full_attention")]
+        )
+        self.norm = RMSNorm(hidden, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
+        """``hidden [T, H]`` at ``positions [T]`` and the next tokens' embeddings -> ``[T, H]`` (normed)."""
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        x, residual = self.layers[0](positions, x, None)
+        return add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
