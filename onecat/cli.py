@@ -222,6 +222,9 @@ def _engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--tensor-parallel-size", "-tp", type=int, default=1, show_default=True,
                      help="GPUs of this host to split the model over (per pipeline stage with "
                           "--engine vllm)."),
+        click.option("--speculative-config", default=None, metavar="JSON",
+                     help='Speculative decoding with the checkpoint\'s MTP head, e.g. '
+                          '\'{"method": "mtp", "num_speculative_tokens": 3}\' (1-4 drafts per step).'),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -314,6 +317,9 @@ def serve(artifact: str, host: str, port: int, api_key: str | None, served_model
                                              shutdown_timeout)
         if not engine_flags.pop("enable_prefix_caching"):
             server_args += ("--no-enable-prefix-caching",)
+        speculative_config = engine_flags.pop("speculative_config")
+        if speculative_config is not None:
+            server_args += ("--speculative-config", speculative_config)
         server_args += _parser_flags_for_vllm(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
         serve_from_onecat_flags(  # replaces this process with vLLM's server
             artifact, host=host, port=port, api_key=api_key, served_model_name=served_model_name,

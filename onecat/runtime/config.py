@@ -37,4 +37,4 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
     state_checkpoint_interval: int = 1024
-    speculative_config: dict | None = None
+    speculative_config: dict | str | None = None

@@ -32,6 +32,9 @@ _COUNTERS = {
     "generation_tokens_total": ("onecat:generation_tokens", "Tokens generated."),
     "prefix_cache_queries": ("onecat:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits": ("onecat:prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)."),
+    "spec_decode_num_drafts": ("onecat:spec_decode_num_drafts", "Verify steps with drafts (speculative decoding)."),
+    "spec_decode_num_draft_tokens": ("onecat:spec_decode_num_draft_tokens", "Draft tokens verified."),
+    "spec_decode_num_accepted_tokens": ("onecat:spec_decode_num_accepted_tokens", "Draft tokens accepted."),
 }
 
 
@@ -49,6 +52,14 @@ class _EngineCollector(Collector):
         for key, (name, doc) in _COUNTERS.items():
             if key in stats:
                 yield CounterMetricFamily(name, doc, value=stats[key])
+        if "spec_decode_num_accepted_tokens_per_pos" in stats:
+            family = CounterMetricFamily(
+                "onecat:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position.",
+                labels=["position"],
+            )
+            for position, value in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
+                family.add_metric([str(position)], value)
+            yield family
 
 
 class ServerMetrics:
