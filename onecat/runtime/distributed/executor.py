@@ -78,6 +78,11 @@ class ShippedSequence:
         self.block_table, self.state_slot, self.fresh_slot = seq.block_table, seq.state_slot, seq.fresh_slot
         self.restore_from, self.save_to = seq.restore_from, seq.save_to  # GDN state checkpoint rows
 
+    def chunk_token_ids(self, start: int, count: int) -> list[int]:
+        """The shipped chunk's token ids (``Sequence.chunk_token_ids``)."""
+        offset = start - self.token_ids.start
+        return self.token_ids.ids[offset : offset + count]
+
     def __getstate__(self) -> tuple:
         window = self.token_ids
         return (self.num_computed_tokens, self.num_tokens, window.start, window.ids,
