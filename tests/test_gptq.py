@@ -78,6 +78,22 @@ def test_gptq_integers_are_valid_and_match_their_dequantization() -> None:
     assert bool((q.reshape(n, k // g, g).amax(-1) > q.reshape(n, k // g, g).amin(-1)).all())
 
 
+@pytest.mark.parametrize("block", [64, 128])
+def test_act_order_with_static_groups(block: int) -> None:
+    """Columns rounded by decreasing Hessian diagonal, groups kept in the original order with
+    their ranges from W: with an identity Hessian that is plain rounding, integer for integer;
+    on correlated inputs it compensates as well as the in-order pass."""
+    w = torch.randn(48, 256, generator=torch.Generator().manual_seed(8))
+    q, z, s = gptq_quantize(w, torch.eye(256), 64, damp=0.01, act_order=True, block_size=block)
+    rq, rz, rs = quantize_groups(w, 64)
+    assert torch.equal(q, rq) and torch.equal(z, rz) and torch.equal(s, rs)
+    x = correlated_inputs(1024, 256, rank=24, seed=9)
+    h = add_to_hessian(None, x) / x.shape[0]
+    ordered = output_mse(x, w, dequantize(*gptq_quantize(w, h, 64, act_order=True, block_size=block)))
+    rtn = output_mse(x, w, dequantize(rq, rz, rs))
+    assert ordered < 0.25 * rtn, (ordered, rtn)
+
+
 def test_identity_hessian_is_plain_rounding() -> None:
     """With uncorrelated, equal-variance inputs nothing can be compensated: GPTQ == RTN."""
     w = torch.randn(32, 128, generator=torch.Generator().manual_seed(4))
@@ -181,7 +197,8 @@ def _recipe(tmp_path: Path, edit) -> Path:
         (lambda d: d.update(method="gptq"), ["'method'", "'gptq'", "awq, awq+gptq"]),
         (lambda d: d.update(gptq={"damp": 1.5}), ["gptq.damp", "(0, 1)"]),
         (lambda d: d.update(gptq={"block_size": 0}), ["gptq.block_size", "positive"]),
-        (lambda d: d.update(gptq={"act_order": True}), ["gptq.act_order", "not a known field"]),
+        (lambda d: d.update(gptq={"act_order": "yes"}), ["gptq.act_order"]),
+        (lambda d: d.update(gptq={"static_groups": True}), ["gptq.static_groups", "not a known field"]),
     ],
 )
 def test_recipe_gptq_fields_are_validated(tmp_path: Path, edit, expected) -> None:
@@ -194,8 +211,8 @@ def test_recipe_gptq_fields_are_validated(tmp_path: Path, edit, expected) -> Non
 
 def test_recipe_method_and_settings(tmp_path: Path) -> None:
     rcp = load_recipe(_recipe(tmp_path, lambda d: d.update(method="awq+gptq",
-                                                           gptq={"damp": 0.05, "block_size": 64})))
-    assert rcp.method == "awq+gptq" and rcp.gptq.damp == 0.05 and rcp.gptq.block_size == 64
+                                                           gptq={"damp": 0.05, "block_size": 64, "act_order": True})))
+    assert rcp.method == "awq+gptq" and rcp.gptq.damp == 0.05 and rcp.gptq.block_size == 64 and rcp.gptq.act_order
     for path in shipped_recipes().values():
         assert load_recipe(path).method in METHODS
 

@@ -96,16 +96,31 @@ def gptq_quantize(
     *,
     damp: float = 0.5,
     block_size: int = 128,
+    act_order: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize ``W [N, K]`` (K % group_size == 0) with GPTQ against ``hessian [K, K]``.
+    """Quantize ``W [N, K]`` (K % group_size == 0) with GPTQ against ``hessian [K, K]``
+    (``act_order``: columns by decreasing Hessian diagonal, static groups).
 
     Returns ``(q [N, K] uint8, zeros [N, K/g] uint8, scales [N, K/g] float32,
     fp16-representable)``, on W's device. Raises :class:`HessianNotPositiveDefinite`.
     """
-    upper, dead = inverse_hessian_factor(hessian.to(w.device), damp)
+    hessian = hessian.to(w.device)
+    order = activation_order(hessian) if act_order else None
+    upper, dead = inverse_hessian_factor(hessian if order is None else permute_hessian(hessian, order), damp)
     q, z, s = gptq_round(w.unsqueeze(0), upper.unsqueeze(0), dead.unsqueeze(0), group_size,
-                         block_size=block_size)
+                         block_size=block_size, order=None if order is None else order.unsqueeze(0))
     return q[0], z[0], s[0]
+
+
+def activation_order(h: torch.Tensor) -> torch.Tensor:
+    """Columns by decreasing Hessian diagonal (GPTQ's "act order": the inputs that carry the
+    most energy are rounded first, while the most columns are left to absorb their error)."""
+    return torch.argsort(h.diagonal(), descending=True, stable=True)
+
+
+def permute_hessian(h: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``H`` with rows and columns in ``order`` (factorise this one for an ordered GPTQ)."""
+    return h[order][:, order]
 
 
 @torch.no_grad()
@@ -116,11 +131,18 @@ def gptq_round(
     group_size: int,
     *,
     block_size: int = 128,
+    order: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GPTQ of a batch of weights ``W [B, N, K]`` with the factors of
     :func:`inverse_hessian_factor` (``upper [B, K, K]``, ``dead [B, K]``): one pass over the
     columns serves the whole batch (e.g. every MoE expert's down_proj at once). Rows are
     independent given their Hessian, so linears that share an input can be stacked along N.
+
+    ``order [B, K]`` (act order, :func:`activation_order`): columns are rounded in that order,
+    ``upper`` and ``dead`` being those of the permuted Hessian (:func:`permute_hessian`).
+    Groups stay ``g`` consecutive columns of the original order, so the output format is
+    unchanged; their ranges are then taken up front from ``W`` ("static groups"), since a
+    group's columns are no longer rounded together.
 
     Returns ``(q [B, N, K] uint8, zeros [B, N, K/g] uint8, scales [B, N, K/g] float32)``.
     """
@@ -128,12 +150,20 @@ def gptq_round(
     if k % group_size:
         raise ValueError(f"in-features {k} do not divide by group size {group_size}")
     weight = w.float().clone()
-    weight.masked_fill_(dead.unsqueeze(1), 0.0)
-    upper = upper.float()
     groups = k // group_size
-    q = torch.empty(batch, n, k, dtype=torch.uint8, device=weight.device)
     scales = torch.empty(batch, n, groups, dtype=torch.float32, device=weight.device)
     zeros = torch.empty_like(scales)
+    column_params = None
+    if order is not None:
+        index = order.to(weight.device).unsqueeze(1).expand(batch, n, k)
+        natural = weight.view(batch, n, groups, group_size)
+        scales[:], zeros[:] = range_params(natural.amin(dim=-1), natural.amax(dim=-1))
+        column_params = (scales.repeat_interleave(group_size, dim=-1).gather(2, index),
+                         zeros.repeat_interleave(group_size, dim=-1).gather(2, index))
+        weight = weight.gather(2, index)
+    weight.masked_fill_(dead.unsqueeze(1), 0.0)
+    upper = upper.float()
+    q = torch.empty(batch, n, k, dtype=torch.uint8, device=weight.device)
     block = max(group_size, block_size // group_size * group_size)
     for b0 in range(0, k, block):
         b1 = min(b0 + block, k)
@@ -142,11 +172,14 @@ def gptq_round(
         err = torch.empty(batch, n, b1 - b0, dtype=torch.float32, device=weight.device)
         for i in range(b1 - b0):
             col = b0 + i
-            g = col // group_size
-            if col % group_size == 0:  # the group's range, from the weights as updated so far
-                part = wb[:, :, i : i + group_size]
-                scales[:, :, g], zeros[:, :, g] = range_params(part.amin(dim=-1), part.amax(dim=-1))
-            s, z = scales[:, :, g], zeros[:, :, g]
+            if column_params is not None:
+                s, z = column_params[0][:, :, col], column_params[1][:, :, col]
+            else:
+                g = col // group_size
+                if col % group_size == 0:  # the group's range, from the weights as updated so far
+                    part = wb[:, :, i : i + group_size]
+                    scales[:, :, g], zeros[:, :, g] = range_params(part.amin(dim=-1), part.amax(dim=-1))
+                s, z = scales[:, :, g], zeros[:, :, g]
             x = wb[:, :, i]
             qi = (torch.round(x / s) + z).clamp(0, MAX_INT)
             q[:, :, col] = qi.to(torch.uint8)
@@ -156,4 +189,6 @@ def gptq_round(
             err[:, :, i] = e
         if b1 < k:
             weight[:, :, b1:].baddbmm_(err, upper[:, b0:b1, b1:], alpha=-1.0)
+    if order is not None:  # back to the original column order
+        q = torch.empty_like(q).scatter_(2, index, q)
     return q, zeros.to(torch.uint8), scales

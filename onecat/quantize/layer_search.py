@@ -48,10 +48,12 @@ from onecat.quantize.auto_clip import apply_clip, search_clip
 from onecat.quantize.auto_scale import ScaleResult, search_scale, weight_mean
 from onecat.quantize.gptq import (
     HessianNotPositiveDefinite,
+    activation_order,
     add_to_hessian,
     enough_rows,
     gptq_round,
     inverse_hessian_factor,
+    permute_hessian,
     smoothed_hessian,
 )
 from onecat.quantize.layer_build import LayerFactory
@@ -356,7 +358,7 @@ class LayerQuantizer:
             by_key.setdefault(cap.key_of[name], []).append(name)
         ints: dict[str, tuple] = {}
         fallback: dict[str, str] = {}
-        jobs: dict[tuple[int, int], list] = {}  # (rows, K) -> [(names, upper, dead)]
+        jobs: dict[tuple[int, int], list] = {}  # (rows, K) -> [(names, upper, dead, order)]
         for key, names in by_key.items():
             k = modules[names[0]].weight.shape[1]
             h, rows = cap.hessian(key)
@@ -366,6 +368,9 @@ class LayerQuantizer:
             else:
                 if key in input_scale:
                     h = smoothed_hessian(h, input_scale[key])
+                order = activation_order(h) if settings.act_order else None
+                if order is not None:
+                    h = permute_hessian(h, order)
                 try:
                     upper, dead = inverse_hessian_factor(h, settings.damp)
                 except HessianNotPositiveDefinite as exc:
@@ -377,7 +382,7 @@ class LayerQuantizer:
                     ints[name] = quantize_groups(modules[name].weight.data, self.group_size)
                 continue
             rows_total = sum(modules[n].weight.shape[0] for n in names)
-            jobs.setdefault((rows_total, k), []).append((names, upper, dead))
+            jobs.setdefault((rows_total, k), []).append((names, upper, dead, order))
         for (rows_total, k), same_shape in jobs.items():
             per_job = (rows_total * k * 2 + k * k) * 4  # weights + working copy + factor
             per_call = max(1, GPTQ_BATCH_BYTES // per_job)
@@ -388,21 +393,22 @@ class LayerQuantizer:
         return packed, {"linears": len(quantized) - len(fallback), "fallback_rtn": fallback}
 
     def _gptq_batch(self, batch: list, modules: dict, rows_total: int, k: int) -> dict[str, tuple]:
-        """Run GPTQ on jobs of equal shape, ``batch = [(names, upper, dead)]``, in row slices."""
+        """Run GPTQ on jobs of equal shape, ``batch = [(names, upper, dead, order)]``, in row slices."""
         settings, g = self.recipe.gptq, self.group_size
-        upper = torch.stack([u for _, u, _ in batch])
-        dead = torch.stack([d for _, _, d in batch])
-        weights = [[modules[n].weight.data for n in names] for names, _, _ in batch]
+        upper = torch.stack([u for _, u, _, _ in batch])
+        dead = torch.stack([d for _, _, d, _ in batch])
+        order = torch.stack([o for _, _, _, o in batch]) if settings.act_order else None
+        weights = [[modules[n].weight.data for n in names] for names, _, _, _ in batch]
         out = {n: (torch.empty(w.shape, dtype=torch.uint8, device=w.device),
                    torch.empty(w.shape[0], k // g, dtype=torch.uint8, device=w.device),
                    torch.empty(w.shape[0], k // g, dtype=torch.float32, device=w.device))
-               for (names, _, _), ws in zip(batch, weights, strict=True) for n, w in zip(names, ws, strict=True)}
+               for (names, _, _, _), ws in zip(batch, weights, strict=True) for n, w in zip(names, ws, strict=True)}
         step = max(1, GPTQ_BATCH_BYTES // (len(batch) * k * 8))
         for r0 in range(0, rows_total, step):
             r1 = min(r0 + step, rows_total)
             w = torch.stack([_rows(ws, r0, r1) for ws in weights])
-            q, z, s = gptq_round(w, upper, dead, g, block_size=settings.block_size)
-            for b, (names, _, _) in enumerate(batch):
+            q, z, s = gptq_round(w, upper, dead, g, block_size=settings.block_size, order=order)
+            for b, (names, _, _, _) in enumerate(batch):
                 start = 0
                 for n in names:
                     lo, hi = max(r0, start), min(r1, start + out[n][0].shape[0])
