@@ -125,7 +125,7 @@ def bench_random(args: argparse.Namespace) -> dict:
     del plain
     real_accept = llm_engine.accept
 
-    def forced(sampler, logits, drafts, params, generator):
+    def forced(sampler, logits, drafts, params, generator, argmax=None):
         _, token = real_accept(sampler, logits[-1:], [], params, generator)
         return min(args.accept, len(drafts)), token
 

@@ -312,6 +312,7 @@ class LLMEngine:
             verified.append(end - seq.num_tokens)
             rows.extend(range(first + count - 1 - verified[-1], first + count))
         logits = self.runner.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)]) if rows else None
+        argmax = logits.argmax(dim=-1).tolist() if logits is not None else []  # greedy rows: one read
         picks: dict[int, tuple[list[int], list[int], int] | Exception] = {}  # index -> (kept, drafts, start)
         plain: list[int] = []  # sequences that decode without drafts, sampled together below
         rolled_back: list[Sequence] = []
@@ -330,7 +331,7 @@ class LLMEngine:
                 picks[i] = ([], [], row.start)
                 continue
             try:
-                kept, token = accept(self.sampler, logits[row], drafts, seq.params, seq.generator)
+                kept, token = accept(self.sampler, logits[row], drafts, seq.params, seq.generator, argmax[row])
             except Exception as exc:
                 seq.num_computed_tokens += count
                 picks[i] = exc

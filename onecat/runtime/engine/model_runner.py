@@ -383,15 +383,16 @@ class ModelRunner:
             return drafts
         last = out[to_device([ends[i] - 1 for i in active], torch.int64, self.device)]
         positions = [items[i][1] + items[i][2].shape[0] - 1 for i in active]
+        steps = []  # draft tokens stay on the device until the last step: one read at the end
         for step in range(num_drafts):
-            tokens = self.model.compute_logits(last).argmax(dim=-1)
-            for i, token in zip(active, tokens.tolist(), strict=True):
-                drafts[i].append(token)
+            steps.append(self.model.compute_logits(last).argmax(dim=-1))
             if step + 1 == num_drafts:
                 break
             positions = [p + 1 for p in positions]
             chunks = [(items[i][0], [p]) for i, p in zip(active, positions, strict=True)]
-            last = self._run_mtp(chunks, tokens, last, embed)
+            last = self._run_mtp(chunks, steps[-1], last, embed)
+        for i, tokens in zip(active, torch.stack(steps, dim=1).tolist(), strict=True):
+            drafts[i] = tokens
         return drafts
 
     def _run_mtp(

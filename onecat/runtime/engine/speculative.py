@@ -104,10 +104,9 @@ class SpeculationStats:
             self.accepted_per_position[i] += 1
 
 
-def accept_greedy(logits: torch.Tensor, drafts: list[int]) -> tuple[int, int]:
-    """``logits [len(drafts) + 1, V]`` at the pending token and each draft -> (drafts kept,
-    the token after them): the model's argmax decides."""
-    target = logits.argmax(dim=-1).tolist()
+def accept_greedy(target: list[int], drafts: list[int]) -> tuple[int, int]:
+    """The model's argmax at the pending token and each draft (``len(drafts) + 1`` ids) ->
+    (drafts kept, the token after them)."""
     kept = 0
     while kept < len(drafts) and drafts[kept] == target[kept]:
         kept += 1
@@ -144,10 +143,11 @@ def target_probs(sampler: Sampler, logits: torch.Tensor, params: SamplingParams)
 
 def accept(
     sampler: Sampler, logits: torch.Tensor, drafts: list[int], params: SamplingParams,
-    generator: torch.Generator | None,
+    generator: torch.Generator | None, argmax: list[int] | None = None,
 ) -> tuple[int, int]:
-    """Drafts kept and the next token for one sequence (greedy or rejection sampling)."""
+    """Drafts kept and the next token for one sequence (greedy or rejection sampling);
+    ``argmax``: the rows' argmax when the caller read it already (one read for a batch)."""
     if is_greedy(params):
-        return accept_greedy(logits, drafts)
+        return accept_greedy(logits.argmax(dim=-1).tolist() if argmax is None else argmax, drafts)
     gen = generator if generator is not None else sampler.shared_generator(logits.device)
     return accept_random(target_probs(sampler, logits.float(), params), drafts, gen)
