@@ -186,3 +186,29 @@ def test_metrics_report_acceptance_per_position():
     text = ServerMetrics(lambda: stats).render().decode()
     assert "onecat:spec_decode_num_accepted_tokens_total 7.0" in text
     assert 'onecat:spec_decode_num_accepted_tokens_per_pos_total{position="2"} 1.0' in text
+
+
+def test_server_streams_the_same_answer_with_speculation():
+    """Through the HTTP server: several tokens per engine step reach the stream as one chunk
+    each, the text equals the plain server's, and /metrics counts the drafts."""
+    import json
+
+    import httpx
+    from server_helpers import scrape, sse_payloads, stream_lines
+
+    from onecat.runtime.server.launcher import BackgroundServer
+
+    body = {"model": "m", "messages": [{"role": "user", "content": 'Explain: The "if" statement'}],
+            "max_tokens": 40, "temperature": 0, "stream": True}
+    answers, counters = [], None
+    for n in (None, 3):
+        engine = _engine("qwen3_5", n)
+        engine.model_name = "m"
+        with BackgroundServer(engine) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+            chunks = [json.loads(p) for p in sse_payloads(stream_lines(client, "/v1/chat/completions", body))]
+            answers.append("".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]))
+            if n:
+                counters = scrape(server.url)
+    assert answers[0] and answers[0] == answers[1]
+    assert counters["onecat:spec_decode_num_drafts_total"] > 0
+    assert counters["onecat:spec_decode_num_accepted_tokens_total"] > 0
