@@ -313,8 +313,9 @@ class LLMEngine:
             rows.extend(range(first + count - 1 - verified[-1], first + count))
         logits = self.runner.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)]) if rows else None
         argmax = logits.argmax(dim=-1).tolist() if logits is not None else []  # greedy rows: one read
-        picks: dict[int, tuple[list[int], list[int], int] | Exception] = {}  # index -> (kept, drafts, start)
-        plain: list[int] = []  # sequences that decode without drafts, sampled together below
+        # index -> (tokens to append, chunk start, logprobs of the first), or what failed
+        picks: dict[int, tuple[list[int], int, TokenLogprobs | None] | Exception] = {}
+        plain: dict[int, int] = {}  # sequences that decode without drafts -> logits row, sampled together
         rolled_back: list[Sequence] = []
         cursor = 0
         for i, ((seq, count), checked) in enumerate(zip(scheduled, verified, strict=True)):
@@ -327,8 +328,7 @@ class LLMEngine:
             cursor += checked + 1
             if not can_speculate(seq.params):
                 seq.num_computed_tokens += count
-                plain.append(i)
-                picks[i] = ([], [], row.start)
+                plain[i] = row.start
                 continue
             try:
                 kept, token = accept(self.sampler, logits[row], drafts, seq.params, seq.generator, argmax[row])
@@ -342,18 +342,18 @@ class LLMEngine:
                 seq.num_computed_tokens = start
             else:
                 seq.num_computed_tokens = start + count
-            picks[i] = (drafts[:kept] + [token], drafts, start)
+            picks[i] = (drafts[:kept] + [token], start, None)
         self.runner.restore_snapshots(rolled_back)
         self.scheduler.commit(scheduled)
         if plain:
             try:
-                result = self.sampler(logits[[picks[i][2] for i in plain]], [scheduled[i][0] for i in plain])
+                result = self.sampler(logits[list(plain.values())], [scheduled[i][0] for i in plain])
                 for i, token, lp in zip(plain, result.token_ids, result.logprobs, strict=True):
-                    picks[i] = ([token], [], -1, lp)
+                    picks[i] = ([token], -1, lp)
             except Exception:
-                for i in plain:
-                    pick = self._sample_alone(scheduled[i][0], logits[picks[i][2] : picks[i][2] + 1])
-                    picks[i] = pick if isinstance(pick, Exception) else ([pick[0]], [], -1, pick[1])
+                for i, row in plain.items():
+                    pick = self._sample_alone(scheduled[i][0], logits[row : row + 1])
+                    picks[i] = pick if isinstance(pick, Exception) else ([pick[0]], -1, pick[1])
         outputs = []
         drafting: list[tuple[Sequence, int, torch.Tensor, bool]] = []
         for i, ((seq, count), first) in enumerate(zip(scheduled, firsts, strict=True)):
@@ -365,7 +365,7 @@ class LLMEngine:
             try:
                 if isinstance(pick, Exception):
                     raise pick
-                tokens, logprobs = pick[0], (pick[3] if len(pick) > 3 else None)
+                tokens, start, logprobs = pick
                 committed = seq.num_tokens
                 out = self._append_tokens(seq, tokens, logprobs)
             except Exception as exc:
@@ -373,7 +373,6 @@ class LLMEngine:
                 continue
             outputs.append(out)
             if not out.finished and self._drafts_for(seq):
-                start = pick[2]
                 last = committed - 1 + len(tokens) - 1  # position of the last token before the new one
                 drafting.append((seq, start, hidden[first : first + last - start + 1], True))
         self._draft(drafting)

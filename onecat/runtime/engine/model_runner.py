@@ -264,12 +264,10 @@ class ModelRunner:
         """Compute the scheduled tokens; returns the sequences that completed their pending
         tokens (and now need a sample) and their logits ``[n, vocab]``.
 
-        The decode tokens of a step replay a CUDA graph even when prompts are prefilled in
-        the same step: the prompt chunks then run eagerly in a second pass (a server admits
-        new prompts while others decode, so most of its steps are such mixed steps)."""
+        A step of decode tokens only replays a whole-model decode graph; a step with prompt
+        tokens runs one pass over all of them (piecewise graphs where a bucket fits)."""
         seqs = [seq for seq, _ in scheduled]
-        self._copy_states([(s.restore_from, s.state_slot) for s in seqs if s.restore_from is not None])
-        self._reset_fresh_slots(seqs)
+        self._prepare_states(seqs)
         decodes = [seq for seq, count in scheduled if count == 1]
         logits = None
         if self.use_graphs and len(decodes) == len(scheduled) and self._graph_fits(len(decodes)):
@@ -283,15 +281,24 @@ class ModelRunner:
                 "non-finite logits: activations overflowed fp16 (the checkpoint was trained in "
                 "bf16); outputs of this model may be garbage on fp16 hardware"
             )
-        self._copy_states([(s.state_slot, s.save_to) for s in seqs if s.save_to is not None])
+        self._save_checkpoints(seqs)
         return sampled, logits
+
+    def _prepare_states(self, seqs: list[Sequence]) -> None:
+        """Before a pass: prefix-cache hits get their checkpoint, new slots are zeroed."""
+        self._copy_states([(s.restore_from, s.state_slot) for s in seqs if s.restore_from is not None])
+        self._reset_fresh_slots(seqs)
+
+    def _save_checkpoints(self, seqs: list[Sequence]) -> None:
+        """After a pass: the states asked for as prefix-cache checkpoints are copied out."""
+        self._copy_states([(s.state_slot, s.save_to) for s in seqs if s.save_to is not None])
 
     def _run_eager(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
         hidden, firsts = self._forward(scheduled)
-        rows = [first + count - 1 for (seq, count), first in zip(scheduled, firsts, strict=True)
+        done = [(seq, first + count - 1) for (seq, count), first in zip(scheduled, firsts, strict=True)
                 if seq.num_computed_tokens + count == seq.num_tokens]
-        sampled = [seq for seq, count in scheduled if seq.num_computed_tokens + count == seq.num_tokens]
-        return sampled, self.model.compute_logits(hidden[to_device(rows, torch.int64, self.device)])
+        rows = to_device([row for _, row in done], torch.int64, self.device)
+        return [seq for seq, _ in done], self.model.compute_logits(hidden[rows])
 
     def _forward(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[int]]:
         """Final hidden states ``[T, hidden]`` of every scheduled token (piecewise graphs when
@@ -343,13 +350,12 @@ class ModelRunner:
         Before the pass the GDN states of sequences whose chunk holds drafts are saved
         (:meth:`restore_snapshots` rolls them back when drafts are rejected)."""
         seqs = [seq for seq, _ in scheduled]
-        self._copy_states([(s.restore_from, s.state_slot) for s in seqs if s.restore_from is not None])
-        self._reset_fresh_slots(seqs)
+        self._prepare_states(seqs)
         drafted = [s for s, count in scheduled if s.num_computed_tokens + count > s.num_tokens]
         self._copy_states([(s.state_slot, self._snapshot_row(s)) for s in drafted])
         hidden, firsts = self._forward(scheduled)
         hidden = hidden.clone()
-        self._copy_states([(s.state_slot, s.save_to) for s in seqs if s.save_to is not None])
+        self._save_checkpoints(seqs)
         return hidden, firsts
 
     def _snapshot_row(self, seq: Sequence) -> int:

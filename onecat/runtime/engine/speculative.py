@@ -136,11 +136,6 @@ def accept_random(
     return kept, int(token)
 
 
-def target_probs(sampler: Sampler, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """A random request's sampling distribution for each row of ``logits [R, V]``."""
-    return sampler.probabilities(logits, [params] * logits.shape[0])
-
-
 def accept(
     sampler: Sampler, logits: torch.Tensor, drafts: list[int], params: SamplingParams,
     generator: torch.Generator | None, argmax: list[int] | None = None,
@@ -150,4 +145,5 @@ def accept(
     if is_greedy(params):
         return accept_greedy(logits.argmax(dim=-1).tolist() if argmax is None else argmax, drafts)
     gen = generator if generator is not None else sampler.shared_generator(logits.device)
-    return accept_random(target_probs(sampler, logits.float(), params), drafts, gen)
+    probs = sampler.probabilities(logits.float(), [params] * logits.shape[0])
+    return accept_random(probs, drafts, gen)
