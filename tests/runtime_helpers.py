@@ -3,6 +3,8 @@ reference models with the same (dequantised) weights, and an engine logit record
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import shutil
 from collections import defaultdict
@@ -13,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from onecat.formats.awq_gemm import pack_awq_gemm
 from onecat.pack.volta_layout import dequantize_volta, fits_layout, pack_volta
+from onecat.runtime.engine import model_runner
 
 WRAPPER = "model.language_model."
 NOT_QUANTIZED = ("embed_tokens", "lm_head", "norm", ".mlp.gate.", "shared_expert_gate", "in_proj_a", "in_proj_b")
@@ -188,3 +191,50 @@ def assert_same_greedy_runs(
                 )
                 break
     return worst
+
+
+class _Replay:
+    def __init__(self, fn=None):
+        self.replay = fn
+
+    def pool(self) -> None:
+        return None
+
+
+class _FakeStream:
+    def wait_stream(self, other) -> None:
+        pass
+
+
+def emulate_graphs(monkeypatch, engine) -> None:
+    """Make ``engine``'s runner use CUDA-graph decode on CPU: its real capture (static
+    buffers, padding rows, buckets) with a "replay" that runs the captured forward again on
+    the static buffers in the capture's context."""
+    runner = engine.runner
+    contexts = []
+    real_set = model_runner.set_context
+    monkeypatch.setattr(model_runner, "set_context", lambda c: (contexts.append(c), real_set(c))[1])
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _Replay)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())
+    real_capture = runner._capture
+
+    def capture(batch: int, positions: int, width: int):
+        graph = real_capture(batch, positions, width)
+        ctx = [c for c in contexts if c is not None][-1]
+
+        def replay():  # device-side work recomputes per replay: drop what the capture cached
+            real_set(dataclasses.replace(ctx, decode_kv_mask=None))
+            try:
+                graph.hidden.copy_(runner.model(graph.input_ids, graph.positions))
+                graph.logits.copy_(runner.model.compute_logits(graph.hidden))
+            finally:
+                real_set(None)
+
+        graph.graph = _Replay(replay)
+        return graph
+
+    monkeypatch.setattr(runner, "_capture", capture)
+    runner.use_graphs = True

@@ -91,6 +91,28 @@ def test_gdn_decode_matches_fp64_and_the_torch_step(batch, num_k_heads, num_v_he
     assert (out.double() - torch_o.double()).abs().max() <= 4e-3 * torch_o.abs().max()
 
 
+def test_gdn_decode_writes_to_destination_slots():
+    """Speculative decoding chains positions: read one row, write another; the source rows
+    stay as they were."""
+    from onecat.kernels.gdn import gated_delta_rule_decode_
+
+    batch, num_k_heads, num_v_heads, dv = 3, 4, 8, 128
+    mixed, ba, A_log, dt_bias, state, _ = random_inputs(batch, num_k_heads, num_v_heads, dv, 12, 7)
+    src = torch.tensor([0, 5, 2], device="cuda")
+    dst = torch.tensor([9, 1, 11], device="cuda")
+    before = state.clone()
+    ref_o, ref_s = reference(mixed, ba, A_log, dt_bias, before[src], num_k_heads, num_v_heads, dv)
+    out = torch.full((batch, num_v_heads, dv), float("nan"), dtype=torch.float16, device="cuda")
+    gated_delta_rule_decode_(mixed, ba, A_log, dt_bias, state, src, num_k_heads, out=out, dst_slots=dst)
+    torch.cuda.synchronize()
+    untouched = torch.ones(state.shape[0], dtype=torch.bool, device="cuda")
+    untouched[dst] = False
+    assert torch.equal(state[untouched], before[untouched]), "rows other than the destinations changed"
+    assert (state[dst].double() - ref_s).abs().max() / ref_s.abs().max() <= 1e-5
+    err = (out.double() - ref_o).abs()
+    assert (err <= 4e-3 * ref_o.abs() + 2e-3 * ref_o.pow(2).mean().sqrt()).all()
+
+
 def test_gdn_decode_rejects_what_it_cannot_run():
     from onecat.errors import OnecatError
     from onecat.kernels.gdn import gated_delta_rule_decode_

@@ -108,7 +108,7 @@ def test_outputs_match_without_the_cache_and_prefixes_hit(dense):
 def test_restores_and_saves_beside_decode_graphs(dense, monkeypatch):
     """With (CPU-emulated) decode graphs: a hit leaving one prompt token replays the decode
     graph from the restored state, and checkpoints are taken in steps that replay graphs."""
-    from test_runtime_graphs import emulate_graphs
+    from runtime_helpers import emulate_graphs
 
     waves = shared_prefix_waves()
     reference = run_waves(engine_for(dense, caching=False), waves)

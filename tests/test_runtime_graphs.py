@@ -10,61 +10,21 @@ with ``onecat.tiny.SeparatedRouting``, so their expert choices cannot flip.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-
 import pytest
 import torch
-from runtime_helpers import assert_same_greedy_runs, drain, record_logits, write_awq_checkpoint
+from runtime_helpers import (
+    assert_same_greedy_runs,
+    drain,
+    emulate_graphs,
+    record_logits,
+    write_awq_checkpoint,
+)
 
 from onecat.pack.writer import pack_checkpoint
 from onecat.runtime.config import EngineConfig
-from onecat.runtime.engine import LLMEngine, model_runner
+from onecat.runtime.engine import LLMEngine
 from onecat.runtime.sampling_params import SamplingParams
 from onecat.tiny import build_tiny_model
-
-
-class _Replay:
-    def __init__(self, fn=None):
-        self.replay = fn
-
-    def pool(self) -> None:
-        return None
-
-
-class _FakeStream:
-    def wait_stream(self, other) -> None:
-        pass
-
-
-def emulate_graphs(monkeypatch, engine: LLMEngine) -> None:
-    runner = engine.runner
-    contexts = []
-    real_set = model_runner.set_context
-    monkeypatch.setattr(model_runner, "set_context", lambda c: (contexts.append(c), real_set(c))[1])
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", _Replay)
-    monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream())
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())
-    real_capture = runner._capture
-
-    def capture(batch: int, width: int):
-        graph = real_capture(batch, width)
-        ctx = [c for c in contexts if c is not None][-1]
-
-        def replay():  # device-side work recomputes per replay: drop what the capture cached
-            real_set(dataclasses.replace(ctx, decode_kv_mask=None))
-            try:
-                graph.logits.copy_(runner.model.compute_logits(runner.model(graph.input_ids, graph.positions)))
-            finally:
-                real_set(None)
-
-        graph.graph = _Replay(replay)
-        return graph
-
-    monkeypatch.setattr(runner, "_capture", capture)
-    runner.use_graphs = True
 
 
 @pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe", "qwen3_5_moe-packed"])

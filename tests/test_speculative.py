@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runtime_helpers import drain
+from runtime_helpers import drain, emulate_graphs
 
 from onecat.errors import OnecatError
 from onecat.runtime.config import EngineConfig
@@ -73,6 +73,24 @@ def test_speculation_with_chunked_prompts_and_preemption_keeps_greedy_tokens():
     tight = dict(max_num_batched_tokens=16, kv_block_size=4, num_kv_blocks=40)
     reference = _run(_engine("qwen3_5", None, **tight), params)
     assert _run(_engine("qwen3_5", 3, **tight), params) == reference
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_verify_graphs_keep_greedy_tokens(family, monkeypatch):
+    """Verify steps replay (CPU-emulated) decode graphs of 1 + N rows per sequence: padding
+    rows, the per-position GDN state rows and the state put back after a rejection."""
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    plain = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2)
+    reference = _run(_engine(family, None), params, plain)
+    engine = _engine(family, 3)
+    emulate_graphs(monkeypatch, engine)
+    calls = []
+    accept_drafts = engine.runner.accept_drafts
+    monkeypatch.setattr(engine.runner, "accept_drafts", lambda pairs: (calls.append(pairs), accept_drafts(pairs)))
+    assert _run(engine, params, plain) == reference
+    assert 4 in {key[1] for key in engine.runner.graphs}  # verify graphs of 1 + 3 rows ran
+    assert any(calls), "no draft was rejected: the roll-back went untested"
+    assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])

@@ -32,8 +32,11 @@ def gated_delta_rule_decode_(
     slots: torch.Tensor,
     num_k_heads: int,
     out: torch.Tensor | None = None,
+    dst_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One decode token of ``B`` sequences; updates ``state[slots]`` in place.
+    """One decode token of ``B`` sequences; updates ``state[slots]`` in place, or writes the
+    new states to ``state[dst_slots]`` when given (int64 ``[B]``; rows that no other row of
+    the call reads).
 
     ``mixed`` fp16 ``[B, >= 2*Hk*128 + Hv*dv]`` (the short conv's output: q | k | v, rows
     may be strided), ``ba`` fp16 ``[B, >= 2*Hv]`` (b | a), ``A_log`` and ``dt_bias`` fp32
@@ -61,6 +64,9 @@ def gated_delta_rule_decode_(
         ("state", state.dtype == torch.float32 and state.is_contiguous()),
         ("slots", slots.dtype == torch.int64 and slots.is_contiguous() and slots.numel() == batch),
     ]
+    dst_slots = slots if dst_slots is None else dst_slots
+    checks.append(("dst_slots", dst_slots.dtype == torch.int64 and dst_slots.is_contiguous()
+                   and dst_slots.numel() == batch))
     for name, ok in checks:
         if not ok:
             raise OnecatError(f"{where}: {name} has the wrong dtype, shape or layout (see the docstring)")
@@ -75,7 +81,7 @@ def gated_delta_rule_decode_(
         ctypes.c_void_p(ba.data_ptr()), ctypes.c_int(ba.stride(0)),
         ctypes.c_void_p(A_log.data_ptr()), ctypes.c_void_p(dt_bias.data_ptr()),
         ctypes.c_void_p(state.data_ptr()), ctypes.c_void_p(slots.data_ptr()),
-        ctypes.c_void_p(out.data_ptr()),
+        ctypes.c_void_p(dst_slots.data_ptr()), ctypes.c_void_p(out.data_ptr()),
         ctypes.c_int(num_k_heads), ctypes.c_int(num_v_heads), ctypes.c_int(head_v_dim),
     ]  # fmt: skip
     stream = torch.cuda.current_stream(mixed.device).cuda_stream

@@ -1,5 +1,7 @@
 // Gated DeltaNet decode step for sm_70: one token of B sequences through the gated delta
-// rule, each sequence's recurrent state updated IN PLACE in its slot of the state pool.
+// rule, each sequence's recurrent state read from its slot of the state pool and written to
+// a destination slot (the same slot: an update IN PLACE; another: speculative decoding keeps
+// the state after each draft position in its own row).
 // It replaces, per GDN layer and decode step, a gather of the states, the torch step and the
 // scatter back (three reads and three writes of 64 KB per value head) by one read and one
 // write.  Compiled by NVRTC 12 for compute_70 / sm_70; no torch headers.
@@ -9,8 +11,9 @@
 //   ba       fp16 [B][ba_stride]      in_proj_ba's output: b (Hv) | a (Hv)
 //   A_log, dt_bias  fp32 [Hv]
 //   state    fp32 [slots][Hv][128][DV]  S of value head h of sequence b is state[slot[b]][h]
-//   slots    int64 [B]                (distinct for real sequences; padding rows of a CUDA
-//                                     graph share a scratch slot whose content is garbage)
+//   slots    int64 [B]                read from (distinct for real sequences; padding rows of a
+//                                     CUDA graph share a scratch slot whose content is garbage)
+//   dst      int64 [B]                written to (slots itself, or rows no other row reads)
 //   out      fp16 [B][Hv][DV]
 // Value head h reads key head h / (Hv / Hk).  Per head, with k and q l2-normalised (eps 1e-6
 // inside the root) and q scaled by 128^-1/2, g = -exp(A_log) * softplus(a + dt_bias) and
@@ -42,7 +45,8 @@ extern "C" __global__ void __launch_bounds__(128)
     gdn_decode(const half* __restrict__ mixed, int mixed_stride, const half* __restrict__ ba,
                     int ba_stride, const float* __restrict__ A_log,
                     const float* __restrict__ dt_bias, float* __restrict__ state,
-                    const long long* __restrict__ slots, half* __restrict__ out, int num_k_heads,
+                    const long long* __restrict__ slots, const long long* __restrict__ dst,
+                    half* __restrict__ out, int num_k_heads,
                     int num_v_heads, int dv) {
   using namespace onecat_gdn;
   __shared__ float q_rows[kDk], k_rows[kDk];
@@ -78,7 +82,10 @@ extern "C" __global__ void __launch_bounds__(128)
 
   // 2. forget, and this warp's share of S^T k
   const int j = chunk * kCols + lane;
-  float* S = state + (((size_t)slots[b] * num_v_heads + h) * kDk + warp * kRows) * dv + j;
+  // each thread reads, then writes, the same elements: the source and destination may be one
+  const size_t head_offset = ((size_t)h * kDk + warp * kRows) * dv + j;
+  const float* S = state + (size_t)slots[b] * num_v_heads * kDk * dv + head_offset;
+  float* S_out = state + (size_t)dst[b] * num_v_heads * kDk * dv + head_offset;
   const float* k_mine = k_rows + warp * kRows;
   const float* q_mine = q_rows + warp * kRows;
   float s[kRows];
@@ -98,7 +105,7 @@ extern "C" __global__ void __launch_bounds__(128)
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     s[r] += k_mine[r] * delta;
-    S[(size_t)r * dv] = s[r];
+    S_out[(size_t)r * dv] = s[r];
     o += s[r] * q_mine[r];
   }
   __syncthreads();  // every thread has read `partial` above

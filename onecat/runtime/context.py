@@ -3,9 +3,13 @@
 The model runner builds a :class:`ForwardContext` per step and sets it here; attention and
 Gated DeltaNet layers read it (nano-vllm passes its batch metadata the same way). A batch is
 flat: ``T`` tokens of several sequences, one after another. The first ``num_decodes``
-sequences contribute one token each (their tensors are batched; this part runs under CUDA
-graphs); each following sequence contributes a chunk of its prompt (a :class:`PrefillChunk`,
-processed one sequence at a time).
+rows are decode tokens (batched; this part runs under CUDA graphs): one per sequence, or,
+with speculative decoding, ``decode_width`` consecutive rows per sequence (its pending token
+and its drafts, padded to the width). Each row has its own block table row, context length
+and state rows, so attention treats every row as a sequence of its own, and Gated DeltaNet
+runs the positions one after another, reading each position's state from the row the
+previous one wrote. Each following sequence contributes a chunk of its prompt (a
+:class:`PrefillChunk`, processed one sequence at a time).
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ class ForwardContext:
     num_decodes: int = 0
     decode_block_tables: torch.Tensor | None = None  # int64 [B, blocks]
     decode_context_lens: torch.Tensor | None = None  # int64 [B]: tokens incl. the new one
-    decode_state_slots: torch.Tensor | None = None  # int64 [B]
+    decode_state_slots: torch.Tensor | None = None  # int64 [B]: GDN state row each decode row reads
+    decode_state_dst: torch.Tensor | None = None  # int64 [B]: the row it writes (None: the one it reads)
+    decode_width: int = 1  # decode rows per sequence (speculative decoding: 1 + drafts, padded)
     prefills: list[PrefillChunk] = field(default_factory=list)
     capturing_graph: bool = False  # CUDA-graph warm-up or capture: no reads of device data on the host
     decode_kv_mask: torch.Tensor | None = None  # [B, blocks * block_size], filled by the first attention layer

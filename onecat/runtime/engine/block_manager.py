@@ -133,7 +133,8 @@ class BlockManager:
         """Enter the newly completed full blocks of ``seq`` (its computed tokens) into the
         cache. A block whose content another block already holds stays unregistered (it is
         freed as uncached)."""
-        full = seq.num_computed_tokens // self.block_size
+        # (speculative decoding commits kept drafts before they join the token ids)
+        full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         if not self.caching or full <= seq.num_registered_blocks:
             return  # most steps: a decode token that did not complete a block
         self._extend_hashes(seq, full)

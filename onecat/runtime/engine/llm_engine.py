@@ -292,13 +292,14 @@ class LLMEngine:
 
     def _step_speculative(self) -> list[RequestOutput]:
         """One step with speculative decoding (``engine/speculative.py``): verify each
-        sequence's drafts, keep what the model agrees with, roll GDN states back where a draft
-        was rejected, emit the kept tokens, and draft again with the MTP head."""
+        sequence's drafts, keep what the model agrees with, give GDN states the position of
+        the last kept token where a draft was rejected, emit the kept tokens, and draft again
+        with the MTP head."""
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
         try:
-            hidden, firsts = self.runner.run_hidden(scheduled)
+            hidden, firsts, all_logits = self.runner.run_hidden(scheduled)
         except Exception as exc:
             return self._forward_failed(scheduled, exc)
         # logits rows: each sampling sequence's pending token and the drafts in its chunk
@@ -311,12 +312,15 @@ class LLMEngine:
                 continue
             verified.append(end - seq.num_tokens)
             rows.extend(range(first + count - 1 - verified[-1], first + count))
-        logits = self.runner.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)]) if rows else None
+        logits = None
+        if rows:
+            index = torch.tensor(rows, device=hidden.device)
+            logits = all_logits[index] if all_logits is not None else self.runner.model.compute_logits(hidden[index])
         argmax = logits.argmax(dim=-1).tolist() if logits is not None else []  # greedy rows: one read
         # index -> (tokens to append, chunk start, logprobs of the first), or what failed
         picks: dict[int, tuple[list[int], int, TokenLogprobs | None] | Exception] = {}
         plain: dict[int, int] = {}  # sequences that decode without drafts -> logits row, sampled together
-        rolled_back: list[Sequence] = []
+        rejected: list[tuple[Sequence, int]] = []  # (sequence, drafts kept) where a draft was rejected
         cursor = 0
         for i, ((seq, count), checked) in enumerate(zip(scheduled, verified, strict=True)):
             start = seq.num_computed_tokens
@@ -337,13 +341,11 @@ class LLMEngine:
                 picks[i] = exc
                 continue
             self.speculation_stats.record(checked, kept)
-            if kept < checked:  # the chunk ran past a rejected draft: recompute the kept ones next step
-                rolled_back.append(seq)
-                seq.num_computed_tokens = start
-            else:
-                seq.num_computed_tokens = start + count
+            if kept < checked:  # the chunk ran past a rejected draft: its KV there is overwritten later
+                rejected.append((seq, kept))
+            seq.num_computed_tokens = start + count - checked + kept
             picks[i] = (drafts[:kept] + [token], start, None)
-        self.runner.restore_snapshots(rolled_back)
+        self.runner.accept_drafts(rejected)
         self.scheduler.commit(scheduled)
         if plain:
             try:

@@ -14,7 +14,8 @@ a checkpoint after it (``Sequence.save_to``), outside any CUDA graph.
 Inside decode graphs the small elementwise steps run fused (``layers/fusion.py``).
 
 CUDA graphs: a step of decode tokens only replays a whole-model graph, one per batch-size
-bucket (1, 2, 4, 8, 16, 32, ... up to ``max_num_seqs``); a step with prompt tokens (decode
+bucket (1, 2, 4, 8, 16, 32, ... up to ``max_num_seqs``), and with speculative decoding one
+more per bucket with 1 + N rows per sequence (verify chunks, padded); a step with prompt tokens (decode
 tokens beside them or not) replays piecewise graphs (``prompt_graphs.py``: everything but
 the attention and GDN cores, per token-count bucket up to ``max_num_batched_tokens``). All
 are captured at start (``warmup``); the piecewise graphs' activation memory is planned
@@ -33,6 +34,7 @@ import gc
 import itertools
 import logging
 import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +45,7 @@ from onecat.runtime.context import ForwardContext, PrefillChunk, set_context
 from onecat.runtime.distributed.parallel_state import min_over_ranks
 from onecat.runtime.engine.prompt_graphs import PromptGraphs, supports_prompt_graphs
 from onecat.runtime.engine.sequence import Sequence
+from onecat.runtime.engine.speculative import SpeculativeConfig
 from onecat.runtime.layers import fusion
 from onecat.runtime.layers.attention import PagedAttention
 from onecat.runtime.models.qwen3_5 import GatedDeltaNet, Qwen3_5ForCausalLM
@@ -63,32 +66,58 @@ def next_power_of_two(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
-class _DecodeGraph:
-    """One captured decode step: static inputs, the graph, and its logits.
+@dataclass
+class _DecodeRows:
+    """Host-side inputs of a step's decode rows (``positions`` rows per sequence, sequence by
+    sequence; see ``ModelRunner._decode_rows``)."""
 
-    The per-row inputs live in one ``[5, batch]`` tensor (one host-to-device copy per step).
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    kv_slots: list[int] = field(default_factory=list)
+    context_lens: list[int] = field(default_factory=list)
+    state_src: list[int] = field(default_factory=list)
+    state_dst: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
+
+    def columns(self) -> list[list[int]]:
+        """The per-row inputs in ``_DecodeGraph.inputs`` order."""
+        return [self.ids, self.positions, self.kv_slots, self.context_lens, self.state_src, self.state_dst]
+
+
+class _DecodeGraph:
+    """One captured decode step: static inputs, the graph, its hidden states and logits.
+
+    ``batch`` sequences of ``positions`` rows each (1; with speculative decoding, 1 + drafts).
+    The per-row inputs live in one ``[6, rows]`` tensor (one host-to-device copy per step).
     Block-table rows are written incrementally: ``rows`` mirrors what each row holds, and a
     step writes only the entries that changed (appended blocks, a new sequence in the row);
     entries past a sequence's blocks are never read (the kernel stops at the context length,
     the torch path masks them), so they need no clearing."""
 
-    def __init__(self, batch: int, width: int, device: torch.device, scratch_slot: int, scratch_block: int, scratch_state: int) -> None:
-        self.batch, self.width = batch, width
-        self.scratch = (0, 0, scratch_slot, 1, scratch_state)  # a padding row's inputs
-        self.inputs = torch.tensor([[v] * batch for v in self.scratch], dtype=torch.int64, device=device)
-        self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.state_slots = self.inputs
-        self.block_tables = torch.full((batch, width), scratch_block, dtype=torch.int64, device=device)
-        self.rows: list[list[int]] = [[scratch_block] for _ in range(batch)]
+    def __init__(
+        self, batch: int, positions: int, width: int, device: torch.device, scratch_slot: int, scratch_block: int,
+        scratch_state: int,
+    ) -> None:
+        self.batch, self.positions_per_seq, self.width = batch, positions, width
+        rows = batch * positions
+        self.scratch = (0, 0, scratch_slot, 1, scratch_state, scratch_state)  # a padding row's inputs
+        self.inputs = torch.tensor([[v] * rows for v in self.scratch], dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.state_src, self.state_dst = self.inputs
+        self.block_tables = torch.full((rows, width), scratch_block, dtype=torch.int64, device=device)
+        self.rows: list[list[int]] = [[scratch_block] for _ in range(rows)]
         self.graph = torch.cuda.CUDAGraph()
+        self.hidden: torch.Tensor | None = None
         self.logits: torch.Tensor | None = None
 
     def context(self) -> ForwardContext:
         return ForwardContext(
             slot_mapping=self.slot_mapping,
-            num_decodes=self.batch,
+            num_decodes=self.batch * self.positions_per_seq,
             decode_block_tables=self.block_tables,
             decode_context_lens=self.context_lens,
-            decode_state_slots=self.state_slots,
+            decode_state_slots=self.state_src,
+            decode_state_dst=self.state_dst,
+            decode_width=self.positions_per_seq,
             capturing_graph=True,
         )
 
@@ -107,7 +136,8 @@ class ModelRunner:
         self.attention = [m for m in model.modules() if isinstance(m, PagedAttention)]
         self.gdn = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
         self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
-        self.speculative = config.speculative_config is not None
+        speculation = SpeculativeConfig.parse(config.speculative_config)
+        self.num_drafts = speculation.num_speculative_tokens if speculation else 0
         wanted_len = config.max_model_len or self.model_config.max_position_embeddings
         self.num_checkpoints = 0  # set by _plan_memory
         self.num_blocks, self.num_slots = self._plan_memory(config, wanted_len)
@@ -122,9 +152,9 @@ class ModelRunner:
                 "--gpu-memory-utilization"
             )
         self.max_model_len = min(wanted_len, capacity)
-        self.num_snapshots = self.num_slots if self.speculative else 0  # a GDN state copy per slot
+        self.num_draft_rows = self.num_slots * self.num_drafts  # a GDN state row per slot and draft position
         self._allocate()
-        self.graphs: dict[tuple[int, int], _DecodeGraph] = {}
+        self.graphs: dict[tuple[int, int, int], _DecodeGraph] = {}
         self.prompt_graphs: PromptGraphs | None = None  # captured by warmup()
         self.graph_pool = None
         self.graph_batch_sizes = [1 << i for i in range(int(math.log2(self.num_slots)) + 1)]
@@ -182,7 +212,7 @@ class ModelRunner:
                 f"peak of {total / 2**30:.1f} GiB); raise --gpu-memory-utilization or lower "
                 "--max-num-batched-tokens"
             )
-        per_slot = self.slot_bytes() * (2 if self.speculative else 1)  # speculation: + a snapshot each
+        per_slot = self.slot_bytes() * (1 + self.num_drafts)  # speculation: + a state row per draft position
         if slots * per_slot > available // 2:
             fitting = max(1, available // 2 // max(per_slot, 1))
             logger.warning(
@@ -224,7 +254,7 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]
         for layer in self.gdn:
             kernel = layer.conv1d.weight.shape[1]
-            rows = self.num_slots + 1 + self.num_checkpoints + self.num_snapshots
+            rows = self.num_slots + 1 + self.num_checkpoints + self.num_draft_rows
             layer.conv_state = torch.zeros(rows, layer.conv_dim, kernel - 1, dtype=self.dtype, device=self.device)
             layer.recurrent_state = torch.zeros(
                 rows, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, dtype=torch.float32, device=self.device,
@@ -268,11 +298,11 @@ class ModelRunner:
         tokens runs one pass over all of them (piecewise graphs where a bucket fits)."""
         seqs = [seq for seq, _ in scheduled]
         self._prepare_states(seqs)
-        decodes = [seq for seq, count in scheduled if count == 1]
         logits = None
-        if self.use_graphs and len(decodes) == len(scheduled) and self._graph_fits(len(decodes)):
-            logits = self._run_graph(decodes)
-            sampled = decodes
+        if self.use_graphs and all(count == 1 for _, count in scheduled) and self._graph_fits(len(seqs)):
+            graph = self._run_graph(scheduled, 1)
+            if graph is not None:
+                logits, sampled = graph.logits[: len(seqs)], seqs
         if logits is None:
             sampled, logits = self._run_eager(scheduled)
         if self.dtype == torch.float16 and not self._overflow_warned and not bool(torch.isfinite(logits).all()):
@@ -300,37 +330,78 @@ class ModelRunner:
         rows = to_device([row for _, row in done], torch.int64, self.device)
         return [seq for seq, _ in done], self.model.compute_logits(hidden[rows])
 
+    def _is_decode(self, seq: Sequence, count: int) -> bool:
+        """A decode entry: one token, or the pending token and its drafts (speculative decoding)."""
+        return count == 1 or seq.num_computed_tokens == seq.num_tokens - 1
+
+    def _draft_row(self, seq: Sequence, position: int) -> int:
+        """The GDN state row that holds ``seq``'s state after chunk position ``position`` of a
+        verify pass (0: its pending token; the last verified position writes the slot itself)."""
+        return self.num_slots + 1 + self.num_checkpoints + seq.state_slot * self.num_drafts + position
+
+    def _decode_rows(self, entries: list[tuple[Sequence, int]], positions: int) -> _DecodeRows:
+        """The decode rows of ``entries``: ``positions`` rows per sequence, its ``count``
+        tokens then padding. Row ``j`` reads the GDN state row that row ``j - 1`` wrote (the
+        slot for ``j = 0``) and writes ``_draft_row(seq, j)``, or the slot at the sequence's
+        last token; padding rows write a scratch KV slot and state row."""
+        rows = _DecodeRows()
+        scratch_kv, scratch_state = self.num_blocks * self.block_size, self.num_slots
+        for seq, count in entries:
+            start, src = seq.num_computed_tokens, seq.state_slot
+            tokens = seq.chunk_token_ids(start, count)
+            for j in range(positions):
+                if j < count:
+                    dst = seq.state_slot if j == count - 1 else self._draft_row(seq, j)
+                    rows.ids.append(tokens[j])
+                    rows.positions.append(start + j)
+                    rows.kv_slots.append(self._slot(seq, start + j))
+                    rows.context_lens.append(start + j + 1)
+                else:
+                    dst = scratch_state
+                    rows.ids.append(0)
+                    rows.positions.append(start)
+                    rows.kv_slots.append(scratch_kv)
+                    rows.context_lens.append(1)
+                rows.state_src.append(src)
+                rows.state_dst.append(dst)
+                rows.tables.append(seq.block_table)
+                src = dst
+        return rows
+
     def _forward(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[int]]:
         """Final hidden states ``[T, hidden]`` of every scheduled token (piecewise graphs when
-        a bucket fits, else eager) and each entry's first row. On a GPU with prompt graphs
-        the tensor is a view of their buffer: valid until the next pass."""
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        prefills: list[PrefillChunk] = []
-        firsts: list[int] = []
-        decodes = [seq for seq, count in scheduled if count == 1]
+        a bucket fits, else eager) and each entry's first row. Decode entries come first, each
+        padded to the widest (speculative decoding: 1 + drafts rows); their rows follow each
+        other. On a GPU with prompt graphs the tensor is a view of their buffer: valid until
+        the next pass."""
         as_tensor = lambda values: to_device(values, torch.int64, self.device)  # noqa: E731
-        for seq, count in scheduled:
+        decoding = [i for i, (seq, count) in enumerate(scheduled) if self._is_decode(seq, count)]
+        positions_per_seq = max((scheduled[i][1] for i in decoding), default=1)
+        rows = self._decode_rows([scheduled[i] for i in decoding], positions_per_seq)
+        ids, positions, slots = rows.ids, rows.positions, rows.kv_slots
+        firsts = [0] * len(scheduled)
+        for b, i in enumerate(decoding):
+            firsts[i] = b * positions_per_seq
+        prefills: list[PrefillChunk] = []
+        for i, (seq, count) in enumerate(scheduled):
+            if i in decoding:
+                continue
             start = seq.num_computed_tokens
-            first = len(ids)
-            firsts.append(first)
+            firsts[i] = len(ids)
+            prefills.append(PrefillChunk(len(ids), count, start, as_tensor(seq.block_table), seq.state_slot))
             ids.extend(seq.chunk_token_ids(start, count))
             positions.extend(range(start, start + count))
             slots.extend(self._slot(seq, p) for p in range(start, start + count))
-            if count > 1:
-                prefills.append(
-                    PrefillChunk(first, count, start, as_tensor(seq.block_table), seq.state_slot)
-                )
         ctx = ForwardContext(slot_mapping=as_tensor(slots), prefills=prefills)
-        if decodes:
-            width = max(len(s.block_table) for s in decodes)
-            ctx.num_decodes = len(decodes)
-            ctx.decode_block_tables = as_tensor(
-                [s.block_table + [self.num_blocks] * (width - len(s.block_table)) for s in decodes]
-            )
-            ctx.decode_context_lens = as_tensor([s.num_computed_tokens + 1 for s in decodes])
-            ctx.decode_state_slots = as_tensor([s.state_slot for s in decodes])
+        if decoding:
+            width = max(len(t) for t in rows.tables)
+            ctx.num_decodes = len(rows.state_src)
+            ctx.decode_width = positions_per_seq
+            ctx.decode_block_tables = as_tensor([t + [self.num_blocks] * (width - len(t)) for t in rows.tables])
+            ctx.decode_context_lens = as_tensor(rows.context_lens)
+            ctx.decode_state_slots = as_tensor(rows.state_src)
+            if positions_per_seq > 1:
+                ctx.decode_state_dst = as_tensor(rows.state_dst)
         graphs = self.prompt_graphs
         if graphs is not None and graphs.bucket(len(ids)) is not None:
             return graphs.run(as_tensor(ids), as_tensor(positions), ctx), firsts
@@ -343,27 +414,35 @@ class ModelRunner:
     # --- speculative decoding (the MTP head drafts, the model verifies) -----------------
 
     @torch.inference_mode()
-    def run_hidden(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[int]]:
+    def run_hidden(
+        self, scheduled: list[tuple[Sequence, int]]
+    ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
         """Like :meth:`run`, but returns the final hidden states of every scheduled token
-        (``[T, hidden]``, a copy) and each entry's first row: speculative decoding verifies
-        drafts with the logits of several rows and feeds the MTP head the hidden states.
-        Before the pass the GDN states of sequences whose chunk holds drafts are saved
-        (:meth:`restore_snapshots` rolls them back when drafts are rejected)."""
+        (``[T, hidden]``, a copy), each entry's first row and, when a decode graph ran, the
+        logits of every row (else None: the caller computes the rows it needs). Speculative
+        decoding verifies drafts with the logits of several rows and feeds the MTP head the
+        hidden states. A verify chunk (pending token + drafts) leaves the GDN state after each
+        of its positions in its own row: :meth:`accept_drafts` then puts the right one in the
+        slot. A step of decode entries only replays a decode graph of ``1 + drafts`` rows per
+        sequence."""
         seqs = [seq for seq, _ in scheduled]
         self._prepare_states(seqs)
-        drafted = [s for s, count in scheduled if s.num_computed_tokens + count > s.num_tokens]
-        self._copy_states([(s.state_slot, self._snapshot_row(s)) for s in drafted])
-        hidden, firsts = self._forward(scheduled)
-        hidden = hidden.clone()
+        result = None
+        if self.use_graphs and all(self._is_decode(*entry) for entry in scheduled) and self._graph_fits(len(seqs)):
+            width = 1 if all(count == 1 for _, count in scheduled) else 1 + self.num_drafts
+            graph = self._run_graph(scheduled, width)
+            if graph is not None:
+                result = graph.hidden.clone(), [b * width for b in range(len(seqs))], graph.logits
+        if result is None:
+            hidden, firsts = self._forward(scheduled)
+            result = hidden.clone(), firsts, None
         self._save_checkpoints(seqs)
-        return hidden, firsts
+        return result
 
-    def _snapshot_row(self, seq: Sequence) -> int:
-        return self.num_slots + 1 + self.num_checkpoints + seq.state_slot
-
-    def restore_snapshots(self, seqs: list[Sequence]) -> None:
-        """Roll the GDN states of ``seqs`` back to before the last :meth:`run_hidden`."""
-        self._copy_states([(self._snapshot_row(s), s.state_slot) for s in seqs])
+    def accept_drafts(self, accepted: list[tuple[Sequence, int]]) -> None:
+        """After a verify pass: each ``(seq, k)`` kept ``k`` drafts, fewer than its chunk held,
+        so its slot gets the GDN state after the ``k``-th draft (position ``k`` of the chunk)."""
+        self._copy_states([(self._draft_row(seq, k), seq.state_slot) for seq, k in accepted])
 
     @torch.inference_mode()
     def propose(self, items: list[tuple[Sequence, int, torch.Tensor, bool]], num_drafts: int) -> list[list[int]]:
@@ -426,9 +505,10 @@ class ModelRunner:
         a batch size. A no-op without CUDA graphs."""
         if not self.use_graphs:
             return
-        for batch in self.graph_batch_sizes:
-            if not self._graph_fits(batch) or self._graph_for(batch, 1) is None:
-                break
+        for positions in [1] + ([1 + self.num_drafts] if self.num_drafts else []):
+            for batch in self.graph_batch_sizes:
+                if self._graph_for(batch, positions, 1) is None:
+                    break
         if self.use_graphs and supports_prompt_graphs(self.model):
             graphs = PromptGraphs(self.model, self.max_num_batched_tokens, self.graph_pool)
             reserved = torch.cuda.memory_reserved(self.device)
@@ -445,17 +525,17 @@ class ModelRunner:
                 )
         torch.cuda.synchronize(self.device)
 
-    def _graph_for(self, batch: int, blocks: int) -> _DecodeGraph | None:
+    def _graph_for(self, batch: int, positions: int, blocks: int) -> _DecodeGraph | None:
         bucket = next(b for b in self.graph_batch_sizes if b >= batch)
         max_width = -(-self.max_model_len // self.block_size)
         if all(layer.uses_decode_kernel() for layer in self.attention):
             width = max_width  # the kernel's work follows the context lengths, not the width
         else:  # the torch path gathers the whole width: key graphs by a power-of-two width
             width = min(next_power_of_two(max(blocks, MIN_GRAPH_BLOCKS)), next_power_of_two(max_width))
-        key = (bucket, width)
+        key = (bucket, positions, width)
         if key not in self.graphs:
             try:
-                self.graphs[key] = self._capture(bucket, width)
+                self.graphs[key] = self._capture(bucket, positions, width)
             except Exception as exc:  # stay correct: decode eagerly from now on
                 logger.warning("CUDA graph capture failed (%s); decoding without graphs", exc)
                 self.use_graphs = False
@@ -478,9 +558,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _capture(self, batch: int, width: int) -> _DecodeGraph:
+    def _capture(self, batch: int, positions: int, width: int) -> _DecodeGraph:
         graph = _DecodeGraph(
-            batch, width, self.device,
+            batch, positions, width, self.device,
             scratch_slot=self.num_blocks * self.block_size,
             scratch_block=self.num_blocks,
             scratch_state=self.num_slots,
@@ -496,7 +576,8 @@ class ModelRunner:
             torch.cuda.current_stream(self.device).wait_stream(side)
             set_context(graph.context())  # fresh: nothing computed in the warm-up is reused
             with torch.cuda.graph(graph.graph, pool=self.graph_pool), fusion.compiling():
-                graph.logits = self.model.compute_logits(self.model(graph.input_ids, graph.positions))
+                graph.hidden = self.model(graph.input_ids, graph.positions)
+                graph.logits = self.model.compute_logits(graph.hidden)
             self.graph_pool = graph.graph.pool()
         finally:
             set_context(None)
@@ -521,22 +602,18 @@ class ModelRunner:
             index = to_device([rows, cols], torch.int64, device)
             graph.block_tables[index[0], index[1]] = to_device(values, torch.int64, device)
 
-    def _run_graph(self, decodes: list[Sequence]) -> torch.Tensor | None:
-        batch = len(decodes)
-        graph = self._graph_for(batch, max(len(s.block_table) for s in decodes))
+    def _run_graph(self, entries: list[tuple[Sequence, int]], positions: int) -> _DecodeGraph | None:
+        """Replay the decode graph of ``positions`` rows per sequence for ``entries`` (decode
+        entries); returns it (its ``hidden`` and ``logits`` rows follow the entries), or None
+        when no graph could be captured."""
+        batch = len(entries)
+        graph = self._graph_for(batch, positions, max(len(s.block_table) for s, _ in entries))
         if graph is None:
             return None
-        pad = graph.batch - batch  # padding rows point at the scratch block and slot
-        positions = [s.num_computed_tokens for s in decodes]
-        columns = [
-            [s.token_ids[p] for s, p in zip(decodes, positions, strict=True)],
-            positions,
-            [self._slot(s, p) for s, p in zip(decodes, positions, strict=True)],
-            [p + 1 for p in positions],
-            [s.state_slot for s in decodes],
-        ]
-        host = [column + [value] * pad for column, value in zip(columns, graph.scratch, strict=True)]
+        rows = self._decode_rows(entries, positions)
+        pad = (graph.batch - batch) * positions  # padding rows point at the scratch block and slot
+        host = [column + [value] * pad for column, value in zip(rows.columns(), graph.scratch, strict=True)]
         graph.inputs.copy_(to_device(host, torch.int64, graph.inputs.device))
-        self._update_tables(graph, [s.block_table for s in decodes] + [[self.num_blocks]] * pad)
+        self._update_tables(graph, rows.tables + [[self.num_blocks]] * pad)
         graph.graph.replay()
-        return graph.logits[:batch]
+        return graph

@@ -89,9 +89,10 @@ class Sequence:
     def chunk_token_ids(self, start: int, count: int) -> list[int]:
         """Token ids at positions ``start .. start + count - 1``, drafts following the sequence."""
         end = start + count
-        if end <= len(self.token_ids):
+        n = len(self.token_ids)
+        if end <= n:
             return self.token_ids[start:end]
-        return (self.token_ids + self.draft_token_ids)[start:end]
+        return self.token_ids[start:] + self.draft_token_ids[max(0, start - n) : end - n]
 
     def __repr__(self) -> str:
         return (

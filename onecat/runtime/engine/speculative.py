@@ -19,11 +19,14 @@ Requests that ask for what a verify step does not reproduce per position (penalt
 logit_bias, logits processors such as a JSON grammar, logprobs, min_tokens) decode without
 drafts, in the same batches.
 
-Gated DeltaNet layers carry a recurrent state that a rejected draft has already updated: the
-runner saves each drafted sequence's states before the verify pass and restores them when a
-draft is rejected; the sequence then recomputes its accepted tokens at the start of its next
-chunk (beside the next drafts, so no extra pass). The MTP head's own KV cache lives in one
-more attention layer of the paged cache, at the sequence's positions.
+A verify chunk runs as decode rows, one per position (its pending token, then the drafts):
+attention treats each row as a sequence ending at its position, and Gated DeltaNet runs the
+positions one after another, each writing its state to a row of its own (N rows per slot;
+the last position writes the slot). When drafts are rejected the runner copies the state
+after the last kept position into the slot (``ModelRunner.accept_drafts``): nothing is
+recomputed, and the KV written past it is overwritten by later steps. A step of decode and
+verify chunks only replays a decode CUDA graph of 1 + N rows per sequence. The MTP head's own
+KV cache lives in one more attention layer of the paged cache, at the sequence's positions.
 """
 
 from __future__ import annotations

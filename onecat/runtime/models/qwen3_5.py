@@ -18,7 +18,7 @@ from torch import nn
 from onecat.kernels import gdn as gdn_kernel
 from onecat.kernels import gdn_prefill
 from onecat.kernels.moe import moe_route
-from onecat.runtime.context import PrefillChunk, get_context
+from onecat.runtime.context import ForwardContext, PrefillChunk, get_context
 from onecat.runtime.distributed.parallel_state import all_reduce
 from onecat.runtime.layers.attention import PagedAttention
 from onecat.runtime.layers.causal_conv import causal_conv1d_chunk, causal_conv1d_step
@@ -221,14 +221,42 @@ class GatedDeltaNet(nn.Module):
             self.conv_state.index_copy_(0, slots, conv.to(self.conv_state.dtype))
             self.recurrent_state.index_copy_(0, slots, rec)
 
-    def _decode_in_place(self, mixed: torch.Tensor, ba: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def _decode_in_place(self, mixed: torch.Tensor, ba: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
         """Decode tokens on the GPU: conv step, then the sm_70 delta-rule kernel, which
-        updates the recurrent states in their slots (no gather and scatter of 64 KB per head)."""
-        conv_out, conv_state = conv_step(mixed, self.conv_state, slots, self.conv1d.weight)
-        self.conv_state.index_copy_(0, slots, conv_state)
+        reads the recurrent states from rows ``src`` and writes them to rows ``dst`` (no
+        gather and scatter of 64 KB per head)."""
+        conv_out, conv_state = conv_step(mixed, self.conv_state, src, self.conv1d.weight)
+        self.conv_state.index_copy_(0, dst, conv_state)
         return gdn_kernel.gated_delta_rule_decode_(
-            conv_out, ba, self.A_log, self.dt_bias, self.recurrent_state, slots, self.num_k_heads
+            conv_out, ba, self.A_log, self.dt_bias, self.recurrent_state, src, self.num_k_heads, dst_slots=dst
         )
+
+    def _decode(self, mixed: torch.Tensor, ba: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        """One decode token per row, states read from rows ``src`` and written to ``dst``."""
+        if mixed.is_cuda and self.conv_state.numel() and gdn_kernel.supports(self.head_k_dim, self.head_v_dim, mixed.dtype):
+            return self._decode_in_place(mixed, ba, src, dst)
+        b, a = ba.split(self.num_v_heads, dim=-1)
+        dims = (self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim)
+        out, conv_state, rec_state = gated_deltanet_decode(
+            mixed, b, a, self.conv_state, self.recurrent_state, src,
+            self.conv1d.weight, self.A_log, self.dt_bias, *dims,
+        )
+        self._save_states(dst, conv_state, rec_state)
+        return out
+
+    def _decode_rows(self, mixed: torch.Tensor, ba: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The step's decode rows: with ``decode_width`` rows per sequence (speculative
+        decoding), position by position, each reading the state rows the previous one wrote."""
+        n, width = ctx.num_decodes, ctx.decode_width
+        src = ctx.decode_state_slots
+        dst = src if ctx.decode_state_dst is None else ctx.decode_state_dst
+        if width == 1:
+            return self._decode(mixed[:n], ba[:n], src, dst)
+        outputs = [
+            self._decode(mixed[j:n:width], ba[j:n:width], src[j::width].contiguous(), dst[j::width].contiguous())
+            for j in range(width)
+        ]
+        return torch.stack(outputs, dim=1).reshape(n, *outputs[0].shape[1:])
 
     def project(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """Token-wise part before the core: ((mixed, ba), (z,)) of ``x [T, hidden]``
@@ -241,20 +269,9 @@ class GatedDeltaNet(nn.Module):
         slots: the core output ``[T, Hv, dv]`` before the gated norm."""
         ctx = get_context()
         b, a = ba.split(self.num_v_heads, dim=-1)
-        dims = (self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim)
         outputs = []
         if ctx.num_decodes:
-            n = ctx.num_decodes
-            slots = ctx.decode_state_slots
-            if mixed.is_cuda and self.conv_state.numel() and gdn_kernel.supports(self.head_k_dim, self.head_v_dim, mixed.dtype):
-                outputs.append(self._decode_in_place(mixed[:n], ba[:n], slots))
-            else:
-                out, conv_state, rec_state = gated_deltanet_decode(
-                    mixed[:n], b[:n], a[:n], self.conv_state, self.recurrent_state, slots,
-                    self.conv1d.weight, self.A_log, self.dt_bias, *dims,
-                )
-                self._save_states(slots, conv_state, rec_state)
-                outputs.append(out)
+            outputs.append(self._decode_rows(mixed, ba, ctx))
         if ctx.prefills and mixed.is_cuda and gdn_prefill.supports(
             self.head_k_dim, self.head_v_dim, self.conv1d.weight.shape[1], mixed.dtype
         ):
