@@ -4,7 +4,6 @@ reference models with the same (dequantised) weights, and an engine logit record
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import shutil
 from collections import defaultdict
@@ -208,12 +207,9 @@ class _FakeStream:
 
 def emulate_graphs(monkeypatch, engine) -> None:
     """Make ``engine``'s runner use CUDA-graph decode on CPU: its real capture (static
-    buffers, padding rows, buckets) with a "replay" that runs the captured forward again on
-    the static buffers in the capture's context."""
+    buffers, padding rows, buckets) with a "replay" that runs the forward again on the static
+    buffers in the graph's context (and, after a verify graph, the MTP drafting again)."""
     runner = engine.runner
-    contexts = []
-    real_set = model_runner.set_context
-    monkeypatch.setattr(model_runner, "set_context", lambda c: (contexts.append(c), real_set(c))[1])
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _Replay)
     monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream())
@@ -223,17 +219,19 @@ def emulate_graphs(monkeypatch, engine) -> None:
 
     def capture(batch: int, positions: int, width: int):
         graph = real_capture(batch, positions, width)
-        ctx = [c for c in contexts if c is not None][-1]
 
-        def replay():  # device-side work recomputes per replay: drop what the capture cached
-            real_set(dataclasses.replace(ctx, decode_kv_mask=None))
+        def replay():  # device-side work recomputes per replay: nothing cached from the capture
+            model_runner.set_context(graph.context())
             try:
                 graph.hidden.copy_(runner.model(graph.input_ids, graph.positions))
                 graph.logits.copy_(runner.model.compute_logits(graph.hidden))
             finally:
-                real_set(None)
+                model_runner.set_context(None)
 
         graph.graph = _Replay(replay)
+        if graph.draft is not None:
+            draft = graph.draft
+            draft.graph = _Replay(lambda: draft.drafts.copy_(draft.forward()))
         return graph
 
     monkeypatch.setattr(runner, "_capture", capture)

@@ -77,8 +77,9 @@ def test_speculation_with_chunked_prompts_and_preemption_keeps_greedy_tokens():
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
 def test_verify_graphs_keep_greedy_tokens(family, monkeypatch):
-    """Verify steps replay (CPU-emulated) decode graphs of 1 + N rows per sequence: padding
-    rows, the per-position GDN state rows and the state put back after a rejection."""
+    """Verify steps replay (CPU-emulated) decode graphs of 1 + N rows per sequence (padding
+    rows, the per-position GDN state rows, the state put back after a rejection), and the MTP
+    head drafts in the draft graph that follows them."""
     params = SamplingParams(max_tokens=32, temperature=0.0)
     plain = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2)
     reference = _run(_engine(family, None), params, plain)
@@ -87,8 +88,12 @@ def test_verify_graphs_keep_greedy_tokens(family, monkeypatch):
     calls = []
     accept_drafts = engine.runner.accept_drafts
     monkeypatch.setattr(engine.runner, "accept_drafts", lambda pairs: (calls.append(pairs), accept_drafts(pairs)))
+    drafted = []
+    with_graph = engine.runner._propose_with_graph
+    monkeypatch.setattr(engine.runner, "_propose_with_graph", lambda *a: drafted.append(with_graph(*a)) or drafted[-1])
     assert _run(engine, params, plain) == reference
     assert 4 in {key[1] for key in engine.runner.graphs}  # verify graphs of 1 + 3 rows ran
+    assert any(d is not None for d in drafted), "the draft graph never ran"
     assert any(calls), "no draft was rejected: the roll-back went untested"
     assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
 

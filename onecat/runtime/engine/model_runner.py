@@ -43,6 +43,7 @@ from onecat.kernels.workspace import to_device
 from onecat.runtime.config import EngineConfig
 from onecat.runtime.context import ForwardContext, PrefillChunk, set_context
 from onecat.runtime.distributed.parallel_state import min_over_ranks
+from onecat.runtime.engine.draft_graph import DraftGraph
 from onecat.runtime.engine.prompt_graphs import PromptGraphs, supports_prompt_graphs
 from onecat.runtime.engine.sequence import Sequence
 from onecat.runtime.engine.speculative import SpeculativeConfig
@@ -108,6 +109,7 @@ class _DecodeGraph:
         self.graph = torch.cuda.CUDAGraph()
         self.hidden: torch.Tensor | None = None
         self.logits: torch.Tensor | None = None
+        self.draft: DraftGraph | None = None  # speculative decoding: the MTP drafting after this graph
 
     def context(self) -> ForwardContext:
         return ForwardContext(
@@ -161,6 +163,7 @@ class ModelRunner:
         if self.graph_batch_sizes[-1] < self.num_slots:
             self.graph_batch_sizes.append(self.num_slots)
         self._overflow_warned = False
+        self._verified: tuple[_DecodeGraph, list[Sequence]] | None = None  # the last verify graph and its sequences
 
     # --- memory ------------------------------------------------------------------------
 
@@ -427,12 +430,13 @@ class ModelRunner:
         sequence."""
         seqs = [seq for seq, _ in scheduled]
         self._prepare_states(seqs)
-        result = None
+        result, self._verified = None, None
         if self.use_graphs and all(self._is_decode(*entry) for entry in scheduled) and self._graph_fits(len(seqs)):
             width = 1 if all(count == 1 for _, count in scheduled) else 1 + self.num_drafts
             graph = self._run_graph(scheduled, width)
             if graph is not None:
                 result = graph.hidden.clone(), [b * width for b in range(len(seqs))], graph.logits
+                self._verified = (graph, seqs) if graph.draft is not None else None
         if result is None:
             hidden, firsts = self._forward(scheduled)
             result = hidden.clone(), firsts, None
@@ -454,7 +458,11 @@ class ModelRunner:
         KV cache there; if ``draft``, the last position's output yields the first draft and
         ``num_drafts - 1`` more steps feed the head its own output and draft. The sequence's
         blocks must cover ``start + n - 1 + num_drafts`` tokens. Returns the drafts per item
-        (empty where ``draft`` is False)."""
+        (empty where ``draft`` is False). After a verify graph, its draft graph does it all
+        (``draft_graph.py``)."""
+        drafts = self._propose_with_graph(items, num_drafts)
+        if drafts is not None:
+            return drafts
         embed = self.model.model.embed_tokens
         as_tensor = lambda values: to_device(values, torch.int64, self.device)  # noqa: E731
         chunks = [(seq, list(range(start, start + h.shape[0]))) for seq, start, h, _ in items]
@@ -479,6 +487,38 @@ class ModelRunner:
         for i, tokens in zip(active, torch.stack(steps, dim=1).tolist(), strict=True):
             drafts[i] = tokens
         return drafts
+
+    def _propose_with_graph(
+        self, items: list[tuple[Sequence, int, torch.Tensor, bool]], num_drafts: int
+    ) -> list[list[int]] | None:
+        """:meth:`propose` by replaying the draft graph of the verify graph that just ran, when
+        every item is one of its sequences; else None."""
+        verified, self._verified = self._verified, None
+        if verified is None or num_drafts != self.num_drafts:
+            return None
+        graph, seqs = verified
+        index = {id(seq): b for b, seq in enumerate(seqs)}
+        if any(id(item[0]) not in index for item in items):
+            return None
+        by_batch = {index[id(item[0])]: item for item in items}
+        sequences = []
+        for b, seq in enumerate(seqs):
+            item = by_batch.get(b)
+            if item is None:  # finished or not drafting: scratch rows
+                sequences.append(([], 0, []))
+                continue
+            _, start, hidden, draft = item
+            kept = hidden.shape[0]
+            rows = [(seq.token_ids[p + 1], p, self._slot(seq, p), p + 1) for p in range(start, start + kept)]
+            last = start + kept - 1
+            chain = [(p, self._slot(seq, p), p + 1) for p in range(last + 1, last + num_drafts)] if draft else []
+            sequences.append((rows, kept - 1, chain))
+        draft = graph.draft
+        pad = graph.batch - len(seqs)
+        tables = [seq.block_table for seq in seqs for _ in range(draft.positions_per_seq)]
+        self._update_tables(graph, tables + [[self.num_blocks]] * (pad * draft.positions_per_seq))
+        drafts = draft.run(draft.host_inputs(sequences))
+        return [drafts[index[id(item[0])]] if item[3] else [] for item in items]
 
     def _run_mtp(
         self, chunks: list[tuple[Sequence, list[int]]], next_ids: torch.Tensor, hidden: torch.Tensor, embed: torch.nn.Module
@@ -549,6 +589,8 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         for graph in self.graphs.values():
             graph.graph.reset()
+            if graph.draft is not None:
+                graph.draft.graph.reset()
         self.graphs.clear()
         if self.prompt_graphs is not None:
             self.prompt_graphs.release()
@@ -581,6 +623,10 @@ class ModelRunner:
             self.graph_pool = graph.graph.pool()
         finally:
             set_context(None)
+        if positions > 1 and self.model.mtp is not None:
+            graph.draft = DraftGraph(self.model, graph.hidden, graph.block_tables, batch, positions,
+                                     self.num_drafts, scratch_slot=self.num_blocks * self.block_size)
+            graph.draft.capture(self.graph_pool)
         return graph
 
     @staticmethod
