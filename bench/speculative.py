@@ -122,6 +122,24 @@ def step_split(engine: LLMEngine, prompts: list[list[int]], args: argparse.Names
     return {f"{name}_ms": round(1e3 * sum(t[2:]) / max(1, len(t) - 2), 2) for name, t in spent.items()}
 
 
+def host_profile(engine: LLMEngine, prompts: list[list[int]], args: argparse.Namespace) -> None:
+    """Print where the host's time goes over one more run (cProfile, top functions by own time)."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    generate(engine, prompts, args.max_tokens, args.device)
+    profile.disable()
+    pstats.Stats(profile).sort_stats("tottime").print_stats(18)
+    if args.device.startswith("cuda"):  # and the GPU kernels of one more run
+        from torch.profiler import ProfilerActivity, profile as kernel_profile
+
+        with kernel_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            generate(engine, prompts, args.max_tokens, args.device)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+
+
 def bench_random(args: argparse.Namespace) -> dict:
     import e2e  # bench/e2e.py: shapes and random packed weights
 
@@ -167,6 +185,8 @@ def bench_random(args: argparse.Namespace) -> dict:
                    **step_split(spec, prompts[:1], args)}
             report["runs"].append(run)
             print(json.dumps(run), flush=True)
+            if n in args.host_profile:
+                host_profile(spec, prompts[:1], args)
             del spec
     finally:
         llm_engine.accept = real_accept
@@ -182,10 +202,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=48)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--accept", type=int, default=2, help="forced accepted drafts per step (random models)")
+    parser.add_argument("--host-profile", default="", help="draft counts to profile the host of (cProfile), e.g. 3")
     parser.add_argument("--layers", type=int, default=None, help="fewer layers (random models, smoke runs)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     args.drafts = [int(n) for n in args.drafts.split(",")]
+    args.host_profile = [int(n) for n in args.host_profile.split(",") if n]
     report = bench_trained(args) if args.model.startswith("qwen3_5") else bench_random(args)
     if args.out:
         with open(args.out, "w") as f:

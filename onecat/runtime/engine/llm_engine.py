@@ -16,6 +16,7 @@ import torch
 
 from onecat.errors import OnecatError
 from onecat.formats.files import contained_file
+from onecat.kernels.workspace import to_device
 from onecat.runtime.config import EngineConfig
 from onecat.runtime.engine.block_manager import BlockManager, StateCheckpoints, StateSlotPool
 from onecat.runtime.engine.detokenizer import IncrementalDetokenizer
@@ -314,7 +315,7 @@ class LLMEngine:
             rows.extend(range(first + count - 1 - verified[-1], first + count))
         logits = None
         if rows:
-            index = torch.tensor(rows, device=hidden.device)
+            index = to_device(rows, torch.int64, hidden.device)
             logits = all_logits[index] if all_logits is not None else self.runner.model.compute_logits(hidden[index])
         argmax = logits.argmax(dim=-1).tolist() if logits is not None else []  # greedy rows: one read
         # index -> (tokens to append, chunk start, logprobs of the first), or what failed

@@ -255,13 +255,20 @@ class ModelRunner:
         )
         for i, layer in enumerate(self.attention):
             layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]
+        # the GDN states of all layers of one shape live in one tensor (layer first), so that
+        # copying or zeroing rows is a few launches whatever the depth
+        rows = self.num_slots + 1 + self.num_checkpoints + self.num_draft_rows
+        by_shape: dict[tuple[int, ...], list[GatedDeltaNet]] = {}
         for layer in self.gdn:
-            kernel = layer.conv1d.weight.shape[1]
-            rows = self.num_slots + 1 + self.num_checkpoints + self.num_draft_rows
-            layer.conv_state = torch.zeros(rows, layer.conv_dim, kernel - 1, dtype=self.dtype, device=self.device)
-            layer.recurrent_state = torch.zeros(
-                rows, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, dtype=torch.float32, device=self.device,
-            )
+            shape = (layer.conv_dim, layer.conv1d.weight.shape[1] - 1, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim)
+            by_shape.setdefault(shape, []).append(layer)
+        self.state_groups: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for (conv_dim, taps, heads, dk, dv), layers in by_shape.items():
+            conv = torch.zeros(len(layers), rows, conv_dim, taps, dtype=self.dtype, device=self.device)
+            rec = torch.zeros(len(layers), rows, heads, dk, dv, dtype=torch.float32, device=self.device)
+            for i, layer in enumerate(layers):
+                layer.conv_state, layer.recurrent_state = conv[i], rec[i]
+            self.state_groups.append((conv, rec))
 
     # --- running a batch ---------------------------------------------------------------
 
@@ -270,9 +277,9 @@ class ModelRunner:
         if not fresh:
             return
         index = to_device(fresh, torch.int64, self.device)
-        for layer in self.gdn:
-            layer.conv_state.index_fill_(0, index, 0)
-            layer.recurrent_state.index_fill_(0, index, 0)
+        for conv, rec in self.state_groups:
+            conv.index_fill_(1, index, 0)
+            rec.index_fill_(1, index, 0)
         for s in seqs:
             s.fresh_slot = False
 
@@ -282,9 +289,9 @@ class ModelRunner:
             return
         src = to_device([p[0] for p in pairs], torch.int64, self.device)
         dst = to_device([p[1] for p in pairs], torch.int64, self.device)
-        for layer in self.gdn:
-            layer.conv_state.index_copy_(0, dst, layer.conv_state.index_select(0, src))
-            layer.recurrent_state.index_copy_(0, dst, layer.recurrent_state.index_select(0, src))
+        for conv, rec in self.state_groups:
+            conv.index_copy_(1, dst, conv.index_select(1, src))
+            rec.index_copy_(1, dst, rec.index_select(1, src))
 
     def _slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
