@@ -133,7 +133,8 @@ def host_profile(engine: LLMEngine, prompts: list[list[int]], args: argparse.Nam
     profile.disable()
     pstats.Stats(profile).sort_stats("tottime").print_stats(18)
     if args.device.startswith("cuda"):  # and the GPU kernels of one more run
-        from torch.profiler import ProfilerActivity, profile as kernel_profile
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as kernel_profile
 
         with kernel_profile(activities=[ProfilerActivity.CUDA]) as prof:
             generate(engine, prompts, args.max_tokens, args.device)
