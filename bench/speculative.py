@@ -47,20 +47,27 @@ def heldout_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
     return prompts
 
 
-def generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, device: str) -> tuple[list[list[int]], float]:
-    """Greedy continuations, one request at a time (batch 1); (tokens, seconds)."""
+def generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, device: str) -> tuple[list[list[int]], float, float]:
+    """Greedy continuations, one request at a time (batch 1): (tokens, seconds, decode
+    seconds). Decode seconds run from each request's first token to its last (time per
+    output token after the first, as TPOT): the prompt's prefill is not in them."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     outputs = []
+    decode = 0.0
     sync(device)
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         engine.add_request(f"p{i}", prompt, params)
-        tokens = []
+        tokens: list[int] = []
+        first = None
         while engine.has_unfinished_requests():
             tokens += [t for out in engine.step() for t in out.new_token_ids]
+            if first is None and tokens:
+                first = time.perf_counter()
         outputs.append(tokens)
+        decode += time.perf_counter() - first
     sync(device)
-    return outputs, time.perf_counter() - start
+    return outputs, time.perf_counter() - start, decode
 
 
 def bench_trained(args: argparse.Namespace) -> dict:
@@ -72,7 +79,7 @@ def bench_trained(args: argparse.Namespace) -> dict:
     plain = engine(None)
     prompts = heldout_prompts(plain.tokenizer, args.prompts, args.prompt_len)
     generate(plain, prompts[:1], 4, args.device)  # warm-up
-    reference, plain_s = generate(plain, prompts, args.max_tokens, args.device)
+    reference, plain_s, _ = generate(plain, prompts, args.max_tokens, args.device)
     report = {"model": args.model, "device": args.device, "prompts": len(prompts), "max_tokens": args.max_tokens,
               "plain_tok_s": len(prompts) * args.max_tokens / plain_s, "runs": []}
     print(f"{args.model}: plain decoding {report['plain_tok_s']:.1f} tok/s", flush=True)
@@ -80,7 +87,7 @@ def bench_trained(args: argparse.Namespace) -> dict:
         spec = engine(n)
         generate(spec, prompts[:1], 4, args.device)
         before = spec.stats()
-        outputs, seconds = generate(spec, prompts, args.max_tokens, args.device)
+        outputs, seconds, _ = generate(spec, prompts, args.max_tokens, args.device)
         stats = spec.stats()
         drafts = stats["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
         accepted = stats["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
@@ -164,10 +171,13 @@ def bench_random(args: argparse.Namespace) -> dict:
         return LLMEngine.from_model(config, model)
 
     plain = engine(None)
-    generate(plain, prompts[:1], 8, args.device)
-    _, plain_s = generate(plain, prompts, args.max_tokens, args.device)
+    generate(plain, prompts, 8, args.device)  # warm-up
+    _, plain_s, plain_decode = generate(plain, prompts, args.max_tokens, args.device)
+    decode_tokens = len(prompts) * (args.max_tokens - 1)
     report["plain_tok_s"] = len(prompts) * args.max_tokens / plain_s
-    print(f"{args.model}: plain batch-1 decode {report['plain_tok_s']:.1f} tok/s", flush=True)
+    report["plain_decode_tok_s"] = decode_tokens / plain_decode
+    print(f"{args.model}: plain batch 1: {report['plain_tok_s']:.1f} tok/s with prefill, "
+          f"{report['plain_decode_tok_s']:.1f} tok/s decode", flush=True)
     del plain
     real_accept = llm_engine.accept
 
@@ -179,10 +189,11 @@ def bench_random(args: argparse.Namespace) -> dict:
     try:
         for n in args.drafts:
             spec = engine(n)
-            generate(spec, prompts[:1], 8, args.device)
-            _, seconds = generate(spec, prompts, args.max_tokens, args.device)
+            generate(spec, prompts, 8, args.device)  # warm-up
+            _, seconds, decode = generate(spec, prompts, args.max_tokens, args.device)
             run = {"drafts": n, "accepted_per_step": min(args.accept, n),
                    "tok_s": len(prompts) * args.max_tokens / seconds, "speedup": plain_s / seconds,
+                   "decode_tok_s": decode_tokens / decode, "decode_speedup": plain_decode / decode,
                    **step_split(spec, prompts[:1], args)}
             report["runs"].append(run)
             print(json.dumps(run), flush=True)

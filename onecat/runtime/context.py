@@ -38,8 +38,9 @@ class ForwardContext:
     num_decodes: int = 0
     decode_block_tables: torch.Tensor | None = None  # int64 [B, blocks]
     decode_context_lens: torch.Tensor | None = None  # int64 [B]: tokens incl. the new one
-    decode_state_slots: torch.Tensor | None = None  # int64 [B]: GDN state row each decode row reads
-    decode_state_dst: torch.Tensor | None = None  # int64 [B]: the row it writes (None: the one it reads)
+    decode_state_slots: torch.Tensor | None = None  # int64 [B]: GDN state row each decode row reads (*)
+    decode_state_dst: torch.Tensor | None = None  # int64 [B]: the row it writes (None: the one it reads) (*)
+    # (*) with decode_width > 1, ordered position by position: all sequences' first rows, then their second...
     decode_width: int = 1  # decode rows per sequence (speculative decoding: 1 + drafts, padded)
     prefills: list[PrefillChunk] = field(default_factory=list)
     capturing_graph: bool = False  # CUDA-graph warm-up or capture: no reads of device data on the host

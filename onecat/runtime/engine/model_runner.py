@@ -85,6 +85,12 @@ class _DecodeRows:
         return [self.ids, self.positions, self.kv_slots, self.context_lens, self.state_src, self.state_dst]
 
 
+def position_major(values: list[int], positions: int) -> list[int]:
+    """Rows of ``positions`` per sequence (sequence by sequence) reordered position by
+    position: how the GDN state rows are laid out (each position's rows contiguous)."""
+    return [v for j in range(positions) for v in values[j::positions]]
+
+
 class _DecodeGraph:
     """One captured decode step: static inputs, the graph, its hidden states and logits.
 
@@ -409,9 +415,9 @@ class ModelRunner:
             ctx.decode_width = positions_per_seq
             ctx.decode_block_tables = as_tensor([t + [self.num_blocks] * (width - len(t)) for t in rows.tables])
             ctx.decode_context_lens = as_tensor(rows.context_lens)
-            ctx.decode_state_slots = as_tensor(rows.state_src)
+            ctx.decode_state_slots = as_tensor(position_major(rows.state_src, positions_per_seq))
             if positions_per_seq > 1:
-                ctx.decode_state_dst = as_tensor(rows.state_dst)
+                ctx.decode_state_dst = as_tensor(position_major(rows.state_dst, positions_per_seq))
         graphs = self.prompt_graphs
         if graphs is not None and graphs.bucket(len(ids)) is not None:
             return graphs.run(as_tensor(ids), as_tensor(positions), ctx), firsts
@@ -666,6 +672,7 @@ class ModelRunner:
         rows = self._decode_rows(entries, positions)
         pad = (graph.batch - batch) * positions  # padding rows point at the scratch block and slot
         host = [column + [value] * pad for column, value in zip(rows.columns(), graph.scratch, strict=True)]
+        host[4:] = [position_major(column, positions) for column in host[4:]]  # GDN state rows
         graph.inputs.copy_(to_device(host, torch.int64, graph.inputs.device))
         self._update_tables(graph, rows.tables + [[self.num_blocks]] * pad)
         graph.graph.replay()

@@ -252,8 +252,10 @@ class GatedDeltaNet(nn.Module):
         dst = src if ctx.decode_state_dst is None else ctx.decode_state_dst
         if width == 1:
             return self._decode(mixed[:n], ba[:n], src, dst)
+        batch = n // width  # rows are sequence by sequence, state rows position by position
         outputs = [
-            self._decode(mixed[j:n:width], ba[j:n:width], src[j::width].contiguous(), dst[j::width].contiguous())
+            self._decode(mixed[j:n:width], ba[j:n:width], src[j * batch : (j + 1) * batch],
+                         dst[j * batch : (j + 1) * batch])
             for j in range(width)
         ]
         return torch.stack(outputs, dim=1).reshape(n, *outputs[0].shape[1:])
