@@ -113,6 +113,33 @@ def test_gdn_decode_writes_to_destination_slots():
     assert (err <= 4e-3 * ref_o.abs() + 2e-3 * ref_o.pow(2).mean().sqrt()).all()
 
 
+@pytest.mark.parametrize("batch, positions", [(1, 4), (3, 3), (2, 5)])
+def test_gdn_decode_runs_positions_in_order(batch, positions):
+    """A verify pass: P tokens per sequence in one launch, the state after each written to
+    its own row (position by position), the outputs those of P single steps in fp64."""
+    from onecat.kernels.gdn import gated_delta_rule_decode_
+
+    num_k_heads, num_v_heads, dv = 4, 8, 128
+    rows = batch * positions
+    mixed, ba, A_log, dt_bias, state, _ = random_inputs(rows, num_k_heads, num_v_heads, dv, 40, 3 + positions)
+    slots = torch.arange(batch, device="cuda") * 2
+    dst = torch.arange(positions * batch, device="cuda") + 2 * batch  # [P, B] flattened: fresh rows
+    before = state.clone()
+    out = torch.full((rows, num_v_heads, dv), float("nan"), dtype=torch.float16, device="cuda")
+    gated_delta_rule_decode_(mixed, ba, A_log, dt_bias, state, slots, num_k_heads, out=out, dst_slots=dst,
+                             positions=positions)
+    torch.cuda.synchronize()
+    ref_state = before[slots]
+    for p in range(positions):
+        token = torch.arange(batch, device="cuda") * positions + p
+        ref_o, ref_state = reference(mixed[token], ba[token], A_log, dt_bias, ref_state, num_k_heads, num_v_heads, dv)
+        got = state[dst[p * batch : (p + 1) * batch]].double()
+        assert (got - ref_state).abs().max() / ref_state.abs().max() <= 1e-5, f"state after position {p}"
+        err = (out[token].double() - ref_o).abs()
+        assert (err <= 4e-3 * ref_o.abs() + 2e-3 * ref_o.pow(2).mean().sqrt()).all(), f"output at position {p}"
+    assert torch.equal(state[slots], before[slots]), "the source slots changed"
+
+
 def test_gdn_decode_rejects_what_it_cannot_run():
     from onecat.errors import OnecatError
     from onecat.kernels.gdn import gated_delta_rule_decode_

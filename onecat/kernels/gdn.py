@@ -33,19 +33,23 @@ def gated_delta_rule_decode_(
     num_k_heads: int,
     out: torch.Tensor | None = None,
     dst_slots: torch.Tensor | None = None,
+    positions: int = 1,
 ) -> torch.Tensor:
-    """One decode token of ``B`` sequences; updates ``state[slots]`` in place, or writes the
-    new states to ``state[dst_slots]`` when given (int64 ``[B]``; rows that no other row of
-    the call reads).
+    """``positions`` consecutive tokens of each of ``B`` sequences (rows ``b * positions + p``);
+    updates ``state[slots]`` in place, or, when ``dst_slots`` is given (int64 ``[positions,
+    B]`` flattened, position by position), writes the state after token ``p`` of sequence
+    ``b`` to ``state[dst_slots[p * B + b]]`` (rows that no other sequence reads).
 
-    ``mixed`` fp16 ``[B, >= 2*Hk*128 + Hv*dv]`` (the short conv's output: q | k | v, rows
-    may be strided), ``ba`` fp16 ``[B, >= 2*Hv]`` (b | a), ``A_log`` and ``dt_bias`` fp32
+    ``mixed`` fp16 ``[B*P, >= 2*Hk*128 + Hv*dv]`` (the short conv's output: q | k | v, rows
+    may be strided), ``ba`` fp16 ``[B*P, >= 2*Hv]`` (b | a), ``A_log`` and ``dt_bias`` fp32
     ``[Hv]``, ``state`` fp32 ``[slots, Hv, 128, dv]`` contiguous, ``slots`` int64 ``[B]``.
-    Returns ``o [B, Hv, dv]`` fp16, written into ``out`` when given (tests poison it). The
-    math is ``gated_delta_rule_step`` with ``decay_and_rate`` (see ``gdn_decode.cu``).
+    Returns ``o [B*P, Hv, dv]`` fp16, written into ``out`` when given (tests poison it). The
+    math is ``gated_delta_rule_step`` with ``decay_and_rate``, token after token (see
+    ``gdn_decode.cu``).
     """
     where = "onecat.kernels.gdn.gated_delta_rule_decode_"
-    batch = mixed.shape[0]
+    rows = mixed.shape[0]
+    batch = rows // max(positions, 1)
     _, num_v_heads, head_k_dim, head_v_dim = state.shape
     if not supports(head_k_dim, head_v_dim, mixed.dtype) or num_v_heads % num_k_heads:
         raise OnecatError(
@@ -56,7 +60,8 @@ def gated_delta_rule_decode_(
     width = 2 * num_k_heads * head_k_dim + num_v_heads * head_v_dim
     checks = [
         ("mixed", mixed.dim() == 2 and mixed.shape[1] >= width and mixed.stride(1) == 1),
-        ("ba", ba.dtype == torch.float16 and ba.shape[0] == batch and ba.shape[1] >= 2 * num_v_heads
+        ("positions", positions >= 1 and rows == batch * positions),
+        ("ba", ba.dtype == torch.float16 and ba.shape[0] == rows and ba.shape[1] >= 2 * num_v_heads
          and ba.stride(1) == 1),
         ("A_log", A_log.dtype == torch.float32 and A_log.is_contiguous() and A_log.numel() == num_v_heads),
         ("dt_bias", dt_bias.dtype == torch.float32 and dt_bias.is_contiguous()
@@ -64,14 +69,16 @@ def gated_delta_rule_decode_(
         ("state", state.dtype == torch.float32 and state.is_contiguous()),
         ("slots", slots.dtype == torch.int64 and slots.is_contiguous() and slots.numel() == batch),
     ]
+    if dst_slots is None and positions > 1:
+        raise OnecatError(f"{where}: several positions per sequence need dst_slots (one row per position)")
     dst_slots = slots if dst_slots is None else dst_slots
     checks.append(("dst_slots", dst_slots.dtype == torch.int64 and dst_slots.is_contiguous()
-                   and dst_slots.numel() == batch))
+                   and dst_slots.numel() == rows))
     for name, ok in checks:
         if not ok:
             raise OnecatError(f"{where}: {name} has the wrong dtype, shape or layout (see the docstring)")
     if out is None:
-        out = torch.empty(batch, num_v_heads, head_v_dim, dtype=torch.float16, device=mixed.device)
+        out = torch.empty(rows, num_v_heads, head_v_dim, dtype=torch.float16, device=mixed.device)
     if batch == 0:
         return out
     device_index = mixed.device.index if mixed.device.index is not None else torch.cuda.current_device()
@@ -83,6 +90,7 @@ def gated_delta_rule_decode_(
         ctypes.c_void_p(state.data_ptr()), ctypes.c_void_p(slots.data_ptr()),
         ctypes.c_void_p(dst_slots.data_ptr()), ctypes.c_void_p(out.data_ptr()),
         ctypes.c_int(num_k_heads), ctypes.c_int(num_v_heads), ctypes.c_int(head_v_dim),
+        ctypes.c_int(positions),
     ]  # fmt: skip
     stream = torch.cuda.current_stream(mixed.device).cuda_stream
     kernel.launch((head_v_dim // _COLUMNS, num_v_heads, batch), 32 * 4, stream, args)

@@ -231,9 +231,14 @@ class GatedDeltaNet(nn.Module):
             conv_out, ba, self.A_log, self.dt_bias, self.recurrent_state, src, self.num_k_heads, dst_slots=dst
         )
 
+    def _uses_decode_kernel(self, mixed: torch.Tensor) -> bool:
+        return mixed.is_cuda and self.conv_state.numel() > 0 and gdn_kernel.supports(
+            self.head_k_dim, self.head_v_dim, mixed.dtype
+        )
+
     def _decode(self, mixed: torch.Tensor, ba: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
         """One decode token per row, states read from rows ``src`` and written to ``dst``."""
-        if mixed.is_cuda and self.conv_state.numel() and gdn_kernel.supports(self.head_k_dim, self.head_v_dim, mixed.dtype):
+        if self._uses_decode_kernel(mixed):
             return self._decode_in_place(mixed, ba, src, dst)
         b, a = ba.split(self.num_v_heads, dim=-1)
         dims = (self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim)
@@ -253,6 +258,13 @@ class GatedDeltaNet(nn.Module):
         if width == 1:
             return self._decode(mixed[:n], ba[:n], src, dst)
         batch = n // width  # rows are sequence by sequence, state rows position by position
+        if self._uses_decode_kernel(mixed):  # all positions in one conv and one kernel launch
+            conv_out, conv_states = conv_positions(mixed[:n], self.conv_state[src[:batch]], self.conv1d.weight, width)
+            self.conv_state.index_copy_(0, dst, conv_states)
+            return gdn_kernel.gated_delta_rule_decode_(
+                conv_out, ba[:n], self.A_log, self.dt_bias, self.recurrent_state, src[:batch], self.num_k_heads,
+                dst_slots=dst, positions=width,
+            )
         outputs = [
             self._decode(mixed[j:n:width], ba[j:n:width], src[j * batch : (j + 1) * batch],
                          dst[j * batch : (j + 1) * batch])
@@ -359,6 +371,24 @@ def conv_step(
     ``[B, C]``, new conv states in the pool's dtype)."""
     out, state = causal_conv1d_step(mixed, conv_states[slots], conv_weight)
     return out, state.to(conv_states.dtype)
+
+
+@fused
+def conv_positions(
+    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, positions: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The short conv of ``positions`` consecutive tokens of ``B`` sequences: ``x [B*P, C]``
+    (rows sequence by sequence), ``state [B, C, K-1]`` -> (silu(conv) ``[B*P, C]``, the
+    conv state after each token ``[P*B, C, K-1]``, position by position, in the state's
+    dtype). Token by token this is :func:`causal_conv1d_step`."""
+    batch, channels, taps = state.shape[0], x.shape[1], weight.shape[1]
+    window = torch.cat((state.to(x.dtype), x.reshape(batch, positions, channels).transpose(1, 2)), dim=2)
+    out = F.silu((window.unfold(2, taps, 1) * weight.to(x.dtype)[None, :, None, :]).sum(-1))  # [B, C, P]
+    states = window.unfold(2, taps - 1, 1)[:, :, 1:]  # [B, C, P, K-1]
+    return (
+        out.transpose(1, 2).reshape(batch * positions, channels),
+        states.permute(2, 0, 1, 3).reshape(positions * batch, channels, taps - 1).to(state.dtype),
+    )
 
 
 @fused
