@@ -261,9 +261,9 @@ class GatedDeltaNet(nn.Module):
         if self._uses_decode_kernel(mixed):  # all positions in one conv and one kernel launch
             conv_out, conv_states = conv_positions(mixed[:n], self.conv_state[src[:batch]], self.conv1d.weight, width)
             self.conv_state.index_copy_(0, dst, conv_states)
-            return gdn_kernel.gated_delta_rule_decode_(
-                conv_out, ba[:n], self.A_log, self.dt_bias, self.recurrent_state, src[:batch], self.num_k_heads,
-                dst_slots=dst, positions=width,
+            return gdn_kernel.gated_delta_rule_decode_(  # (compiled, conv_out may come back strided)
+                conv_out.contiguous(), ba[:n], self.A_log, self.dt_bias, self.recurrent_state, src[:batch],
+                self.num_k_heads, dst_slots=dst, positions=width,
             )
         outputs = [
             self._decode(mixed[j:n:width], ba[j:n:width], src[j * batch : (j + 1) * batch],
