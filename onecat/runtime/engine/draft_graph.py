@@ -64,7 +64,7 @@ class DraftGraph:
             tables = self.tables[:: self.positions_per_seq].contiguous()
             steps = []
             for i in range(self.num_drafts):
-                steps.append(self.model.compute_logits(last).argmax(dim=-1))
+                steps.append(self.model.compute_draft_logits(last).argmax(dim=-1))
                 if i + 1 == self.num_drafts:
                     break
                 set_context(ForwardContext(slot_mapping=self.chain[1, i], num_decodes=self.batch,

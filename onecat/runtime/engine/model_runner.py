@@ -49,6 +49,7 @@ from onecat.runtime.engine.sequence import Sequence
 from onecat.runtime.engine.speculative import SpeculativeConfig
 from onecat.runtime.layers import fusion
 from onecat.runtime.layers.attention import PagedAttention
+from onecat.runtime.layers.draft_head import quantized_draft_head
 from onecat.runtime.models.qwen3_5 import GatedDeltaNet, Qwen3_5ForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -146,6 +147,8 @@ class ModelRunner:
         self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
         speculation = SpeculativeConfig.parse(config.speculative_config)
         self.num_drafts = speculation.num_speculative_tokens if speculation else 0
+        if self.num_drafts and model.mtp is not None and model.draft_head is None:
+            model.draft_head = quantized_draft_head(model.lm_head)  # before memory planning: it counts
         wanted_len = config.max_model_len or self.model_config.max_position_embeddings
         self.num_checkpoints = 0  # set by _plan_memory
         self.num_blocks, self.num_slots = self._plan_memory(config, wanted_len)
@@ -491,7 +494,7 @@ class ModelRunner:
         positions = [items[i][1] + items[i][2].shape[0] - 1 for i in active]
         steps = []  # draft tokens stay on the device until the last step: one read at the end
         for step in range(num_drafts):
-            steps.append(self.model.compute_logits(last).argmax(dim=-1))
+            steps.append(self.model.compute_draft_logits(last).argmax(dim=-1))
             if step + 1 == num_drafts:
                 break
             positions = [p + 1 for p in positions]

@@ -574,6 +574,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         else:
             self.lm_head = merged_linear(plan, ["lm_head"], cfg.hidden_size, [cfg.vocab_size], dtype)
         self.mtp = MtpHead(cfg, plan, dtype) if mtp else None
+        self.draft_head: Linear | None = None  # speculative decoding: a 4-bit copy of lm_head (layers/draft_head.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of the flat batch (see ``onecat.runtime.context``)."""
@@ -582,6 +583,10 @@ class Qwen3_5ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` of the given hidden states."""
         return self.lm_head(hidden)
+
+    def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP drafter's logits: through ``draft_head`` when set, else ``lm_head``."""
+        return (self.draft_head or self.lm_head)(hidden)
 
 
 class MtpHead(nn.Module):
