@@ -98,6 +98,31 @@ def test_verify_graphs_keep_greedy_tokens(family, monkeypatch):
     assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
 
 
+def test_draft_head_is_lm_head_rounded_to_4_bits():
+    """The drafter's lm_head: every weight within about half a step of the original (round to
+    nearest, per group of 128), zero kept exactly; a shape the layout cannot hold gets none."""
+    from onecat.pack.volta_layout import dequantize_volta
+    from onecat.runtime.layers.draft_head import GROUP_SIZE, quantized_draft_head
+    from onecat.runtime.layers.linear import Linear
+
+    torch.manual_seed(0)
+    head = Linear(256, 8192 + 96, dtype=torch.float16)  # two passes of rows, the last partial
+    head.weight.data.normal_(0, 0.05)
+    head.weight.data[5, :GROUP_SIZE] = 0
+    draft = quantized_draft_head(head)
+    dense = dequantize_volta(draft.qweight, draft.scales_zeros, GROUP_SIZE).float()
+    w = head.weight.float()
+    groups = w.reshape(w.shape[0], -1, GROUP_SIZE)
+    step = ((groups.amax(-1).clamp(min=0) - groups.amin(-1).clamp(max=0)) / 15).clamp(min=1e-5)
+    err = (dense - w).abs().reshape_as(groups)
+    # half a step, plus the fp16 rounding of the scale and of -zero*scale (measured: 0.507)
+    assert (err <= 0.52 * step[..., None]).all()
+    assert torch.equal(dense[5, :GROUP_SIZE], torch.zeros(GROUP_SIZE))
+    x = torch.randn(3, 256, dtype=torch.float16)
+    assert torch.allclose(draft(x).float(), x.float() @ dense.t(), atol=2e-2, rtol=1e-2)
+    assert quantized_draft_head(Linear(100, 64, dtype=torch.float16)) is None
+
+
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
 def test_mtp_head_computes_what_it_was_trained_as(family):
     """The engine's MTP pass over a prompt against ``tiny_train.MtpHead`` (transformers'
