@@ -10,7 +10,8 @@ rank 0) it measures, per tensor-parallel size:
 - the all-reduce share of a decode step, two ways:
   (a) NCCL kernel time per step on rank 0 (``torch.profiler`` over CUDA-graph replays)
       over the step time measured without the profiler (the same profile gives kernel
-      launches per step and the costliest kernels, at every size);
+      launches per step, the costliest kernels and the time split per step: GEMV/GEMM,
+      attention/GDN, glue, communication, and host and gaps = step time - kernel time);
   (b) removal: the same decode with every all-reduce replaced by a no-op on every rank
       (graphs re-captured; numbers are wrong, the work is the same), share = 1 - t_noop / t.
 
@@ -57,6 +58,20 @@ def drop_collectives(runner) -> None:
     runner.release_graphs()
 
 
+KERNEL_KINDS = (  # (kind, name fragments), first match wins
+    ("communication", ("nccl",)),
+    ("attention/GDN", ("gdn_", "paged_attention", "attention", "fmha", "flash")),
+    ("GEMV/GEMM", ("w4a16", "gemm", "gemv", "nvjet", "cutlass", "cublas", "xmma", "splitk")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The time-split bucket of a GPU kernel: communication, attention/GDN, GEMV/GEMM or glue
+    (norms, activations, copies, the compiled elementwise kernels, sampling)."""
+    lowered = name.lower()
+    return next((kind for kind, parts in KERNEL_KINDS if any(p in lowered for p in parts)), "glue")
+
+
 def profile_steps(engine: LLMEngine, steps: int, top: int = 12) -> dict:
     """GPU kernels of ``steps`` decode steps on rank 0 (``torch.profiler`` over CUDA-graph
     replays): NCCL milliseconds per step (None if it saw none), kernel launches per step and
@@ -73,7 +88,12 @@ def profile_steps(engine: LLMEngine, steps: int, top: int = 12) -> dict:
     ]
     nccl_us = sum(e.device_time_total for e in kernels if "nccl" in e.key.lower())
     kernels.sort(key=lambda e: e.device_time_total, reverse=True)
+    split: dict[str, float] = {}
+    for e in kernels:
+        kind = kernel_kind(e.key)
+        split[kind] = split.get(kind, 0.0) + e.device_time_total / 1e3 / steps
     return {
+        "split_ms": {kind: round(ms, 3) for kind, ms in sorted(split.items())},
         "nccl_ms": nccl_us / 1e3 / steps if nccl_us else None,
         "kernel_ms": sum(e.device_time_total for e in kernels) / 1e3 / steps,
         "launches": sum(e.count for e in kernels) / steps,
@@ -108,8 +128,11 @@ def decode(engine: LLMEngine, batch: int, args, tag: str, profile: bool) -> dict
         result[f"profile_b{batch}"] = prof
         result[f"nccl_ms_per_step_b{batch}"] = ms
         result[f"allreduce_share_profiler_b{batch}"] = None if ms is None else ms / (step_s * 1e3)
+        if "kernel_ms" in prof:  # what is not kernel time is the host and the gaps between kernels
+            prof["split_ms"]["host and gaps"] = round(step_s * 1e3 - prof["kernel_ms"], 3)
         print(f"  {tag} batch {batch}: NCCL kernels {ms} ms/step; "
-              f"{prof.get('launches')} kernels, {prof.get('kernel_ms')} ms of kernels per step", flush=True)
+              f"{prof.get('launches')} kernels, {prof.get('kernel_ms')} ms of kernels per step; "
+              f"split (ms/step) {prof.get('split_ms')}", flush=True)
     assert all(engine._sequences[rid].num_completion_tokens < max_tokens for rid in ids)
     for rid in ids:
         engine.abort_request(rid)
