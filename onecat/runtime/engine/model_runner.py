@@ -34,7 +34,6 @@ import gc
 import itertools
 import logging
 import math
-from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +42,12 @@ from onecat.kernels.workspace import to_device
 from onecat.runtime.config import EngineConfig
 from onecat.runtime.context import ForwardContext, PrefillChunk, set_context
 from onecat.runtime.distributed.parallel_state import min_over_ranks
+from onecat.runtime.engine.decode_graphs import (
+    DecodeGraph,
+    DecodeRows,
+    position_major,
+    update_tables,
+)
 from onecat.runtime.engine.draft_graph import DraftGraph
 from onecat.runtime.engine.prompt_graphs import PromptGraphs, supports_prompt_graphs
 from onecat.runtime.engine.sequence import Sequence
@@ -66,69 +71,6 @@ MAX_STATE_CHECKPOINTS = 16
 def next_power_of_two(n: int) -> int:
     """The smallest power of two >= ``n`` (1 for n <= 1)."""
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
-
-
-@dataclass
-class _DecodeRows:
-    """Host-side inputs of a step's decode rows (``positions`` rows per sequence, sequence by
-    sequence; see ``ModelRunner._decode_rows``)."""
-
-    ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    kv_slots: list[int] = field(default_factory=list)
-    context_lens: list[int] = field(default_factory=list)
-    state_src: list[int] = field(default_factory=list)
-    state_dst: list[int] = field(default_factory=list)
-    tables: list[list[int]] = field(default_factory=list)
-
-    def columns(self) -> list[list[int]]:
-        """The per-row inputs in ``_DecodeGraph.inputs`` order."""
-        return [self.ids, self.positions, self.kv_slots, self.context_lens, self.state_src, self.state_dst]
-
-
-def position_major(values: list[int], positions: int) -> list[int]:
-    """Rows of ``positions`` per sequence (sequence by sequence) reordered position by
-    position: how the GDN state rows are laid out (each position's rows contiguous)."""
-    return [v for j in range(positions) for v in values[j::positions]]
-
-
-class _DecodeGraph:
-    """One captured decode step: static inputs, the graph, its hidden states and logits.
-
-    ``batch`` sequences of ``positions`` rows each (1; with speculative decoding, 1 + drafts).
-    The per-row inputs live in one ``[6, rows]`` tensor (one host-to-device copy per step).
-    Block-table rows are written incrementally: ``rows`` mirrors what each row holds, and a
-    step writes only the entries that changed (appended blocks, a new sequence in the row);
-    entries past a sequence's blocks are never read (the kernel stops at the context length,
-    the torch path masks them), so they need no clearing."""
-
-    def __init__(
-        self, batch: int, positions: int, width: int, device: torch.device, scratch_slot: int, scratch_block: int,
-        scratch_state: int,
-    ) -> None:
-        self.batch, self.positions_per_seq, self.width = batch, positions, width
-        rows = batch * positions
-        self.scratch = (0, 0, scratch_slot, 1, scratch_state, scratch_state)  # a padding row's inputs
-        self.inputs = torch.tensor([[v] * rows for v in self.scratch], dtype=torch.int64, device=device)
-        self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.state_src, self.state_dst = self.inputs
-        self.block_tables = torch.full((rows, width), scratch_block, dtype=torch.int64, device=device)
-        self.rows: list[list[int]] = [[scratch_block] for _ in range(rows)]
-        self.graph = torch.cuda.CUDAGraph()
-        self.hidden: torch.Tensor | None = None
-        self.logits: torch.Tensor | None = None
-        self.draft: DraftGraph | None = None  # speculative decoding: the MTP drafting after this graph
-
-    def context(self) -> ForwardContext:
-        return ForwardContext(
-            slot_mapping=self.slot_mapping,
-            num_decodes=self.batch * self.positions_per_seq,
-            decode_block_tables=self.block_tables,
-            decode_context_lens=self.context_lens,
-            decode_state_slots=self.state_src,
-            decode_state_dst=self.state_dst,
-            decode_width=self.positions_per_seq,
-            capturing_graph=True,
-        )
 
 
 class ModelRunner:
@@ -165,14 +107,14 @@ class ModelRunner:
         self.max_model_len = min(wanted_len, capacity)
         self.num_draft_rows = self.num_slots * self.num_drafts  # a GDN state row per slot and draft position
         self._allocate()
-        self.graphs: dict[tuple[int, int, int], _DecodeGraph] = {}
+        self.graphs: dict[tuple[int, int, int], DecodeGraph] = {}
         self.prompt_graphs: PromptGraphs | None = None  # captured by warmup()
         self.graph_pool = None
         self.graph_batch_sizes = [1 << i for i in range(int(math.log2(self.num_slots)) + 1)]
         if self.graph_batch_sizes[-1] < self.num_slots:
             self.graph_batch_sizes.append(self.num_slots)
         self._overflow_warned = False
-        self._verified: tuple[_DecodeGraph, list[Sequence]] | None = None  # the last verify graph and its sequences
+        self._verified: tuple[DecodeGraph, list[Sequence]] | None = None  # the last verify graph and its sequences
 
     # --- memory ------------------------------------------------------------------------
 
@@ -358,12 +300,12 @@ class ModelRunner:
         verify pass (0: its pending token; the last verified position writes the slot itself)."""
         return self.num_slots + 1 + self.num_checkpoints + seq.state_slot * self.num_drafts + position
 
-    def _decode_rows(self, entries: list[tuple[Sequence, int]], positions: int) -> _DecodeRows:
+    def _decode_rows(self, entries: list[tuple[Sequence, int]], positions: int) -> DecodeRows:
         """The decode rows of ``entries``: ``positions`` rows per sequence, its ``count``
         tokens then padding. Row ``j`` reads the GDN state row that row ``j - 1`` wrote (the
         slot for ``j = 0``) and writes ``_draft_row(seq, j)``, or the slot at the sequence's
         last token; padding rows write a scratch KV slot and state row."""
-        rows = _DecodeRows()
+        rows = DecodeRows()
         scratch_kv, scratch_state = self.num_blocks * self.block_size, self.num_slots
         for seq, count in entries:
             start, src = seq.num_computed_tokens, seq.state_slot
@@ -532,7 +474,7 @@ class ModelRunner:
         draft = graph.draft
         pad = graph.batch - len(seqs)
         tables = [seq.block_table for seq in seqs for _ in range(draft.positions_per_seq)]
-        self._update_tables(graph, tables + [[self.num_blocks]] * (pad * draft.positions_per_seq))
+        update_tables(graph, tables + [[self.num_blocks]] * (pad * draft.positions_per_seq))
         drafts = draft.run(draft.host_inputs(sequences))
         return [drafts[index[id(item[0])]] if item[3] else [] for item in items]
 
@@ -581,7 +523,7 @@ class ModelRunner:
                 )
         torch.cuda.synchronize(self.device)
 
-    def _graph_for(self, batch: int, positions: int, blocks: int) -> _DecodeGraph | None:
+    def _graph_for(self, batch: int, positions: int, blocks: int) -> DecodeGraph | None:
         bucket = next(b for b in self.graph_batch_sizes if b >= batch)
         max_width = -(-self.max_model_len // self.block_size)
         if all(layer.uses_decode_kernel() for layer in self.attention):
@@ -616,8 +558,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _capture(self, batch: int, positions: int, width: int) -> _DecodeGraph:
-        graph = _DecodeGraph(
+    def _capture(self, batch: int, positions: int, width: int) -> DecodeGraph:
+        graph = DecodeGraph(
             batch, positions, width, self.device,
             scratch_slot=self.num_blocks * self.block_size,
             scratch_block=self.num_blocks,
@@ -645,26 +587,7 @@ class ModelRunner:
             graph.draft.capture(self.graph_pool)
         return graph
 
-    @staticmethod
-    def _update_tables(graph: _DecodeGraph, tables: list[list[int]]) -> None:
-        """Write the block-table entries that differ from what the graph's rows hold."""
-        rows: list[int] = []
-        cols: list[int] = []
-        values: list[int] = []
-        for i, table in enumerate(tables):
-            held = graph.rows[i]
-            start = len(held) if len(held) <= len(table) and table[: len(held)] == held else 0
-            if start < len(table):
-                rows.extend([i] * (len(table) - start))
-                cols.extend(range(start, len(table)))
-                values.extend(table[start:])
-                graph.rows[i] = list(table)
-        if values:
-            device = graph.block_tables.device
-            index = to_device([rows, cols], torch.int64, device)
-            graph.block_tables[index[0], index[1]] = to_device(values, torch.int64, device)
-
-    def _run_graph(self, entries: list[tuple[Sequence, int]], positions: int) -> _DecodeGraph | None:
+    def _run_graph(self, entries: list[tuple[Sequence, int]], positions: int) -> DecodeGraph | None:
         """Replay the decode graph of ``positions`` rows per sequence for ``entries`` (decode
         entries); returns it (its ``hidden`` and ``logits`` rows follow the entries), or None
         when no graph could be captured."""
@@ -677,6 +600,6 @@ class ModelRunner:
         host = [column + [value] * pad for column, value in zip(rows.columns(), graph.scratch, strict=True)]
         host[4:] = [position_major(column, positions) for column in host[4:]]  # GDN state rows
         graph.inputs.copy_(to_device(host, torch.int64, graph.inputs.device))
-        self._update_tables(graph, rows.tables + [[self.num_blocks]] * pad)
+        update_tables(graph, rows.tables + [[self.num_blocks]] * pad)
         graph.graph.replay()
         return graph
