@@ -76,6 +76,21 @@ def test_speculation_with_chunked_prompts_and_preemption_keeps_greedy_tokens():
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_speculation_with_tensor_parallelism_keeps_greedy_tokens(family):
+    """Two CPU ranks: verify passes, roll-backs and drafting run on every rank (the MTP
+    head's layer is split like the model's, experts by rank); tokens are plain single-rank
+    decoding's."""
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    reference = _run(_engine(family, None), params)
+    engine = _engine(family, 3, tensor_parallel_size=2)
+    try:
+        assert _run(engine, params) == reference
+        assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
 def test_verify_graphs_keep_greedy_tokens(family, monkeypatch):
     """Verify steps replay (CPU-emulated) decode graphs of 1 + N rows per sequence (padding
     rows, the per-position GDN state rows, the state put back after a rejection), and the MTP

@@ -158,16 +158,22 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype, *, mt
     path = Path(path)
     raw, cfg = read_model_config(path)
     source = WeightSource(path, raw)
-    if mtp and not source.has("mtp.fc.weight"):
-        raise OnecatError(
-            f"{path}: speculative decoding with method 'mtp' needs the checkpoint's "
-            "multi-token-prediction head (mtp.* tensors), which it lacks; copy them from the "
-            "original checkpoint (onecat quantize and pack keep them) or drop --speculative-config"
-        )
+    if mtp:
+        check_mtp(source)
     with torch.device(device):
         model = Qwen3_5ForCausalLM(cfg, source.plan(), dtype, mtp=mtp)
     load_weights(model, source)
     return model
+
+
+def check_mtp(source: WeightSource) -> None:
+    """Raise OnecatError when the checkpoint lacks the multi-token-prediction head."""
+    if not source.has("mtp.fc.weight"):
+        raise OnecatError(
+            f"{source.path}: speculative decoding with method 'mtp' needs the checkpoint's "
+            "multi-token-prediction head (mtp.* tensors), which it lacks; copy them from the "
+            "original checkpoint (onecat quantize and pack keep them) or drop --speculative-config"
+        )
 
 
 def load_weights(model: nn.Module, source: WeightSource) -> None:

@@ -71,10 +71,12 @@ class ShippedSequence:
     __slots__ = ("num_computed_tokens", "num_tokens", "token_ids", "block_table", "state_slot", "fresh_slot",
                  "restore_from", "save_to")
 
-    def __init__(self, seq: Sequence, count: int) -> None:
-        start = seq.num_computed_tokens
-        self.num_computed_tokens, self.num_tokens = start, seq.num_tokens
-        self.token_ids = TokenWindow(start, seq.token_ids[start : start + count])
+    def __init__(self, seq: Sequence, count: int, start: int | None = None) -> None:
+        """The chunk of ``count`` tokens from ``start`` (default: the first not computed),
+        drafts included."""
+        start = seq.num_computed_tokens if start is None else start
+        self.num_computed_tokens, self.num_tokens = seq.num_computed_tokens, seq.num_tokens
+        self.token_ids = TokenWindow(start, seq.chunk_token_ids(start, count))
         self.block_table, self.state_slot, self.fresh_slot = seq.block_table, seq.state_slot, seq.fresh_slot
         self.restore_from, self.save_to = seq.restore_from, seq.save_to  # GDN state checkpoint rows
 
@@ -203,6 +205,27 @@ class TensorParallelRunner:
         self._send("run", [(ShippedSequence(seq, count), count) for seq, count in scheduled])
         return self.local.run(scheduled)
 
+    def run_hidden(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+        """Speculative decoding: ``ModelRunner.run_hidden`` on every rank (rank 0's result)."""
+        self._send("run_hidden", [(ShippedSequence(seq, count), count) for seq, count in scheduled])
+        return self.local.run_hidden(scheduled)
+
+    def accept_drafts(self, accepted: list[tuple[Sequence, int]]) -> None:
+        """``ModelRunner.accept_drafts`` on every rank (each holds its shard of the states)."""
+        self._send("accept_drafts", [(ShippedSequence(seq, 0), kept) for seq, kept in accepted])
+        self.local.accept_drafts(accepted)
+
+    def propose(self, items: list[tuple[Sequence, int, torch.Tensor, bool]], num_drafts: int) -> list[list[int]]:
+        """``ModelRunner.propose`` on every rank (the MTP head's layer is split too): workers
+        read the hidden states of their own last ``run_hidden``, at the same rows."""
+        base = self.local.last_hidden
+        shipped = []
+        for seq, start, hidden, draft in items:  # views of rank 0's last hidden states: their first row
+            first = (hidden.storage_offset() - base.storage_offset()) // base.stride(0)
+            shipped.append((ShippedSequence(seq, hidden.shape[0] + 1, start), start, first, hidden.shape[0], draft))
+        self._send("call", _propose_on_worker, shipped, num_drafts)
+        return self.local.propose(items, num_drafts)
+
     def warmup(self) -> None:
         """Capture the decode graphs on every rank at once (their collectives pair up)."""
         self.call_all(_warm_up)
@@ -238,6 +261,13 @@ class TensorParallelRunner:
             self.local.release_graphs()  # else tearing NCCL down hangs (pytorch#115388)
         destroy_tensor_parallel()
         shutil.rmtree(self._rendezvous, ignore_errors=True)
+
+
+def _propose_on_worker(runner: ModelRunner, shipped: list[tuple], num_drafts: int) -> None:
+    """A worker's side of :meth:`TensorParallelRunner.propose`."""
+    hidden = runner.last_hidden
+    items = [(seq, start, hidden[first : first + rows], draft) for seq, start, first, rows, draft in shipped]
+    runner.propose(items, num_drafts)
 
 
 def _warm_up(runner: ModelRunner) -> None:

@@ -224,19 +224,23 @@ class ShardedWeightSource:
         return t
 
 
-def load_model_shard(path: str | Path, device: torch.device, dtype: torch.dtype) -> Qwen3_5ForCausalLM:
+def load_model_shard(path: str | Path, device: torch.device, dtype: torch.dtype, *, mtp: bool = False) -> Qwen3_5ForCausalLM:
     """This rank's shard of checkpoint ``path`` (``onecat.runtime.loader.load_model`` at
-    tensor-parallel size 1). Call after ``parallel_state.init_tensor_parallel``."""
-    from onecat.runtime.loader import load_model
+    tensor-parallel size 1; ``mtp``: with the multi-token-prediction head, its decoder layer
+    split like the model's). Call after ``parallel_state.init_tensor_parallel``."""
+    from onecat.runtime.loader import check_mtp, load_model
 
     world = tp_size()
     if world == 1:
-        return load_model(path, device, dtype)
+        return load_model(path, device, dtype, mtp=mtp)
     path = Path(path)
     raw, cfg = read_model_config(path)
     local = shard_config(cfg, world, str(path / "config.json"))
-    source = ShardedWeightSource(WeightSource(path, raw), cfg, tp_rank(), world)
+    base = WeightSource(path, raw)
+    if mtp:
+        check_mtp(base)
+    source = ShardedWeightSource(base, cfg, tp_rank(), world)
     with torch.device(device):
-        model = Qwen3_5ForCausalLM(local, source.plan(), dtype)
+        model = Qwen3_5ForCausalLM(local, source.plan(), dtype, mtp=mtp)
     load_weights(model, source)
     return model

@@ -92,17 +92,12 @@ class LLMEngine:
         dtype = torch.float16 if device.type == "cuda" else torch.float32
         path = Path(config.model)
         check_shardable(path, config.tensor_parallel_size)  # before any worker starts
-        speculation = self._speculation(config)
+        speculation = SpeculativeConfig.parse(config.speculative_config)
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
         except Exception as exc:
             raise OnecatError(f"{path}: cannot load the tokenizer ({exc}); copy the tokenizer files next to config.json") from None
-        if speculation is not None:
-            from onecat.runtime.loader import load_model
-
-            factory = functools.partial(load_model, path, mtp=True)
-        else:
-            factory = functools.partial(load_model_shard, path)
+        factory = functools.partial(load_model_shard, path, mtp=speculation is not None)
         runner = create_runner(config, factory, device, dtype)
         self._setup(config, runner, tokenizer, _generation_eos(path))
 
@@ -113,7 +108,7 @@ class LLMEngine:
         """An engine over an already built model (benchmarks build random packed models);
         without a tokenizer outputs carry token ids and empty text."""
         engine = cls.__new__(cls)
-        if cls._speculation(config) is not None and model.mtp is None:
+        if SpeculativeConfig.parse(config.speculative_config) is not None and model.mtp is None:
             raise OnecatError("--speculative-config: the model was built without its MTP head (mtp=True)")
         engine._setup(config, ModelRunner(config, model), tokenizer, [])
         return engine
@@ -130,16 +125,6 @@ class LLMEngine:
         engine = cls.__new__(cls)
         engine._setup(config, create_runner(config, factory, device, dtype), tokenizer, [])
         return engine
-
-    @staticmethod
-    def _speculation(config: EngineConfig) -> SpeculativeConfig | None:
-        speculation = SpeculativeConfig.parse(config.speculative_config)
-        if speculation is not None and config.tensor_parallel_size > 1:
-            raise OnecatError(
-                "--speculative-config: speculative decoding runs on one GPU for now; drop it or "
-                "use --tensor-parallel-size 1"
-            )
-        return speculation
 
     def close(self) -> None:
         """Stop tensor-parallel worker processes (nothing to do on one device)."""

@@ -115,6 +115,7 @@ class ModelRunner:
             self.graph_batch_sizes.append(self.num_slots)
         self._overflow_warned = False
         self._verified: tuple[DecodeGraph, list[Sequence]] | None = None  # the last verify graph and its sequences
+        self.last_hidden = torch.empty(0)  # run_hidden's last result
 
     # --- memory ------------------------------------------------------------------------
 
@@ -398,6 +399,7 @@ class ModelRunner:
         if result is None:
             hidden, firsts = self._forward(scheduled)
             result = hidden.clone(), firsts, None
+        self.last_hidden = result[0]  # tensor parallel: workers draft from their own copy
         self._save_checkpoints(seqs)
         return result
 
@@ -455,10 +457,10 @@ class ModelRunner:
         if verified is None or num_drafts != self.num_drafts:
             return None
         graph, seqs = verified
-        index = {id(seq): b for b, seq in enumerate(seqs)}
-        if any(id(item[0]) not in index for item in items):
+        index = {seq.state_slot: b for b, seq in enumerate(seqs)}  # (workers get copies of the sequences)
+        if any(item[0].state_slot not in index for item in items):
             return None
-        by_batch = {index[id(item[0])]: item for item in items}
+        by_batch = {index[item[0].state_slot]: item for item in items}
         sequences = []
         for b, seq in enumerate(seqs):
             item = by_batch.get(b)
@@ -476,7 +478,7 @@ class ModelRunner:
         tables = [seq.block_table for seq in seqs for _ in range(draft.positions_per_seq)]
         update_tables(graph, tables + [[self.num_blocks]] * (pad * draft.positions_per_seq))
         drafts = draft.run(draft.host_inputs(sequences))
-        return [drafts[index[id(item[0])]] if item[3] else [] for item in items]
+        return [drafts[index[item[0].state_slot]] if item[3] else [] for item in items]
 
     def _run_mtp(
         self, chunks: list[tuple[Sequence, list[int]]], next_ids: torch.Tensor, hidden: torch.Tensor, embed: torch.nn.Module
