@@ -84,3 +84,60 @@ def test_kernel_ptx_is_sm70_legal():
     ptx = build.compile_program("paged_attention", "compute_70").image.decode(errors="replace")
     for forbidden in ("cp.async", "ldmatrix", "bf16", "mma.sync.aligned.m16n8k16"):
         assert forbidden not in ptx
+
+
+@pytest.mark.parametrize("num_heads, kv_heads", [(4, 2), (8, 8)])
+def test_prefill_after_cached_tokens_in_query_blocks(monkeypatch, num_heads, kv_heads):
+    """A prompt chunk after cached tokens: split into query blocks (the bound forced down to
+    a few rows) it gives what plain causal attention over the whole sequence gives."""
+    from onecat.runtime.layers import attention as attention_layer
+
+    torch.manual_seed(0)
+    dim, block, past, length = 16, 4, 13, 11
+    layer = PagedAttention(num_heads, kv_heads, dim, dim**-0.5)
+    total = past + length
+    layer.k_cache = torch.randn(8, block, kv_heads, dim)
+    layer.v_cache = torch.randn(8, block, kv_heads, dim)
+    table = torch.tensor([5, 2, 7, 0, 3, 6, 1])  # covers 28 >= 24 tokens
+    q = torch.randn(length, num_heads, dim)
+    k_all, v_all = (c[table].reshape(-1, kv_heads, dim)[:total] for c in (layer.k_cache, layer.v_cache))
+    group = num_heads // kv_heads
+    q_all = torch.cat([torch.randn(past, num_heads, dim), q])
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q_all.transpose(0, 1), k_all.transpose(0, 1).repeat_interleave(group, 0),
+        v_all.transpose(0, 1).repeat_interleave(group, 0), is_causal=True, scale=dim**-0.5,
+    ).transpose(0, 1)[past:]
+    for bound in (num_heads * total * 3, 1 << 25):  # 3-row blocks, then one block
+        monkeypatch.setattr(attention_layer, "PREFILL_SCORE_ELEMENTS", bound)
+        got = layer._prefill(q, k_all[past:], v_all[past:], past, table)
+        assert torch.allclose(got, expected, atol=1e-5), bound
+
+
+@pytest.mark.slow
+def test_a_32k_token_prompt_runs_with_bounded_attention_scores(monkeypatch):
+    """Issue 12: a 32k-token prompt prefills in chunks, and no attention call holds more
+    scores than ``PREFILL_SCORE_ELEMENTS`` (the trained tiny model on CPU, ~16 s)."""
+    import torch.nn.functional as F
+
+    from onecat.runtime.config import EngineConfig
+    from onecat.runtime.engine import LLMEngine
+    from onecat.runtime.layers import attention as attention_layer
+    from onecat.runtime.sampling_params import SamplingParams
+    from onecat.tiny_train import fixture_dir
+
+    largest = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(q, k, *args, **kwargs):
+        largest.append(q.shape[-3] * q.shape[-2] * k.shape[-2])  # heads x queries x keys
+        return sdpa(q, k, *args, **kwargs)
+
+    monkeypatch.setattr(attention_layer.F, "scaled_dot_product_attention", recording)
+    engine = LLMEngine(EngineConfig(model=str(fixture_dir("qwen3_5")), device="cpu", max_num_seqs=2,
+                                    max_model_len=33000, max_num_batched_tokens=2048))
+    prompt = torch.randint(3, 2000, (32768,), generator=torch.Generator().manual_seed(0)).tolist()
+    engine.add_request("long", prompt, SamplingParams(max_tokens=4, temperature=0.0))
+    tokens = [t for _ in range(400) if engine.has_unfinished_requests() for out in engine.step() for t in out.new_token_ids]
+    assert len(tokens) == 4 and not engine.has_unfinished_requests()
+    assert max(largest) <= attention_layer.PREFILL_SCORE_ELEMENTS
+    assert len(largest) > 16 * 2  # chunks after cached tokens were split into query blocks

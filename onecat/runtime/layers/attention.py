@@ -12,7 +12,8 @@ keys and values at the context's ``slot_mapping``, then:
   sequence's blocks, mask the slots beyond its length, and run SDPA with the query heads of
   one KV head as the "query length" axis (grouped-query attention without repeating K and V);
 - prefill chunks (one sequence at a time): causal SDPA of the chunk's queries over the
-  sequence's past and current keys.
+  sequence's past and current keys (after cached tokens, in query blocks that bound the
+  memory of the scores, so that long prompts fit).
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ from torch import nn
 
 from onecat.kernels import attention as attention_kernel
 from onecat.runtime.context import ForwardContext, get_context
+
+PREFILL_SCORE_ELEMENTS = 1 << 25
+"""Most attention scores one call may hold for a prompt chunk after cached tokens (its query
+rows are split into blocks under it): a 2048-token chunk of a 32k-token prompt would otherwise
+hold 24 heads x 2048 x 32768 fp32 scores, 6.4 GB, at once."""
 
 
 class PagedAttention(nn.Module):
@@ -89,23 +95,31 @@ class PagedAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_past: int, block_table
     ) -> torch.Tensor:
         group = self.num_heads // self.num_kv_heads
-        length = q.shape[0]
-        if num_past:
-            k_all, v_all = self._gather(block_table)
-            k, v = k_all[: num_past + length], v_all[: num_past + length]
-            rows = torch.arange(length, device=q.device)[:, None] + num_past
-            mask = torch.arange(num_past + length, device=q.device)[None, :] <= rows
-        else:
-            mask = None
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            k.transpose(0, 1).repeat_interleave(group, dim=0),
-            v.transpose(0, 1).repeat_interleave(group, dim=0),
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=self.scale,
-        )
-        return out.transpose(0, 1)
+        if not num_past:
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1),
+                k.transpose(0, 1).repeat_interleave(group, dim=0),
+                v.transpose(0, 1).repeat_interleave(group, dim=0),
+                is_causal=True,
+                scale=self.scale,
+            )
+            return out.transpose(0, 1)
+        # a chunk after cached tokens: its queries over the whole context, in row blocks that
+        # keep the explicit-mask attention's scores under PREFILL_SCORE_ELEMENTS
+        total = num_past + q.shape[0]
+        k_all, v_all = self._gather(block_table)
+        keys, values = k_all[:total].transpose(0, 1), v_all[:total].transpose(0, 1)
+        queries = q.transpose(0, 1)
+        rows = max(1, PREFILL_SCORE_ELEMENTS // (self.num_heads * total))
+        columns = torch.arange(total, device=q.device)
+        outputs = []
+        for r0 in range(0, q.shape[0], rows):
+            r1 = min(r0 + rows, q.shape[0])
+            mask = columns[None, :] <= torch.arange(num_past + r0, num_past + r1, device=q.device)[:, None]
+            outputs.append(F.scaled_dot_product_attention(
+                queries[:, r0:r1], keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
+            ))
+        return torch.cat(outputs, dim=1).transpose(0, 1)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q [T, H, D]``, ``k``/``v`` ``[T, KVH, D]`` of the flat batch -> ``[T, H, D]``."""
