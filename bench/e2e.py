@@ -7,7 +7,8 @@ projections in fp16 as in AWQ checkpoints) -- no checkpoint, no download. Measur
 the engine (scheduler, paged KV, GDN state slots, CUDA graphs, sampling):
 
 - batch-1 decode tokens/s, batch-8 and batch-32 decode throughput (128-token prompts),
-- prefill tokens/s of one 2048-token prompt,
+- prefill tokens/s of one 2048-token prompt, and with ``--long-prompts`` the time to the
+  first token of one prompt per given length (chunked by ``--prefill-len``),
 - the batch-1 roofline: bytes read per decoded token (weights touched, GDN state read and
   written, KV read) over the device copy bandwidth measured in the same run,
 - transformers' fp16 model of the same shape (random init on the same GPU): batch-1 decode
@@ -261,8 +262,23 @@ def timed_prefill(engine: LLMEngine, length: int, repeats: int = 3) -> float:
     return length / best
 
 
+def time_to_first_token(engine: LLMEngine, length: int) -> float:
+    """Seconds from adding one ``length``-token prompt to its first token (one run)."""
+    engine.add_request(f"long{length}", random_prompt(length, engine.runner.model_config.vocab_size, 7),
+                       SamplingParams(max_tokens=1, temperature=0.0))
+    sync()
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    sync()
+    return time.perf_counter() - start
+
+
 def bench_onecat(name: str, args, bandwidth: float) -> dict:
-    cfg = ModelConfig.from_dict(text_config(name, args.layers))
+    raw = text_config(name, args.layers)
+    longest = max(args.long_prompts, default=0)
+    raw["max_position_embeddings"] = max(raw["max_position_embeddings"], longest + 64)
+    cfg = ModelConfig.from_dict(raw)
     t0 = time.perf_counter()
     with torch.device(DEVICE):
         model = Qwen3_5ForCausalLM(cfg, QuantPlan(default=GROUP), torch.float16)
@@ -271,8 +287,8 @@ def bench_onecat(name: str, args, bandwidth: float) -> dict:
     build_s = time.perf_counter() - t0
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     engine_cfg = EngineConfig(
-        model=f"random-{name}", max_num_seqs=args.max_num_seqs, max_model_len=4096,
-        max_num_batched_tokens=args.prefill_len, num_kv_blocks=args.kv_blocks,
+        model=f"random-{name}", max_num_seqs=args.max_num_seqs, max_model_len=max(4096, longest + 64),
+        max_num_batched_tokens=args.prefill_len, num_kv_blocks=max(args.kv_blocks, (longest + 64) // 16 + 64),
         enforce_eager=args.eager, device=DEVICE,
     )
     t0 = time.perf_counter()
@@ -295,6 +311,11 @@ def bench_onecat(name: str, args, bandwidth: float) -> dict:
         result.update(graph_matches_eager(engine, args.prompt_len))
     result["prefill_tok_s"] = timed_prefill(engine, args.prefill_len, args.prefill_repeats)
     print(f"  {name} prefill: {result['prefill_tok_s']:.0f} tok/s", flush=True)
+    for length in args.long_prompts:
+        seconds = time_to_first_token(engine, length)
+        result[f"ttft_{length}_s"], result[f"prefill_{length}_tok_s"] = seconds, length / seconds
+        print(f"  {name} prompt of {length} tokens: first token after {seconds * 1e3:.0f} ms "
+              f"({length / seconds:.0f} tok/s)", flush=True)
     result["roofline_fraction_b1"] = result["decode_b1_tok_s"] / result["roofline_tok_s"]
     result["graphs"] = sorted(engine.runner.graphs)
     result["unfused_after_compile_failure"] = sorted(set(fusion.failures))
@@ -366,9 +387,11 @@ def main() -> None:
     parser.add_argument("--hf-layers", type=int, default=None, help="transformers depth (scaled)")
     parser.add_argument("--hf-decode-steps", type=int, default=8)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--long-prompts", default="", help="prompt lengths to time the first token of, e.g. 512,8192,32768")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.long_prompts = [int(n) for n in args.long_prompts.split(",") if n]
     if not torch.cuda.is_available():
         raise SystemExit("bench/e2e.py needs a CUDA GPU")
     from onecat.kernels import loader
