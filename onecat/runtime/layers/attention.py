@@ -105,21 +105,22 @@ class PagedAttention(nn.Module):
             )
             return out.transpose(0, 1)
         # a chunk after cached tokens: its queries over the whole context, in row blocks that
-        # keep the explicit-mask attention's scores under PREFILL_SCORE_ELEMENTS
-        total = num_past + q.shape[0]
+        # keep the explicit-mask attention's scores under PREFILL_SCORE_ELEMENTS; the query
+        # heads of one KV head are stacked as rows, so keys and values are never repeated
+        length, total = q.shape[0], num_past + q.shape[0]
         k_all, v_all = self._gather(block_table)
-        keys, values = k_all[:total].transpose(0, 1), v_all[:total].transpose(0, 1)
-        queries = q.transpose(0, 1)
+        keys, values = k_all[:total].transpose(0, 1), v_all[:total].transpose(0, 1)  # [kvh, S, d]
+        queries = q.reshape(length, self.num_kv_heads, group, self.head_dim).permute(1, 2, 0, 3)
         rows = max(1, PREFILL_SCORE_ELEMENTS // (self.num_heads * total))
         columns = torch.arange(total, device=q.device)
         outputs = []
-        for r0 in range(0, q.shape[0], rows):
-            r1 = min(r0 + rows, q.shape[0])
+        for r0 in range(0, length, rows):
+            r1 = min(r0 + rows, length)
             mask = columns[None, :] <= torch.arange(num_past + r0, num_past + r1, device=q.device)[:, None]
-            outputs.append(F.scaled_dot_product_attention(
-                queries[:, r0:r1], keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
-            ))
-        return torch.cat(outputs, dim=1).transpose(0, 1)
+            block = queries[:, :, r0:r1].reshape(self.num_kv_heads, group * (r1 - r0), self.head_dim)
+            out = F.scaled_dot_product_attention(block, keys, values, attn_mask=mask.repeat(group, 1), scale=self.scale)
+            outputs.append(out.view(self.num_kv_heads, group, r1 - r0, self.head_dim))
+        return torch.cat(outputs, dim=2).permute(2, 0, 1, 3).reshape(length, self.num_heads, self.head_dim)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q [T, H, D]``, ``k``/``v`` ``[T, KVH, D]`` of the flat batch -> ``[T, H, D]``."""
