@@ -16,7 +16,7 @@ from onecat.errors import OnecatError
 from onecat.formats.awq_gemm import decode_awq_gemm, pack_awq_gemm
 from onecat.formats.checkpoint import Checkpoint
 from onecat.formats.files import read_json
-from onecat.formats.integers import dequantize
+from onecat.formats.integers import dequantize, quantize_groups
 from onecat.formats.quant_config import detect_source_format
 from onecat.formats.quantized_linears import find_quantized_linears, read_quantized_linear
 from onecat.quantize.gptq import (
@@ -27,7 +27,6 @@ from onecat.quantize.gptq import (
     smoothed_hessian,
 )
 from onecat.quantize.pipeline import REPORT_NAME, quantize_model
-from onecat.quantize.quantizer import quantize_groups
 from onecat.quantize.recipe import METHODS, load_recipe, shipped_recipes
 from onecat.tiny import build_tiny_model
 

@@ -4,7 +4,9 @@ A 4-bit linear with weight ``W [N = out, K = in]`` and group size ``g`` is ``q [
 0..15, ``zeros [N, K/g]`` uint8 0..15 and ``scales [N, K/g]`` fp16; its value is
 ``(q - z) * s``. The codecs (:mod:`~onecat.formats.awq_gemm`,
 :mod:`~onecat.formats.compressed_tensors`, the Volta layout) turn their tensors into these
-integers and back; :func:`dequantize` is the one way to a float weight.
+integers and back; :func:`dequantize` is the one way to a float weight, and
+:func:`quantize_groups` the one way to integers by rounding to nearest (``onecat quantize``
+and the runtime's 4-bit draft ``lm_head``).
 """
 
 from __future__ import annotations
@@ -17,10 +19,33 @@ from onecat.errors import OnecatError
 
 logger = logging.getLogger(__name__)
 
+MAX_INT = 15  # 4 bits, unsigned
+
 
 def group_size_of(q: torch.Tensor, zeros: torch.Tensor) -> int:
     """The group size of integers ``q [N, K]`` with ``zeros [N, K/g]``."""
     return q.shape[1] // zeros.shape[1]
+
+
+def quantize_groups(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize W [N, K] (K % group_size == 0).
+
+    Returns ``(q [N, K] uint8, zeros [N, K/g] uint8, scales [N, K/g] float32)``; the scales
+    hold fp16-representable values (they may be inf if the weights overflow fp16: callers check).
+    """
+    n, k = w.shape
+    wg = w.float().reshape(n, k // group_size, group_size)  # [N, G, g]
+    scales, zeros = range_params(wg.amin(dim=-1), wg.amax(dim=-1))  # [N, G]
+    q = (torch.round(wg / scales.unsqueeze(-1)) + zeros.unsqueeze(-1)).clamp(0, MAX_INT)
+    return q.reshape(n, k).to(torch.uint8), zeros.to(torch.uint8), scales
+
+
+def range_params(wmin: torch.Tensor, wmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scales, zeros)`` (float32; scales fp16-representable, zeros integers 0..15) of groups
+    whose weights span ``[wmin, wmax]`` (any matching shapes)."""
+    scales = ((wmax - wmin).clamp(min=1e-5) / MAX_INT).half().float()
+    zeros = (-torch.round(wmin / scales)).clamp(0, MAX_INT)
+    return scales, zeros
 
 
 def dequantize(

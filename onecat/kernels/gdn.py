@@ -1,6 +1,7 @@
-"""The Gated DeltaNet decode step on the GPU (``gdn_decode.cu``): one token of a batch of
-sequences through the gated delta rule, their recurrent states updated in place in the
-state pool. The runtime calls it for CUDA decode batches the kernel supports and keeps its
+"""The Gated DeltaNet decode step on the GPU (``gdn_decode.cu``): one token (or, for a
+speculative verify pass, a few consecutive tokens) of each sequence of a batch through the
+gated delta rule, their recurrent states updated in place in the state pool (or written to
+one row per token). The runtime calls it for CUDA decode batches the kernel supports and keeps its
 torch step (``onecat.runtime.layers.delta_rule``) for everything else.
 """
 

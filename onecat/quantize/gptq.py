@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from onecat.quantize.quantizer import MAX_INT, range_params
+from onecat.formats.integers import MAX_INT, range_params
 
 MIN_ROWS_PER_COLUMN = 0.25
 """A linear needs at least ``K * MIN_ROWS_PER_COLUMN`` calibration rows for GPTQ; below that

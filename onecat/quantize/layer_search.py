@@ -43,7 +43,7 @@ from torch import nn
 
 from onecat.errors import OnecatError
 from onecat.formats.awq_gemm import pack_awq_gemm
-from onecat.formats.integers import dequantize
+from onecat.formats.integers import dequantize, quantize_groups
 from onecat.quantize.auto_clip import apply_clip, search_clip
 from onecat.quantize.auto_scale import ScaleResult, search_scale, weight_mean
 from onecat.quantize.gptq import (
@@ -58,7 +58,7 @@ from onecat.quantize.gptq import (
 )
 from onecat.quantize.layer_build import LayerFactory
 from onecat.quantize.moe import ExpertList, split_fused_experts
-from onecat.quantize.quantizer import FP16_MAX, pseudo_quantize, quantize_groups
+from onecat.quantize.quantizer import FP16_MAX, pseudo_quantize
 from onecat.quantize.recipe import Mapping, Recipe
 from onecat.quantize.smoothing import fold_into_balance, fold_into_smooth
 

@@ -3,37 +3,19 @@
 For W [N, K] and group size g, each row's groups of g consecutive input channels get
 ``scale = (max - min).clamp(1e-5) / 15`` (rounded to fp16, the precision it is stored in),
 ``zero = clamp(-round(min / scale), 0, 15)`` and ``q = clamp(round(w / scale) + zero, 0, 15)``;
-the dequantized value is ``(q - zero) * scale``. :func:`pseudo_quantize` returns exactly the
-weights the written checkpoint dequantizes to, so the search scores what ships.
+the dequantized value is ``(q - zero) * scale`` (the integers themselves:
+:func:`onecat.formats.integers.quantize_groups`, which the runtime also uses).
+:func:`pseudo_quantize` returns exactly the weights the written checkpoint dequantizes to, so
+the search scores what ships.
 """
 
 from __future__ import annotations
 
 import torch
 
-MAX_INT = 15  # 4 bits, unsigned
+from onecat.formats.integers import MAX_INT
+
 FP16_MAX = 65504.0
-
-
-def quantize_groups(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize W [N, K] (K % group_size == 0).
-
-    Returns ``(q [N, K] uint8, zeros [N, K/g] uint8, scales [N, K/g] float32)``; the scales
-    hold fp16-representable values (they may be inf if the weights overflow fp16: callers check).
-    """
-    n, k = w.shape
-    wg = w.float().reshape(n, k // group_size, group_size)  # [N, G, g]
-    scales, zeros = range_params(wg.amin(dim=-1), wg.amax(dim=-1))  # [N, G]
-    q = (torch.round(wg / scales.unsqueeze(-1)) + zeros.unsqueeze(-1)).clamp(0, MAX_INT)
-    return q.reshape(n, k).to(torch.uint8), zeros.to(torch.uint8), scales
-
-
-def range_params(wmin: torch.Tensor, wmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(scales, zeros)`` (float32; scales fp16-representable, zeros integers 0..15) of groups
-    whose weights span ``[wmin, wmax]`` (any matching shapes)."""
-    scales = ((wmax - wmin).clamp(min=1e-5) / MAX_INT).half().float()
-    zeros = (-torch.round(wmin / scales)).clamp(0, MAX_INT)
-    return scales, zeros
 
 
 def pseudo_quantize(w: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -12,24 +12,12 @@ from __future__ import annotations
 
 import torch
 
+from onecat.formats.integers import quantize_groups
 from onecat.pack.volta_layout import TILE, fits_layout, pack_volta
 from onecat.runtime.layers.linear import Linear
 
 GROUP_SIZE = 128
 _ROWS_PER_PASS = 8192  # rows rounded at a time (bounds the fp32 temporaries)
-
-
-def rtn_4bit(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Round-to-nearest asymmetric 4-bit of ``weight [N, K]``: ``(q uint8 [N, K], zeros
-    uint8 [N, K/g], scales fp16 [N, K/g])``."""
-    n, k = weight.shape
-    groups = weight.float().reshape(n, k // group_size, group_size)
-    low, high = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
-    scales = ((high - low) / 15).clamp(min=1e-5).to(torch.float16)
-    s = scales.float()
-    zeros = torch.round(-low / s).clamp(0, 15)
-    q = (torch.round(groups / s[..., None]) + zeros[..., None]).clamp(0, 15)
-    return q.reshape(n, k).to(torch.uint8), zeros.to(torch.uint8), scales
 
 
 def quantized_draft_head(lm_head: Linear) -> Linear | None:
@@ -45,7 +33,8 @@ def quantized_draft_head(lm_head: Linear) -> Linear | None:
         head = Linear(k, n, group_size=GROUP_SIZE, dtype=weight.dtype)
     for start in range(0, n, _ROWS_PER_PASS):
         rows = weight[start : start + _ROWS_PER_PASS]
-        qweight, scales_zeros = pack_volta(*rtn_4bit(rows, GROUP_SIZE))
+        q, zeros, scales = quantize_groups(rows, GROUP_SIZE)
+        qweight, scales_zeros = pack_volta(q, zeros, scales.half())
         tiles = slice(start // TILE, (start + rows.shape[0]) // TILE)
         head.qweight.data[tiles] = qweight
         head.scales_zeros.data[tiles] = scales_zeros
