@@ -217,3 +217,35 @@ def test_runtime_decode_uses_the_kernel_and_matches_the_sdpa_path():
     ref = reference(q, k_cache, v_cache, tables, lens, 256**-0.5)
     check(out, ref, lens, "runtime kernel path")
     check(sdpa, ref, lens, "runtime SDPA path (the old decode)", tol=1e-2)
+
+
+@pytest.mark.parametrize("past, length", [(0, 300), (1000, 300), (31, 1)])
+def test_prefill_chunks_run_fused_and_match_fp64(monkeypatch, past, length):
+    """Prompt chunks on the GPU (27B heads: 24 query, 4 KV, dim 256), fresh or after cached
+    tokens, take one fused SDPA call (no mask materialised) and agree with fp64 causal
+    attention over the whole sequence; the query-block path (forced) agrees too."""
+    from onecat.runtime.layers import attention as attention_layer
+    from onecat.runtime.layers.attention import PagedAttention
+
+    torch.manual_seed(3)
+    heads, kv_heads, dim, scale = 24, 4, 256, 256**-0.5
+    total = past + length
+    layer = PagedAttention(heads, kv_heads, dim, scale)
+    num_blocks = math.ceil(total / BLOCK) + 3
+    layer.k_cache = torch.randn(num_blocks, BLOCK, kv_heads, dim, device="cuda", dtype=torch.float16)
+    layer.v_cache = torch.randn(num_blocks, BLOCK, kv_heads, dim, device="cuda", dtype=torch.float16)
+    table = torch.randperm(num_blocks, device="cuda")[: math.ceil(total / BLOCK)]
+    k_all, v_all = (c[table].reshape(-1, kv_heads, dim)[:total] for c in (layer.k_cache, layer.v_cache))
+    q = torch.randn(length, heads, dim, device="cuda", dtype=torch.float16)
+    group = heads // kv_heads
+    qd = q.double().view(length, kv_heads, group, dim)
+    scores = torch.einsum("lkgd,skd->kgls", qd, k_all.double()) * scale
+    visible = torch.arange(total, device="cuda")[None, :] <= (past + torch.arange(length, device="cuda"))[:, None]
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    expected = torch.einsum("kgls,skd->lkgd", probs, v_all.double()).reshape(length, heads, dim)
+    tolerance = 2e-3 * expected.abs() + 2e-3 * expected.pow(2).mean().sqrt()
+    for fused_bytes in (attention_layer.FUSED_PAST_KV_BYTES, 0):
+        monkeypatch.setattr(attention_layer, "FUSED_PAST_KV_BYTES", fused_bytes)
+        got = layer._prefill(q, k_all[past:], v_all[past:], past, table)
+        assert got.shape == (length, heads, dim) and torch.isfinite(got).all()
+        assert ((got.double() - expected).abs() <= tolerance).all(), fused_bytes

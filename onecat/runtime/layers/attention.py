@@ -12,8 +12,10 @@ keys and values at the context's ``slot_mapping``, then:
   sequence's blocks, mask the slots beyond its length, and run SDPA with the query heads of
   one KV head as the "query length" axis (grouped-query attention without repeating K and V);
 - prefill chunks (one sequence at a time): causal SDPA of the chunk's queries over the
-  sequence's past and current keys (after cached tokens, in query blocks that bound the
-  memory of the scores, so that long prompts fit).
+  sequence's past and current keys, as 4-D inputs with a ``CausalBias`` so that torch picks a
+  fused kernel on CUDA (flash or memory-efficient attention, both sm_70-capable in the
+  latter's case); on CPU a chunk after cached tokens runs in query blocks that bound the
+  memory of the scores, so that long prompts fit.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 from onecat.kernels import attention as attention_kernel
 from onecat.runtime.context import ForwardContext, get_context
@@ -29,6 +32,12 @@ PREFILL_SCORE_ELEMENTS = 1 << 25
 """Most attention scores one call may hold for a prompt chunk after cached tokens (its query
 rows are split into blocks under it): a 2048-token chunk of a 32k-token prompt would otherwise
 hold 24 heads x 2048 x 32768 fp32 scores, 6.4 GB, at once."""
+
+
+FUSED_PAST_KV_BYTES = 1 << 29
+"""On CUDA a prompt chunk after cached tokens runs as one fused SDPA call (bottom-right causal
+mask, nothing materialised) while its repeated keys and values take at most this many bytes;
+beyond, and on CPU, it runs in query blocks (above)."""
 
 
 class PagedAttention(nn.Module):
@@ -96,19 +105,15 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         group = self.num_heads // self.num_kv_heads
         if not num_past:
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1),
-                k.transpose(0, 1).repeat_interleave(group, dim=0),
-                v.transpose(0, 1).repeat_interleave(group, dim=0),
-                is_causal=True,
-                scale=self.scale,
-            )
-            return out.transpose(0, 1)
-        # a chunk after cached tokens: its queries over the whole context, in row blocks that
-        # keep the explicit-mask attention's scores under PREFILL_SCORE_ELEMENTS; the query
-        # heads of one KV head are stacked as rows, so keys and values are never repeated
+            return self._fused_causal(q, k, v, causal_upper_left)
         length, total = q.shape[0], num_past + q.shape[0]
         k_all, v_all = self._gather(block_table)
+        if q.is_cuda and 2 * total * self.num_heads * self.head_dim * q.element_size() <= FUSED_PAST_KV_BYTES:
+            return self._fused_causal(q, k_all[:total], v_all[:total], causal_lower_right)
+        # a chunk after cached tokens on CPU (or a very long context): its queries over the
+        # whole context, in row blocks that keep the explicit-mask attention's scores under
+        # PREFILL_SCORE_ELEMENTS; the query heads of one KV head are stacked as rows, so keys
+        # and values are never repeated
         keys, values = k_all[:total].transpose(0, 1), v_all[:total].transpose(0, 1)  # [kvh, S, d]
         queries = q.reshape(length, self.num_kv_heads, group, self.head_dim).permute(1, 2, 0, 3)
         rows = max(1, PREFILL_SCORE_ELEMENTS // (self.num_heads * total))
@@ -121,6 +126,20 @@ class PagedAttention(nn.Module):
             out = F.scaled_dot_product_attention(block, keys, values, attn_mask=mask.repeat(group, 1), scale=self.scale)
             outputs.append(out.view(self.num_kv_heads, group, r1 - r0, self.head_dim))
         return torch.cat(outputs, dim=2).permute(2, 0, 1, 3).reshape(length, self.num_heads, self.head_dim)
+
+    def _fused_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal) -> torch.Tensor:
+        """One SDPA call of ``q [L, H, D]`` over ``k``/``v`` ``[S, KVH, D]`` with the causal
+        mask ``causal(L, S)`` (a ``CausalBias``, which the fused backends take without
+        materialising it); inputs are 4-D so that torch may pick a fused kernel."""
+        group = self.num_heads // self.num_kv_heads
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1).repeat_interleave(group, dim=0)[None],
+            v.transpose(0, 1).repeat_interleave(group, dim=0)[None],
+            attn_mask=causal(q.shape[0], k.shape[0]),
+            scale=self.scale,
+        )
+        return out[0].transpose(0, 1)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q [T, H, D]``, ``k``/``v`` ``[T, KVH, D]`` of the flat batch -> ``[T, H, D]``."""
