@@ -18,8 +18,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def test_chunk_tables_split_sequences_into_64_token_chunks():
     seqs, chunks = chunk_tables([0, 1, 70], [1, 65, 64], [3, 0, 9])
-    assert seqs == [0, 1, 0, 3, 1, 65, 1, 0, 70, 64, 3, 9]
-    assert chunks == [0, 1, 0, 1, 64, 1, 65, 1, 1, 70, 64, 2]
+    assert seqs == [0, 1, 0, 3, 1, 1, 65, 1, 0, 2, 70, 64, 3, 9, 1]
+    assert chunks == [0, 1, 0, -1, 1, 64, 1, -1, 65, 1, 1, -1, 70, 64, 2, -1]
+
+
+def test_chunk_tables_end_a_chunk_at_each_checkpoint():
+    """Checkpoints at offsets 16 and 144 of a 200-token sequence: chunks 16, 64, 64, 56
+    (the first and third end at a checkpoint and name its row); the second sequence has none."""
+    seqs, chunks = chunk_tables([0, 200], [200, 3], [1, 2], [[(16, 7), (144, 5)], []])
+    assert seqs == [0, 200, 0, 1, 4, 200, 3, 4, 2, 1]
+    assert chunks == [0, 16, 0, 7, 16, 64, 0, -1, 80, 64, 0, 5, 144, 56, 0, -1, 200, 3, 1, -1]
 
 
 @pytest.mark.parametrize(
@@ -34,6 +42,15 @@ def test_chunk_tables_split_sequences_into_64_token_chunks():
 def test_chunk_tables_refuse_bad_batches(starts, lengths, slots, message):
     with pytest.raises(OnecatError, match=message):
         chunk_tables(starts, lengths, slots)
+
+
+@pytest.mark.parametrize(
+    "checkpoints, message",
+    [([[(10, 1)]], "distinct"), ([[(0, 3)]], "inside"), ([[(10, 3)]], "inside"), ([[(5, 3), (4, 4)]], "rise")],
+)
+def test_chunk_tables_refuse_bad_checkpoints(checkpoints, message):
+    with pytest.raises(OnecatError, match=message):
+        chunk_tables([0], [10], [1], checkpoints)
 
 
 def test_supports_only_what_the_kernels_are_built_for():

@@ -228,3 +228,46 @@ def test_prefill_rejects_what_it_cannot_run():
         gated_delta_rule_prefill_(mixed, ba, A_log.half(), dt_bias, state, batch, 2)
     with pytest.raises(OnecatError, match="value heads a multiple of key heads"):
         gated_delta_rule_prefill_(mixed, ba, A_log, dt_bias, state, batch, 3)
+
+
+@pytest.mark.parametrize("offsets", [(100,), (2, 64, 250), (1, 63, 65, 299)])
+def test_checkpoints_inside_a_chunk_hold_the_states_at_their_offsets(offsets):
+    """A 301-token prompt prefilled in one call with checkpoints at ``offsets`` (rows 3, 4,
+    ...): each checkpoint row holds the conv and recurrent states that a call over the first
+    ``offset`` tokens leaves, and the outputs and final states are those of a call without
+    checkpoints (the chunks are cut at the offsets, so they agree within fp16 rounding)."""
+    from onecat.kernels.gdn_prefill import (
+        causal_conv1d_prefill_,
+        gated_delta_rule_prefill_,
+        prefill_batch,
+    )
+
+    mixed, ba, A_log, dt_bias, state, _, _ = random_prefill([301], 2, 6, 128, 3 + len(offsets), seed=11, device="cuda")
+    channels = mixed.shape[1]
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    weight = (torch.randn(channels, 4, generator=gen, device="cuda") * 0.5).half()
+    conv_state = torch.randn(state.shape[0], channels, 3, generator=gen, device="cuda").half()
+    rows = [3 + i for i in range(len(offsets))]
+    state[rows] = float("nan")  # poison: every checkpoint row must be written
+    conv_state[rows] = float("nan")
+    plain_state, plain_conv = state.clone(), conv_state.clone()
+    before_state, before_conv = state.clone(), conv_state.clone()
+
+    plain = prefill_batch([0], [301], [1], mixed.device)
+    plain_mixed = causal_conv1d_prefill_(mixed, plain_conv, weight, plain)
+    plain_o = gated_delta_rule_prefill_(plain_mixed, ba, A_log, dt_bias, plain_state, plain, 2)
+    batch = prefill_batch([0], [301], [1], mixed.device, [list(zip(offsets, rows, strict=True))])
+    got_mixed = causal_conv1d_prefill_(mixed, conv_state, weight, batch)
+    got_o = gated_delta_rule_prefill_(got_mixed, ba, A_log, dt_bias, state, batch, 2)
+    torch.cuda.synchronize()
+    assert torch.equal(got_mixed, plain_mixed) and torch.equal(conv_state[1], plain_conv[1])
+    assert_close("output with checkpoints", got_o, plain_o)
+    assert_close("final state with checkpoints", state[1], plain_state[1])
+    assert torch.equal(state[0], before_state[0]) and torch.equal(state[2], before_state[2])
+    for offset, row in zip(offsets, rows, strict=True):
+        prefix_state, prefix_conv = before_state.clone(), before_conv.clone()
+        prefix = prefill_batch([0], [offset], [1], mixed.device)
+        prefix_mixed = causal_conv1d_prefill_(mixed[:offset], prefix_conv, weight, prefix)
+        gated_delta_rule_prefill_(prefix_mixed, ba[:offset], A_log, dt_bias, prefix_state, prefix, 2)
+        assert torch.equal(conv_state[row], prefix_conv[1]), f"conv checkpoint at {offset}"
+        assert_close(f"recurrent checkpoint at {offset}", state[row], prefix_state[1])

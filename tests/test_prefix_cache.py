@@ -1,8 +1,8 @@
 """Automatic prefix caching (KV blocks + GDN state checkpoints) on tiny Qwen3.5 models (CPU, fp32).
 
 The same requests run on an engine without the cache and one with it must give the same
-greedy tokens and logits within ATOL. Not bit-identical: the cache makes prompt chunks end
-at checkpoint boundaries and skips cached prefixes, so the chunked delta rule and the
+greedy tokens and logits within ATOL. Not bit-identical: the cache makes the delta rule's
+chunks end at checkpoint boundaries and skips cached prefixes, so the chunked delta rule and the
 matmuls see other chunk boundaries and sum in another order (observed ~4e-7 on logits of
 size O(1)); token equality is asserted only where the reference's top-1 margin exceeds
 twice ATOL (``assert_same_greedy_runs``), as everywhere for random weights.
@@ -185,6 +185,23 @@ def test_a_long_prompt_keeps_only_its_latest_interval_checkpoint(dense):
     points, hashes = engine.scheduler.checkpoints, engine.block_manager.hashes(sequence(ids), 136)
     assert len(points) == 2
     assert points.lookup(hashes[128 // 8 - 1]) is not None and points.lookup(hashes[136 // 8 - 1]) is not None
+
+
+def test_checkpoints_inside_a_prompt_chunk_do_not_cut_it(dense, monkeypatch):
+    """A budget that fits the whole 140-token prompt: it is computed in one step (not cut at
+    the checkpoints at 128 and 136, which the GDN layers write during the pass), and later
+    requests starting from those checkpoints get what an engine without the cache gives."""
+    ids = tokens(70, 140)
+    waves = [{"a": ids}, {"b": ids[:136] + tokens(71, 5)}, {"c": ids[:130] + tokens(72, 20)}]
+    reference = run_waves(engine_for(dense, caching=False, max_num_batched_tokens=256), waves)
+    engine = engine_for(dense, caching=True, max_num_batched_tokens=256)
+    counts = []
+    run = engine.runner.run
+    monkeypatch.setattr(engine.runner, "run", lambda scheduled: counts.append([n for _, n in scheduled]) or run(scheduled))
+    got = run_waves(engine, waves)
+    assert counts[0] == [140]
+    assert_same_greedy_runs(reference, got, ATOL, label="checkpoints inside a chunk")
+    assert engine.stats()["prefix_cache_hits"] == 136 + 128
 
 
 def test_disabled_cache_reuses_nothing(dense):

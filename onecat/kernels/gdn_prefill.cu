@@ -23,9 +23,13 @@
 //   ba        fp16 [T][ba_stride]     in_proj_ba's output: b (Hv) | a (Hv)
 //   state     fp32 [slots][Hv][128][DV]
 //   out       fp16 [T][Hv][DV]
-//   seqs      int32 [nseq][4]         (first token, length, first chunk, state slot)
-//   chunks    int32 [nchunks][3]      (first token, length <= 64, sequence), sequences' chunks
-//                                     in order; a sequence's last chunk may be partial
+//   seqs      int32 [nseq][5]         (first token, length, first chunk, state slot, chunks)
+//   chunks    int32 [nchunks][4]      (first token, length <= 64, sequence, checkpoint row),
+//                                     sequences' chunks in order; any chunk may be partial
+//                                     (one ends at each checkpoint); after a chunk whose
+//                                     checkpoint row is >= 0 the scan also writes the state
+//                                     there (prefix caching: the state at a block boundary
+//                                     inside the prompt chunk, without cutting the pass)
 // Workspace written by gdn_prefill_chunk and read by gdn_prefill_scan (n = chunk, rows of a
 // partial chunk beyond its length are zero):
 //   qk_ws     fp16 [nchunks][Hk][2][64][128]   normalised q (scaled) and k
@@ -168,9 +172,9 @@ gdn_prefill_conv(const half* __restrict__ x, int x_stride, const half* __restric
                  const int* __restrict__ chunks, half* __restrict__ mixed, int channels) {
   const int c = 2 * (blockIdx.x * 128 + threadIdx.x);
   if (c >= channels) return;
-  const int* chunk = chunks + 3 * blockIdx.y;
+  const int* chunk = chunks + 4 * blockIdx.y;
   const int start = chunk[0], len = chunk[1];
-  const int* seq = seqs + 4 * chunk[2];
+  const int* seq = seqs + 5 * chunk[2];
   const int seq_start = seq[0], seq_len = seq[1];
   const bool first = start == seq_start;
   float w0[4], w1[4];
@@ -234,7 +238,7 @@ gdn_prefill_chunk(const half* __restrict__ mixed, int mixed_stride, const half* 
 
   const int n = blockIdx.x, h = blockIdx.y;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int start = chunks[3 * n], len = chunks[3 * n + 1];
+  const int start = chunks[4 * n], len = chunks[4 * n + 1];
   const int group = num_v_heads / num_k_heads, hk = h / group;
   const int key_dim = num_k_heads * kDk;
   const bool writes_qk = h % group == 0;
@@ -460,7 +464,7 @@ extern "C" __global__ void __launch_bounds__(128)
 gdn_prefill_scan(const half* __restrict__ qk_ws, const half* __restrict__ w_ws,
                  const half* __restrict__ u_ws, const half* __restrict__ attn_ws,
                  const float* __restrict__ gamma_ws, const int* __restrict__ seqs,
-                 float* __restrict__ state, half* __restrict__ out, int num_k_heads,
+                 const int* __restrict__ chunks, float* __restrict__ state, half* __restrict__ out, int num_k_heads,
                  int num_v_heads, int dv) {
   using namespace onecat_gdnp;
   __shared__ __align__(32) float s_f[kDk * kLdS];    // warp w: rows 32w.. (state copy, scratch)
@@ -470,8 +474,8 @@ gdn_prefill_scan(const half* __restrict__ qk_ws, const half* __restrict__ w_ws,
   __shared__ float gam_s[kChunk];
 
   const int col0 = kCols * blockIdx.x, h = blockIdx.y;
-  const int* seq = seqs + 4 * blockIdx.z;
-  const int tok0 = seq[0], len = seq[1], chunk0 = seq[2];
+  const int* seq = seqs + 5 * blockIdx.z;
+  const int chunk0 = seq[2], num_chunks = seq[4];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int hk = h / (num_v_heads / num_k_heads);
   float* scratch = s_f + 32 * warp * kLdS;
@@ -483,9 +487,9 @@ gdn_prefill_scan(const half* __restrict__ qk_ws, const half* __restrict__ w_ws,
 #pragma unroll
     for (int b = 0; b < 2; ++b) load_acc_g(s[a][b], st + (32 * warp + 16 * a) * dv + 16 * b, dv);
 
-  const int num_chunks = (len + kChunk - 1) / kChunk;
   for (int c = 0; c < num_chunks; ++c) {
     const size_t n = chunk0 + c;
+    const int* chunk = chunks + 4 * n;
     const size_t nh = n * num_v_heads + h;
     const half* q_g = qk_ws + (n * num_k_heads + hk) * 2 * kChunk * kDk;
     const half* k_g = q_g + kChunk * kDk;
@@ -564,12 +568,12 @@ gdn_prefill_scan(const half* __restrict__ qk_ws, const half* __restrict__ w_ws,
     store_acc_s(p_s, o[0], kLdS);
     store_acc_s(p_s + 16, o[1], kLdS);
     __syncwarp();
-    const int valid = min(kChunk, len - c * kChunk);
+    const int valid = chunk[1];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {  // 16 rows x 16 column pairs
       const int e = lane + 32 * i, row = e >> 4, col = 2 * (e & 15), r = 16 * warp + row;
       if (r < valid) {
-        const size_t token = (size_t)tok0 + c * kChunk + r;
+        const size_t token = (size_t)chunk[0] + r;
         *reinterpret_cast<half2*>(out + (token * num_v_heads + h) * dv + col0 + col) =
             __floats2half2_rn(p_s[row * kLdS + col], p_s[row * kLdS + col + 1]);
       }
@@ -595,6 +599,13 @@ gdn_prefill_scan(const half* __restrict__ qk_ws, const half* __restrict__ w_ws,
         mma_cr(s[a][0], ka, b0);
         mma_cr(s[a][1], ka, b1);
       }
+    }
+    if (chunk[3] >= 0) {  // a prefix-cache checkpoint after this chunk
+      float* cp = state + ((size_t)chunk[3] * num_v_heads + h) * kDk * dv + col0;
+#pragma unroll
+      for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int b = 0; b < 2; ++b) store_acc_g(cp + (32 * warp + 16 * a) * dv + 16 * b, s[a][b], dv);
     }
     __syncwarp();
   }

@@ -9,6 +9,12 @@ copy per sequence and per layer. The metadata (:class:`PrefillBatch`) is built o
 on the host (the runtime knows every chunk's start, length and slot as Python ints) and
 shared by all GDN layers of the step.
 
+Prefix-caching checkpoints inside a prompt chunk: a sequence may list ``(offset, row)``
+pairs; its chunks are then cut at each offset, and after ``offset`` tokens its recurrent
+state is also written to state row ``row`` by the scan and its conv state (the last 3 inputs)
+to conv-state row ``row`` by :func:`causal_conv1d_prefill_`. The engine thus checkpoints a
+long prompt's states at block boundaries without cutting the forward pass there.
+
 Three launches per layer: ``gdn_prefill_conv`` (conv + SiLU, conv states in place),
 ``gdn_prefill_chunk`` (per 64-token chunk and value head: gates, normalised q/k, the decayed
 Q K^T, the triangular inverse, W and U into a workspace) and ``gdn_prefill_scan`` (per 32
@@ -54,8 +60,9 @@ def supports(head_k_dim: int, head_v_dim: int, conv_kernel: int, dtype: torch.dt
 @dataclass(frozen=True)
 class PrefillBatch:
     """The prompt chunks of one step: per sequence ``(first token, length, first chunk,
-    state slot)`` and per 64-token chunk ``(first token, length, sequence)``, token indices
-    relative to the first row of the tensors handed to the kernels.
+    state slot, chunks)`` and per chunk of at most 64 tokens ``(first token, length, sequence,
+    checkpoint row or -1)``, token indices relative to the first row of the tensors handed to
+    the kernels; ``checkpoints`` per sequence ``(offset, row)`` pairs (module docstring).
 
     ``meta`` holds both tables as one int32 device tensor (sequences first).
     """
@@ -63,6 +70,7 @@ class PrefillBatch:
     starts: tuple[int, ...]
     lengths: tuple[int, ...]
     slots: tuple[int, ...]
+    checkpoints: tuple[tuple[tuple[int, int], ...], ...]
     num_chunks: int
     num_tokens: int  # rows spanned: max(start + length)
     meta: torch.Tensor
@@ -73,38 +81,60 @@ class PrefillBatch:
         return len(self.starts)
 
     @property
+    def max_row(self) -> int:
+        """The highest state row the kernels touch (a slot or a checkpoint row)."""
+        return max([*self.slots, *(row for points in self.checkpoints for _, row in points)])
+
+    @property
     def seqs(self) -> torch.Tensor:
-        """int32 ``[num_seqs, 4]`` on the device."""
-        return self.meta[: 4 * self.num_seqs].view(self.num_seqs, 4)
+        """int32 ``[num_seqs, 5]`` on the device."""
+        return self.meta[: 5 * self.num_seqs].view(self.num_seqs, 5)
 
     @property
     def chunks(self) -> torch.Tensor:
-        """int32 ``[num_chunks, 3]`` on the device."""
-        return self.meta[4 * self.num_seqs :].view(self.num_chunks, 3)
+        """int32 ``[num_chunks, 4]`` on the device."""
+        return self.meta[5 * self.num_seqs :].view(self.num_chunks, 4)
 
 
 def chunk_tables(
-    starts: list[int] | tuple[int, ...], lengths: list[int] | tuple[int, ...], slots: list[int] | tuple[int, ...]
+    starts: list[int] | tuple[int, ...],
+    lengths: list[int] | tuple[int, ...],
+    slots: list[int] | tuple[int, ...],
+    checkpoints: list | tuple | None = None,
 ) -> tuple[list[int], list[int]]:
     """The flat sequence and chunk tables of :class:`PrefillBatch` (host lists). Raises
-    OnecatError on empty or overlapping sequences and on repeated slots."""
+    OnecatError on empty or overlapping sequences, on repeated slots and on checkpoints that
+    are not strictly inside their sequence, in order, on rows of their own."""
     where = "onecat.kernels.gdn_prefill"
     if not (len(starts) == len(lengths) == len(slots)) or not starts:
         raise OnecatError(f"{where}: need one start, length and slot per sequence (and at least one)")
     if len(set(slots)) != len(slots) or min(slots) < 0:
         raise OnecatError(f"{where}: state slots must be distinct and >= 0, got {list(slots)}")
+    checkpoints = checkpoints or [()] * len(starts)
+    rows = [row for points in checkpoints for _, row in points]
+    if len(checkpoints) != len(starts) or len(set(rows) | set(slots)) != len(rows) + len(slots) or min(rows, default=0) < 0:
+        raise OnecatError(f"{where}: checkpoint rows must be >= 0 and distinct from each other and the slots")
     spans = sorted(zip(starts, lengths, strict=True))
     for (s0, n0), (s1, _) in zip(spans, spans[1:], strict=False):
         if s0 + n0 > s1:
             raise OnecatError(f"{where}: sequences overlap (tokens {s0}+{n0} and {s1})")
     seqs: list[int] = []
     chunks: list[int] = []
-    for index, (start, length, slot) in enumerate(zip(starts, lengths, slots, strict=True)):
+    for index, (start, length, slot, points) in enumerate(zip(starts, lengths, slots, checkpoints, strict=True)):
         if length < 1 or start < 0:
             raise OnecatError(f"{where}: sequence {index} has start {start} and length {length}")
-        seqs += [start, length, len(chunks) // 3, slot]
-        for offset in range(0, length, CHUNK):
-            chunks += [start + offset, min(CHUNK, length - offset), index]
+        offsets = [offset for offset, _ in points]
+        if offsets != sorted(set(offsets)) or any(not 0 < o < length for o in offsets):
+            raise OnecatError(f"{where}: sequence {index}'s checkpoint offsets {offsets} must rise inside (0, {length})")
+        first = len(chunks) // 4
+        ends = dict(points)
+        begin = 0
+        for end in [*offsets, length]:
+            for offset in range(begin, end, CHUNK):
+                stop = min(offset + CHUNK, end)
+                chunks += [start + offset, stop - offset, index, ends.get(stop, -1) if stop < length else -1]
+            begin = end
+        seqs += [start, length, first, slot, len(chunks) // 4 - first]
     return seqs, chunks
 
 
@@ -116,17 +146,21 @@ def prefill_batch(
     lengths: list[int] | tuple[int, ...],
     slots: list[int] | tuple[int, ...],
     device: torch.device,
+    checkpoints: list | tuple | None = None,
 ) -> PrefillBatch:
-    """The :class:`PrefillBatch` of these sequences on ``device``. The last one built is kept,
-    so the GDN layers of one step share one host-to-device copy."""
+    """The :class:`PrefillBatch` of these sequences on ``device`` (``checkpoints``: per
+    sequence ``(offset, row)`` pairs, module docstring). The last one built is kept, so the
+    GDN layers of one step share one host-to-device copy."""
     global _cached
-    key = (tuple(starts), tuple(lengths), tuple(slots))
+    points = tuple(tuple(map(tuple, p)) for p in checkpoints) if checkpoints else ((),) * len(starts)
+    key = (tuple(starts), tuple(lengths), tuple(slots), points)
     cached = _cached
-    if cached is not None and (cached.starts, cached.lengths, cached.slots) == key and cached.meta.device == device:
+    if (cached is not None and (cached.starts, cached.lengths, cached.slots, cached.checkpoints) == key
+            and cached.meta.device == device):
         return cached
     seqs, chunks = chunk_tables(*key)
     meta = to_device(seqs + chunks, torch.int32, device)
-    batch = PrefillBatch(*key, len(chunks) // 3, max(s + n for s, n in zip(key[0], key[1], strict=True)), meta)
+    batch = PrefillBatch(*key, len(chunks) // 4, max(s + n for s, n in zip(key[0], key[1], strict=True)), meta)
     _cached = batch
     return batch
 
@@ -153,7 +187,8 @@ def causal_conv1d_prefill_(
     ``x`` fp16 ``[>= batch.num_tokens, >= C]`` (rows may be strided, an even stride),
     ``conv_state`` fp16 ``[slots, C, 3]`` contiguous, ``weight`` fp16 ``[C, 4]`` contiguous.
     Returns ``silu(conv)`` fp16 ``[batch.num_tokens, C]`` contiguous (written into ``out``
-    when given); the slot of each sequence then holds its last 3 inputs. Same math as
+    when given); the slot of each sequence then holds its last 3 inputs, and each checkpoint
+    row the 3 inputs before its offset. Same math as
     ``runtime.layers.causal_conv.causal_conv1d_chunk`` (fp32 accumulation, one rounding).
     """
     where = "onecat.kernels.gdn_prefill.causal_conv1d_prefill_"
@@ -165,8 +200,12 @@ def causal_conv1d_prefill_(
          and tuple(weight.shape) == (channels, CONV_KERNEL) and channels % 2 == 0),
         ("conv_state", conv_state.dtype == torch.float16 and conv_state.is_contiguous()
          and conv_state.dim() == 3 and tuple(conv_state.shape[1:]) == (channels, CONV_KERNEL - 1)
-         and max(batch.slots) < conv_state.shape[0]),
+         and batch.max_row < conv_state.shape[0]),
     ])  # fmt: skip
+    for start, slot, points in zip(batch.starts, batch.slots, batch.checkpoints, strict=True):
+        for offset, row in points:  # before the kernel overwrites the slot's old inputs
+            history = torch.cat([conv_state[slot], x[max(start, start + offset - 3) : start + offset, :channels].t()], 1)
+            conv_state[row].copy_(history[:, -(CONV_KERNEL - 1) :])
     if out is None:
         out = torch.empty(batch.num_tokens, channels, dtype=torch.float16, device=x.device)
     kernel = get_kernel("gdn_prefill_conv", _device_index(x))
@@ -220,7 +259,7 @@ def gated_delta_rule_prefill_(
         ("A_log", A_log.dtype == torch.float32 and A_log.is_contiguous() and A_log.numel() == num_v_heads),
         ("dt_bias", dt_bias.dtype == torch.float32 and dt_bias.is_contiguous()
          and dt_bias.numel() == num_v_heads),
-        ("state", state.dtype == torch.float32 and state.is_contiguous() and max(batch.slots) < state.shape[0]),
+        ("state", state.dtype == torch.float32 and state.is_contiguous() and batch.max_row < state.shape[0]),
     ])  # fmt: skip
     if out is None:
         out = torch.empty(tokens, num_v_heads, head_v_dim, dtype=torch.float16, device=mixed.device)
@@ -242,8 +281,8 @@ def gated_delta_rule_prefill_(
     ])  # fmt: skip
     grid = (head_v_dim // _COLUMNS, num_v_heads, batch.num_seqs)
     get_kernel("gdn_prefill_scan", index).launch(grid, 128, stream, [
-        ptr(qk_ws), ptr(w_ws), ptr(u_ws), ptr(attn_ws), ptr(gamma_ws), ptr(batch.seqs), ptr(state),
-        ptr(out), *heads,
+        ptr(qk_ws), ptr(w_ws), ptr(u_ws), ptr(attn_ws), ptr(gamma_ws), ptr(batch.seqs), ptr(batch.chunks),
+        ptr(state), ptr(out), *heads,
     ])  # fmt: skip
     return out
 

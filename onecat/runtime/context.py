@@ -28,6 +28,9 @@ class PrefillChunk:
     num_past: int  # tokens of this sequence already in the KV cache / recurrent state
     block_table: torch.Tensor  # int64 [blocks covering num_past + length tokens]
     state_slot: int  # its GDN state slot
+    # prefix-cache checkpoints inside the chunk: (tokens into the chunk, state row); the GDN
+    # layers write the conv and recurrent states after that many tokens to that row
+    checkpoints: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass

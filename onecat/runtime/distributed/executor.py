@@ -69,7 +69,7 @@ class ShippedSequence:
     """What a worker's model runner reads of a scheduled :class:`Sequence`."""
 
     __slots__ = ("num_computed_tokens", "num_tokens", "token_ids", "block_table", "state_slot", "fresh_slot",
-                 "restore_from", "save_to")
+                 "restore_from", "saves")
 
     def __init__(self, seq: Sequence, count: int, start: int | None = None) -> None:
         """The chunk of ``count`` tokens from ``start`` (default: the first not computed),
@@ -78,7 +78,7 @@ class ShippedSequence:
         self.num_computed_tokens, self.num_tokens = seq.num_computed_tokens, seq.num_tokens
         self.token_ids = TokenWindow(start, seq.chunk_token_ids(start, count))
         self.block_table, self.state_slot, self.fresh_slot = seq.block_table, seq.state_slot, seq.fresh_slot
-        self.restore_from, self.save_to = seq.restore_from, seq.save_to  # GDN state checkpoint rows
+        self.restore_from, self.saves = seq.restore_from, seq.saves  # GDN state checkpoint rows
 
     def chunk_token_ids(self, start: int, count: int) -> list[int]:
         """The shipped chunk's token ids (``Sequence.chunk_token_ids``)."""
@@ -88,11 +88,11 @@ class ShippedSequence:
     def __getstate__(self) -> tuple:
         window = self.token_ids
         return (self.num_computed_tokens, self.num_tokens, window.start, window.ids,
-                self.block_table, self.state_slot, self.fresh_slot, self.restore_from, self.save_to)
+                self.block_table, self.state_slot, self.fresh_slot, self.restore_from, self.saves)
 
     def __setstate__(self, state: tuple) -> None:
         (self.num_computed_tokens, self.num_tokens, start, ids,
-         self.block_table, self.state_slot, self.fresh_slot, self.restore_from, self.save_to) = state
+         self.block_table, self.state_slot, self.fresh_slot, self.restore_from, self.saves) = state
         self.token_ids = TokenWindow(start, ids)
 
 

@@ -9,7 +9,10 @@ GDN state checkpoints (``block_manager.StateCheckpoints``) get extra state rows:
 ``MAX_STATE_CHECKPOINTS`` and ``max_num_seqs``, and on a GPU at most an eighth of the memory
 left for caches. They follow the scratch slot in the state tensors; the runner copies a
 checkpoint into a sequence's slot before a step (``Sequence.restore_from``) and a slot into
-a checkpoint after it (``Sequence.save_to``), outside any CUDA graph.
+a checkpoint after it when the checkpoint is at the end of the step's chunk
+(``Sequence.saves``), outside any CUDA graph; a checkpoint inside a prompt chunk is written
+by the GDN layers during the pass (``PrefillChunk.checkpoints``), so prompts are not cut at
+checkpoint boundaries.
 
 Inside decode graphs the small elementwise steps run fused (``layers/fusion.py``).
 
@@ -273,7 +276,7 @@ class ModelRunner:
                 "non-finite logits: activations overflowed fp16 (the checkpoint was trained in "
                 "bf16); outputs of this model may be garbage on fp16 hardware"
             )
-        self._save_checkpoints(seqs)
+        self._save_checkpoints(scheduled)
         return sampled, logits
 
     def _prepare_states(self, seqs: list[Sequence]) -> None:
@@ -281,9 +284,13 @@ class ModelRunner:
         self._copy_states([(s.restore_from, s.state_slot) for s in seqs if s.restore_from is not None])
         self._reset_fresh_slots(seqs)
 
-    def _save_checkpoints(self, seqs: list[Sequence]) -> None:
-        """After a pass: the states asked for as prefix-cache checkpoints are copied out."""
-        self._copy_states([(s.state_slot, s.save_to) for s in seqs if s.save_to is not None])
+    def _save_checkpoints(self, scheduled: list[tuple[Sequence, int]]) -> None:
+        """After a pass: the prefix-cache checkpoints at the end of a computed chunk are copied
+        out of the slot (those inside a chunk were written during the pass)."""
+        self._copy_states([
+            (seq.state_slot, save.row) for seq, count in scheduled for save in seq.saves
+            if save.boundary == seq.num_computed_tokens + count
+        ])  # fmt: skip
 
     def _run_eager(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
         hidden, firsts = self._forward(scheduled)
@@ -350,7 +357,8 @@ class ModelRunner:
                 continue
             start = seq.num_computed_tokens
             firsts[i] = len(ids)
-            prefills.append(PrefillChunk(len(ids), count, start, as_tensor(seq.block_table), seq.state_slot))
+            inside = tuple((save.boundary - start, save.row) for save in seq.saves if save.boundary < start + count)
+            prefills.append(PrefillChunk(len(ids), count, start, as_tensor(seq.block_table), seq.state_slot, inside))
             ids.extend(seq.chunk_token_ids(start, count))
             positions.extend(range(start, start + count))
             slots.extend(self._slot(seq, p) for p in range(start, start + count))
@@ -400,7 +408,7 @@ class ModelRunner:
             hidden, firsts = self._forward(scheduled)
             result = hidden.clone(), firsts, None
         self.last_hidden = result[0]  # tensor parallel: workers draft from their own copy
-        self._save_checkpoints(seqs)
+        self._save_checkpoints(scheduled)
         return result
 
     def accept_drafts(self, accepted: list[tuple[Sequence, int]]) -> None:

@@ -13,18 +13,20 @@ longest prefix of its tokens -- at most all but the last, whose logits it needs 
 ends at a block boundary where both the KV blocks are cached and (for a model with GDN
 layers) a state checkpoint exists; it takes those blocks and the runner copies the
 checkpoint into its slot. Checkpoints are taken while prompts are prefilled, at block
-boundaries where a prompt chunk is made to end:
+boundaries; a prompt chunk is not cut there: the GDN layers write the states at a boundary
+inside the chunk to the checkpoint's row during the pass, and one at the chunk's end is
+copied from the slot after it. They are taken:
 
 - every ``checkpoint_interval`` tokens (long documents shared by later requests lose at
-  most that much work; a prompt chunk crossing such a boundary ends there). A sequence keeps
-  only its latest one: each replaces the previous, so a long prompt holds one row, not one
-  per interval, and cannot flush the pool;
+  most that much work). A sequence keeps only its latest one: each replaces the previous,
+  so a long prompt holds one row, not one per interval, and cannot flush the pool (of
+  several interval boundaries inside one chunk only the last is written);
 - where the cached KV blocks of the sequence's prefix ran out of state checkpoints at
   admission (the branching point of prompts sharing a prefix: the second request sharing a
   system prompt computes it, the third and later ones skip it);
 - at the last block boundary of a prompt of at least ``checkpoint_interval`` tokens (the
-  next turn of a conversation, a repeated prompt). Shorter prompts skip this one: it costs a
-  forward pass for the prompt's tail, which a short prompt's first token would feel.
+  next turn of a conversation, a repeated prompt). Shorter prompts skip this one, to keep
+  the pool's rows for long prefixes.
 
 Checkpoints are few (at most three per request at a time) because each is a full copy of all GDN states (~151 MB on the 27B); the pool evicts the least recently
 used one. Counters ``prefix_cache_queries`` / ``prefix_cache_hits`` count tokens looked up
@@ -36,7 +38,7 @@ from __future__ import annotations
 from collections import deque
 
 from onecat.runtime.engine.block_manager import BlockManager, StateCheckpoints, StateSlotPool
-from onecat.runtime.engine.sequence import Sequence, SequenceStatus
+from onecat.runtime.engine.sequence import Sequence, SequenceStatus, StateSave
 
 
 class Scheduler:
@@ -77,9 +79,10 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         self.slots.free(seq)
-        if seq.save_to is not None and self.checkpoints is not None:
-            self.checkpoints.unreserve(seq.save_to)
-        seq.restore_from = seq.save_to = seq.save_key = seq.transient_key = None
+        for save in seq.saves:
+            self.checkpoints.unreserve(save.row)
+        seq.saves = []
+        seq.restore_from = seq.transient_key = None
         seq.checkpoint_at = []
 
     def _preempt(self, seq: Sequence) -> None:
@@ -133,21 +136,26 @@ class Scheduler:
             points[last] = False
         seq.checkpoint_at = sorted((p, transient) for p, transient in points.items() if hit < p < n)
 
-    def _chunk(self, seq: Sequence, count: int) -> int:
-        """``count`` pending tokens of ``seq`` cut at its next checkpoint boundary (the state is
-        then saved there: a row reserved now, published by :meth:`commit`)."""
+    def _plan_saves(self, seq: Sequence, count: int) -> None:
+        """The checkpoint boundaries that the next ``count`` tokens of ``seq`` reach get a row
+        each (reserved now, published by :meth:`commit`), unless already cached; of several
+        interval boundaries only the last is taken (each would replace the one before)."""
         start = seq.num_computed_tokens
         while seq.checkpoint_at and seq.checkpoint_at[0][0] <= start:
             seq.checkpoint_at.pop(0)
-        if not seq.checkpoint_at or seq.checkpoint_at[0][0] > start + count:
-            return count
-        boundary, transient = seq.checkpoint_at.pop(0)
-        key = self.block_manager.hashes(seq, boundary)[-1]
-        if self.checkpoints.lookup(key) is None:
-            seq.save_to = self.checkpoints.reserve()
-            if seq.save_to is not None:
-                seq.save_key, seq.save_transient = key, transient
-        return boundary - start
+        reached = []
+        while seq.checkpoint_at and seq.checkpoint_at[0][0] <= start + count:
+            reached.append(seq.checkpoint_at.pop(0))
+        last_interval = max((p for p, transient in reached if transient), default=None)
+        for boundary, transient in reached:
+            if transient and boundary != last_interval:
+                continue
+            key = self.block_manager.hashes(seq, boundary)[-1]
+            if self.checkpoints.lookup(key) is not None:
+                continue
+            row = self.checkpoints.reserve()
+            if row is not None:
+                seq.saves.append(StateSave(boundary, row, key, transient))
 
     def commit(self, scheduled: list[tuple[Sequence, int]]) -> None:
         """After a step computed ``scheduled`` (and their ``num_computed_tokens`` advanced):
@@ -155,13 +163,13 @@ class Scheduler:
         become visible."""
         for seq, _ in scheduled:
             seq.restore_from = None
-            if seq.save_to is not None:
-                self.checkpoints.publish(seq.save_key, seq.save_to)
-                if seq.save_transient:  # an interval checkpoint replaces the sequence's previous one
+            for save in seq.saves:
+                self.checkpoints.publish(save.key, save.row)
+                if save.transient:  # an interval checkpoint replaces the sequence's previous one
                     if seq.transient_key is not None:
                         self.checkpoints.discard(seq.transient_key)
-                    seq.transient_key = seq.save_key
-                seq.save_to = seq.save_key = None
+                    seq.transient_key = save.key
+            seq.saves = []
             self.block_manager.register(seq)
 
     # --- scheduling --------------------------------------------------------------------
@@ -181,7 +189,7 @@ class Scheduler:
             if not self.block_manager.can_grow(seq, target):
                 self._preempt(seq)  # nothing left to take blocks from
                 break
-            count = self._chunk(seq, count)
+            self._plan_saves(seq, count)
             self.block_manager.grow(seq, seq.num_computed_tokens + count)
             scheduled.append((seq, count))
             budget -= count
@@ -207,7 +215,7 @@ class Scheduler:
                 self.prefix_cache_queries += seq.num_tokens
                 self.prefix_cache_hits += hit
             self._plan_checkpoints(seq, hit, kv_blocks)
-            count = self._chunk(seq, count)
+            self._plan_saves(seq, count)
             self.block_manager.grow(seq, hit + count)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

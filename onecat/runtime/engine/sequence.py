@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import NamedTuple
 
 import torch
 
@@ -18,6 +19,17 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class StateSave(NamedTuple):
+    """A GDN state checkpoint taken during the next step: the state after ``boundary`` tokens
+    goes to checkpoint row ``row``, published under ``key`` (``transient``: an interval
+    checkpoint, which replaces the sequence's previous one)."""
+
+    boundary: int
+    row: int
+    key: bytes
+    transient: bool
+
+
 class Sequence:
     """The prompt plus generated tokens of one request.
 
@@ -29,11 +41,11 @@ class Sequence:
     Prefix caching: ``block_hashes`` are the content hashes of its full blocks (filled lazily
     by the block manager), of which the first ``num_registered_blocks`` have been offered to
     the cache. ``checkpoint_at`` lists the block boundaries (token counts) at which its GDN
-    state is to be checkpointed while its prompt is prefilled (a prompt chunk ends at the next
-    one). For the next step only: ``restore_from`` is the checkpoint row the runner copies
-    into ``state_slot`` before the forward pass (a cache hit), ``save_to`` the row it copies
-    ``state_slot`` into afterwards, to be published under ``save_key`` (``save_transient``: an
-    interval checkpoint, which replaces the previous one, ``transient_key``).
+    state is to be checkpointed while its prompt is prefilled. For the next step only:
+    ``restore_from`` is the checkpoint row the runner copies into ``state_slot`` before the
+    forward pass (a cache hit), ``saves`` the checkpoints the step takes (at the chunk's end
+    the runner copies the slot afterwards, inside it the GDN layers write the row during the
+    pass); ``transient_key`` is the sequence's latest interval checkpoint.
 
     Speculative decoding: ``draft_token_ids`` are tokens proposed after the newest one, not
     yet part of the sequence; the next step computes them beside the pending tokens and keeps
@@ -63,9 +75,7 @@ class Sequence:
         self.num_registered_blocks = 0
         self.checkpoint_at: list[tuple[int, bool]] = []  # (boundary, transient)
         self.restore_from: int | None = None
-        self.save_to: int | None = None
-        self.save_key: bytes | None = None
-        self.save_transient = False
+        self.saves: list[StateSave] = []
         self.transient_key: bytes | None = None
         self.finish_reason: str | None = None
         self.draft_token_ids: list[int] = []

@@ -310,13 +310,15 @@ class GatedDeltaNet(nn.Module):
         and recurrent states in their slots (``kernels/gdn_prefill.cu``)."""
         first, end = prefills[0].start, prefills[-1].start + prefills[-1].length
         slots = [chunk.state_slot for chunk in prefills]
+        checkpoints = [chunk.checkpoints for chunk in prefills]
         conv_state, rec_state = self.conv_state, self.recurrent_state
         if conv_state.numel() == 0:  # memory-profiling pass: scratch states
-            slots = list(range(len(prefills)))
+            slots, checkpoints = list(range(len(prefills))), None
             conv_state, rec_state = self._states(torch.tensor(slots, device=mixed.device))
             conv_state = conv_state.to(mixed.dtype)
         batch = gdn_prefill.prefill_batch(
-            [chunk.start - first for chunk in prefills], [chunk.length for chunk in prefills], slots, mixed.device
+            [chunk.start - first for chunk in prefills], [chunk.length for chunk in prefills], slots, mixed.device,
+            checkpoints,
         )
         conv_out = gdn_prefill.causal_conv1d_prefill_(mixed[first:end], conv_state, self.conv1d.weight, batch)
         return gdn_prefill.gated_delta_rule_prefill_(
@@ -326,19 +328,24 @@ class GatedDeltaNet(nn.Module):
     def _prefill_torch(
         self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, prefills: list[PrefillChunk]
     ) -> list[torch.Tensor]:
-        """Prompt chunks one sequence at a time in torch (CPU, fp32, other head sizes)."""
+        """Prompt chunks one sequence at a time in torch (CPU, fp32, other head sizes); a chunk
+        with checkpoints inside runs as pieces between them, each checkpoint saving the states."""
         dims = (self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim)
         outputs = []
         for chunk in prefills:
-            part = slice(chunk.start, chunk.start + chunk.length)
             slot = torch.tensor([chunk.state_slot], device=mixed.device)
             conv_state, rec_state = self._states(slot)
-            mixed_c, conv_state = causal_conv1d_chunk(mixed[part], conv_state[0], self.conv1d.weight)
-            q, k, v = split_heads(mixed_c, *dims)
-            g, beta = decay_and_rate(a[part], b[part], self.A_log, self.dt_bias)
-            out, rec_state = gated_delta_rule_chunked(q, k, v, g, beta, rec_state[0])
-            self._save_states(slot, conv_state[None], rec_state[None])
-            outputs.append(out.to(mixed.dtype))
+            conv_state, rec_state = conv_state[0], rec_state[0]
+            begin = 0
+            for end, row in [*chunk.checkpoints, (chunk.length, chunk.state_slot)]:
+                part = slice(chunk.start + begin, chunk.start + end)
+                mixed_c, conv_state = causal_conv1d_chunk(mixed[part], conv_state, self.conv1d.weight)
+                q, k, v = split_heads(mixed_c, *dims)
+                g, beta = decay_and_rate(a[part], b[part], self.A_log, self.dt_bias)
+                out, rec_state = gated_delta_rule_chunked(q, k, v, g, beta, rec_state)
+                self._save_states(torch.tensor([row], device=mixed.device), conv_state[None], rec_state[None])
+                outputs.append(out.to(mixed.dtype))
+                begin = end
         return outputs
 
 
