@@ -222,8 +222,9 @@ def test_runtime_decode_uses_the_kernel_and_matches_the_sdpa_path():
 @pytest.mark.parametrize("past, length", [(0, 300), (1000, 300), (31, 1)])
 def test_prefill_chunks_run_fused_and_match_fp64(monkeypatch, past, length):
     """Prompt chunks on the GPU (27B heads: 24 query, 4 KV, dim 256), fresh or after cached
-    tokens, take one fused SDPA call (no mask materialised) and agree with fp64 causal
-    attention over the whole sequence; the query-block path (forced) agrees too."""
+    tokens, take fused SDPA calls (no mask materialised; all KV heads at once, or one at a time
+    under a smaller byte budget) and agree with fp64 causal attention over the whole sequence;
+    the query-block path (forced) agrees too."""
     from onecat.runtime.layers import attention as attention_layer
     from onecat.runtime.layers.attention import PagedAttention
 
@@ -244,7 +245,8 @@ def test_prefill_chunks_run_fused_and_match_fp64(monkeypatch, past, length):
     probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
     expected = torch.einsum("kgls,skd->lkgd", probs, v_all.double()).reshape(length, heads, dim)
     tolerance = 2e-3 * expected.abs() + 2e-3 * expected.pow(2).mean().sqrt()
-    for fused_bytes in (attention_layer.FUSED_PAST_KV_BYTES, 0):
+    one_kv_head = 2 * total * group * dim * 2  # the repeated K and V of one KV head, fp16
+    for fused_bytes in (attention_layer.FUSED_PAST_KV_BYTES, one_kv_head, 0):  # all heads, one at a time, blocks
         monkeypatch.setattr(attention_layer, "FUSED_PAST_KV_BYTES", fused_bytes)
         got = layer._prefill(q, k_all[past:], v_all[past:], past, table)
         assert got.shape == (length, heads, dim) and torch.isfinite(got).all()

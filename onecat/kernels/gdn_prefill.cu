@@ -49,7 +49,9 @@
 //   gdn_prefill_conv  grid (C / 256, nchunks): thread owns 2 adjacent channels and walks the
 //                     chunk's tokens with a sliding window in registers; the block of a
 //                     sequence's first chunk reads the old conv state and writes the new one
-//                     (the same thread reads then writes a channel: no race).
+//                     (the same thread reads then writes a channel: no race); a later chunk
+//                     that starts less than 3 tokens into its sequence (after a checkpoint)
+//                     reads the old state from a copy taken before the launch.
 //   gdn_prefill_chunk grid (nchunks, Hv): one chunk of one value head.  Warp w normalises rows
 //                     w, w+4, ...; warp w computes row block w of Q K^T and K K^T; warps 0-1
 //                     invert I + A (thread c owns column c of T in 64 registers, rows in order,
@@ -168,7 +170,7 @@ __device__ __forceinline__ uint2 pack4(float a, float b, float c, float d) {
 // The causal depthwise conv (kernel 4) + SiLU over the prefill tokens, conv states in place.
 extern "C" __global__ void __launch_bounds__(128)
 gdn_prefill_conv(const half* __restrict__ x, int x_stride, const half* __restrict__ conv_w,
-                 half* __restrict__ conv_st, const int* __restrict__ seqs,
+                 half* __restrict__ conv_st, const half* __restrict__ old_st, const int* __restrict__ seqs,
                  const int* __restrict__ chunks, half* __restrict__ mixed, int channels) {
   const int c = 2 * (blockIdx.x * 128 + threadIdx.x);
   if (c >= channels) return;
@@ -183,16 +185,18 @@ gdn_prefill_conv(const half* __restrict__ x, int x_stride, const half* __restric
     w0[i] = __half2float(conv_w[c * 4 + i]);
     w1[i] = __half2float(conv_w[(c + 1) * 4 + i]);
   }
-  // window: inputs at tokens start-3, start-2, start-1 (channels c, c+1)
+  // window: inputs at tokens start-3, start-2, start-1 (channels c, c+1); those before the
+  // sequence's first token are its old conv state, read from old_st (conv_st itself, or a
+  // copy taken before the launch when a chunk other than the first reaches back into it)
   float2 p[3];
   half* st = conv_st + ((size_t)seq[3] * channels + c) * 3;
-  if (first) {
+  const half* old = old_st + ((size_t)seq[3] * channels + c) * 3;
 #pragma unroll
-    for (int i = 0; i < 3; ++i) p[i] = make_float2(__half2float(st[i]), __half2float(st[3 + i]));
-  } else {
-#pragma unroll
-    for (int i = 0; i < 3; ++i)
-      p[i] = __half22float2(*reinterpret_cast<const half2*>(x + (size_t)(start - 3 + i) * x_stride + c));
+  for (int i = 0; i < 3; ++i) {
+    const int t = start - 3 + i;
+    p[i] = t < seq_start
+               ? make_float2(__half2float(old[3 + t - seq_start]), __half2float(old[6 + t - seq_start]))
+               : __half22float2(*reinterpret_cast<const half2*>(x + (size_t)t * x_stride + c));
   }
   if (first) {  // new state: the last 3 of (old state ++ the sequence's inputs)
     half2 next[3];

@@ -202,16 +202,20 @@ def causal_conv1d_prefill_(
          and conv_state.dim() == 3 and tuple(conv_state.shape[1:]) == (channels, CONV_KERNEL - 1)
          and batch.max_row < conv_state.shape[0]),
     ])  # fmt: skip
+    old_state = conv_state  # a chunk starting < 3 tokens into its sequence reads a copy
     for start, slot, points in zip(batch.starts, batch.slots, batch.checkpoints, strict=True):
         for offset, row in points:  # before the kernel overwrites the slot's old inputs
             history = torch.cat([conv_state[slot], x[max(start, start + offset - 3) : start + offset, :channels].t()], 1)
             conv_state[row].copy_(history[:, -(CONV_KERNEL - 1) :])
+            if offset < CONV_KERNEL - 1 and old_state is conv_state:
+                old_state = conv_state.clone()
     if out is None:
         out = torch.empty(batch.num_tokens, channels, dtype=torch.float16, device=x.device)
     kernel = get_kernel("gdn_prefill_conv", _device_index(x))
     args = [
         ctypes.c_void_p(x.data_ptr()), ctypes.c_int(x.stride(0)), ctypes.c_void_p(weight.data_ptr()),
-        ctypes.c_void_p(conv_state.data_ptr()), ctypes.c_void_p(batch.seqs.data_ptr()),
+        ctypes.c_void_p(conv_state.data_ptr()), ctypes.c_void_p(old_state.data_ptr()),
+        ctypes.c_void_p(batch.seqs.data_ptr()),
         ctypes.c_void_p(batch.chunks.data_ptr()), ctypes.c_void_p(out.data_ptr()), ctypes.c_int(channels),
     ]  # fmt: skip
     stream = torch.cuda.current_stream(x.device).cuda_stream

@@ -35,9 +35,10 @@ hold 24 heads x 2048 x 32768 fp32 scores, 6.4 GB, at once."""
 
 
 FUSED_PAST_KV_BYTES = 1 << 29
-"""On CUDA a prompt chunk after cached tokens runs as one fused SDPA call (bottom-right causal
-mask, nothing materialised) while its repeated keys and values take at most this many bytes;
-beyond, and on CPU, it runs in query blocks (above)."""
+"""On CUDA a prompt chunk after cached tokens runs as fused SDPA calls (bottom-right causal
+mask, nothing materialised), each over as many KV heads as keep its repeated keys and values
+under this many bytes (27B heads: all four up to 21k tokens of context, one at a time up to
+87k); on CPU, or beyond, it runs in query blocks (above)."""
 
 
 class PagedAttention(nn.Module):
@@ -108,13 +109,21 @@ class PagedAttention(nn.Module):
             return self._fused_causal(q, k, v, causal_upper_left)
         length, total = q.shape[0], num_past + q.shape[0]
         k_all, v_all = self._gather(block_table)
-        if q.is_cuda and 2 * total * self.num_heads * self.head_dim * q.element_size() <= FUSED_PAST_KV_BYTES:
-            return self._fused_causal(q, k_all[:total], v_all[:total], causal_lower_right)
+        k_all, v_all = k_all[:total], v_all[:total]
+        # on CUDA: fused calls over as many KV heads at a time as FUSED_PAST_KV_BYTES allows
+        kv_heads = min(self.num_kv_heads, FUSED_PAST_KV_BYTES // (2 * total * group * self.head_dim * q.element_size()))
+        if q.is_cuda and kv_heads:
+            parts = [
+                self._fused_causal(q[:, h * group : (h + kv_heads) * group], k_all[:, h : h + kv_heads],
+                                   v_all[:, h : h + kv_heads], causal_lower_right)
+                for h in range(0, self.num_kv_heads, kv_heads)
+            ]  # fmt: skip
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         # a chunk after cached tokens on CPU (or a very long context): its queries over the
         # whole context, in row blocks that keep the explicit-mask attention's scores under
         # PREFILL_SCORE_ELEMENTS; the query heads of one KV head are stacked as rows, so keys
         # and values are never repeated
-        keys, values = k_all[:total].transpose(0, 1), v_all[:total].transpose(0, 1)  # [kvh, S, d]
+        keys, values = k_all.transpose(0, 1), v_all.transpose(0, 1)  # [kvh, S, d]
         queries = q.reshape(length, self.num_kv_heads, group, self.head_dim).permute(1, 2, 0, 3)
         rows = max(1, PREFILL_SCORE_ELEMENTS // (self.num_heads * total))
         columns = torch.arange(total, device=q.device)
@@ -128,10 +137,10 @@ class PagedAttention(nn.Module):
         return torch.cat(outputs, dim=2).permute(2, 0, 1, 3).reshape(length, self.num_heads, self.head_dim)
 
     def _fused_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal) -> torch.Tensor:
-        """One SDPA call of ``q [L, H, D]`` over ``k``/``v`` ``[S, KVH, D]`` with the causal
-        mask ``causal(L, S)`` (a ``CausalBias``, which the fused backends take without
-        materialising it); inputs are 4-D so that torch may pick a fused kernel."""
-        group = self.num_heads // self.num_kv_heads
+        """One SDPA call of ``q [L, H, D]`` over ``k``/``v`` ``[S, KVH, D]`` (KV heads repeated
+        to H) with the causal mask ``causal(L, S)`` (a ``CausalBias``, which the fused backends
+        take without materialising it); inputs are 4-D so that torch may pick a fused kernel."""
+        group = q.shape[1] // k.shape[1]
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],
             k.transpose(0, 1).repeat_interleave(group, dim=0)[None],
