@@ -203,7 +203,7 @@ gdn_prefill_conv(const half* __restrict__ x, int x_stride, const half* __restric
 #pragma unroll
     for (int i = 0; i < 3; ++i) {
       const int j = seq_len + i;  // index into (old state ++ inputs)
-      next[i] = j < 3 ? __floats2half2_rn(p[j].x, p[j].y)
+      next[i] = j < 3 ? __halves2half2(old[j], old[3 + j])
                       : *reinterpret_cast<const half2*>(x + (size_t)(seq_start + j - 3) * x_stride + c);
     }
 #pragma unroll
