@@ -168,7 +168,8 @@ __device__ __forceinline__ uint2 pack4(float a, float b, float c, float d) {
 
 // ---------------------------------------------------------------------------------------------
 // The causal depthwise conv (kernel 4) + SiLU over the prefill tokens, conv states in place.
-extern "C" __global__ void __launch_bounds__(128)
+// (minimum 1 block per SM: without it ptxas 12.9 keeps 40 registers and spills 4 bytes)
+extern "C" __global__ void __launch_bounds__(128, 1)
 gdn_prefill_conv(const half* __restrict__ x, int x_stride, const half* __restrict__ conv_w,
                  half* __restrict__ conv_st, const half* __restrict__ old_st, const int* __restrict__ seqs,
                  const int* __restrict__ chunks, half* __restrict__ mixed, int channels) {
