@@ -13,8 +13,8 @@ keys and values at the context's ``slot_mapping``, then:
   one KV head as the "query length" axis (grouped-query attention without repeating K and V);
 - prefill chunks (one sequence at a time): causal SDPA of the chunk's queries over the
   sequence's past and current keys, as 4-D inputs with a ``CausalBias`` so that torch picks a
-  fused kernel on CUDA (flash or memory-efficient attention, both sm_70-capable in the
-  latter's case); on CPU a chunk after cached tokens runs in query blocks that bound the
+  fused kernel on CUDA (flash attention, or the memory-efficient kernel, which also runs on
+  sm_70); on CPU a chunk after cached tokens runs in query blocks that bound the
   memory of the scores, so that long prompts fit.
 """
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 from onecat.kernels import attention as attention_kernel
@@ -39,6 +40,13 @@ FUSED_PAST_KV_BYTES = 1 << 29
 mask, nothing materialised), each over as many KV heads as keep its repeated keys and values
 under this many bytes (27B heads: all four up to 21k tokens of context, one at a time up to
 87k); on CPU, or beyond, it runs in query blocks (above)."""
+
+
+PROMPT_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""The SDPA backends prompt chunks may use: not cuDNN's, which torch prefers on Hopper but which
+builds an execution plan for every new pair of lengths; with prompts of random lengths that
+halved the engine's serving throughput on the H200. On a V100 flash attention does not exist
+and the memory-efficient kernel runs."""
 
 
 class PagedAttention(nn.Module):
@@ -141,13 +149,14 @@ class PagedAttention(nn.Module):
         to H) with the causal mask ``causal(L, S)`` (a ``CausalBias``, which the fused backends
         take without materialising it); inputs are 4-D so that torch may pick a fused kernel."""
         group = q.shape[1] // k.shape[1]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            k.transpose(0, 1).repeat_interleave(group, dim=0)[None],
-            v.transpose(0, 1).repeat_interleave(group, dim=0)[None],
-            attn_mask=causal(q.shape[0], k.shape[0]),
-            scale=self.scale,
-        )
+        with sdpa_kernel(PROMPT_BACKENDS):
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None],
+                k.transpose(0, 1).repeat_interleave(group, dim=0)[None],
+                v.transpose(0, 1).repeat_interleave(group, dim=0)[None],
+                attn_mask=causal(q.shape[0], k.shape[0]),
+                scale=self.scale,
+            )
         return out[0].transpose(0, 1)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
