@@ -149,3 +149,84 @@ def test_gdn_decode_rejects_what_it_cannot_run():
         gated_delta_rule_decode_(mixed, ba, A_log, dt_bias, state.half(), slots, 2)
     with pytest.raises(OnecatError, match="slots"):
         gated_delta_rule_decode_(mixed, ba, A_log, dt_bias, state, slots.int(), 2)
+
+
+def conv_fp64(x, state, weight, positions):
+    """fp64 short conv + SiLU of ``positions`` tokens per sequence (rows sequence-major) from
+    ``state [B, C, 3]``: outputs ``[B*P, C]`` and the state after each token ``[P, B, C, 3]``."""
+    batch = state.shape[0]
+    window = torch.cat([state.double(), x.double().view(batch, positions, -1).transpose(1, 2)], dim=2)
+    outs, states = [], []
+    for p in range(positions):
+        taps = window[:, :, p : p + 4]
+        outs.append(F.silu((taps * weight.double()[None]).sum(-1)))
+        states.append(window[:, :, p + 1 : p + 4])
+    return torch.stack(outs, 1).reshape(batch * positions, -1), torch.stack(states)
+
+
+@pytest.mark.parametrize("batch, positions, in_place", [(1, 1, True), (5, 1, True), (3, 1, False), (4, 4, False)])
+def test_conv_update_matches_fp64(batch, positions, in_place):
+    """The decode conv kernel: outputs within fp16 rounding of fp64, the states after each
+    token exact (they are the inputs), written to their rows (in place, or one row per
+    position for verify passes); every other row bit-identical, the output poisoned first."""
+    from onecat.kernels.gdn import causal_conv1d_update_
+
+    gen = torch.Generator(device="cuda").manual_seed(batch * 10 + positions)
+    channels, pool = 2 * 16 * DK + 48 * 128, 3 * batch * positions + 2
+    x = torch.randn(batch * positions, channels + 64, generator=gen, device="cuda").half()[:, :channels]
+    weight = (torch.randn(channels, 4, generator=gen, device="cuda") * 0.5).half()
+    conv_state = torch.randn(pool, channels, 3, generator=gen, device="cuda").half()
+    rows = torch.randperm(pool, generator=gen, device="cuda")
+    src = rows[:batch].contiguous()
+    dst = src if in_place else rows[batch : batch + batch * positions].contiguous()
+    before = conv_state.clone()
+    out = torch.full((batch * positions, channels), float("nan"), dtype=torch.float16, device="cuda")
+    causal_conv1d_update_(x, conv_state, weight, src, None if in_place else dst, positions, out=out)
+    torch.cuda.synchronize()
+    ref_out, ref_states = conv_fp64(x, before[src], weight, positions)
+    bound = 4e-3 * ref_out.abs() + 2e-3 * ref_out.pow(2).mean().sqrt()
+    assert ((out.double() - ref_out).abs() <= bound).all()
+    assert torch.equal(conv_state[dst].double(), ref_states.reshape(-1, channels, 3))
+    untouched = torch.ones(pool, dtype=torch.bool, device="cuda")
+    untouched[dst] = False
+    assert torch.equal(conv_state[untouched], before[untouched])
+
+
+def test_decode_rows_use_the_conv_kernel_and_match_the_torch_step():
+    """A GDN layer's decode core on the GPU (conv kernel + delta-rule kernel) against the
+    torch step the CPU runs (``gated_deltanet_decode``) on the same states."""
+    from onecat.runtime.context import ForwardContext, set_context
+    from onecat.runtime.models.config import ModelConfig
+    from onecat.runtime.models.qwen3_5 import GatedDeltaNet, gated_deltanet_decode
+    from onecat.runtime.quant_plan import QuantPlan
+    from onecat.tiny import _text_kwargs
+
+    raw = _text_kwargs("qwen3_5", 512, 4)
+    raw.update(model_type="qwen3_5_text", linear_key_head_dim=DK, linear_value_head_dim=128)
+    cfg = ModelConfig.from_dict(raw)
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(cfg, "layer", QuantPlan(), torch.float16).cuda()
+    for param in layer.parameters():
+        param.data.normal_(0, 0.05)
+    layer.A_log.data.uniform_(0.5, 1.5)
+    batch, pool = 3, 6
+    layer.conv_state = torch.randn(pool, layer.conv_dim, 3, device="cuda").half()
+    layer.recurrent_state = torch.randn(pool, 4, DK, 128, device="cuda") * 0.1
+    conv0, rec0 = layer.conv_state.clone(), layer.recurrent_state.clone()
+    mixed = torch.randn(batch, layer.conv_dim, device="cuda").half()
+    ba = torch.randn(batch, 8, device="cuda").half()
+    slots = torch.tensor([4, 0, 2], device="cuda")
+    set_context(ForwardContext(slot_mapping=slots, num_decodes=batch, decode_state_slots=slots))
+    try:
+        assert layer._uses_decode_kernel(mixed)
+        got = layer.core(mixed, ba)
+    finally:
+        set_context(None)
+    b, a = ba.split(4, dim=-1)
+    ref, ref_conv, ref_rec = gated_deltanet_decode(
+        mixed, b, a, conv0, rec0, slots, layer.conv1d.weight, layer.A_log, layer.dt_bias, 2, DK, 4, 128
+    )
+    rms = ref.float().pow(2).mean().sqrt()
+    assert ((got.float() - ref.float()).abs() <= 1e-2 * ref.float().abs() + 1e-2 * rms).all()
+    assert torch.equal(layer.conv_state[slots], ref_conv.to(torch.float16))
+    assert torch.allclose(layer.recurrent_state[slots], ref_rec, atol=1e-2 * ref_rec.abs().max().item())

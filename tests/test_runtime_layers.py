@@ -52,23 +52,6 @@ class _CharTokenizer:
         return "".join(chr(i) for i in ids)
 
 
-def test_conv_over_verify_positions_equals_steps():
-    """A verify pass's short conv (all positions at once, strided rows) equals one step per
-    position, outputs and the state after every position."""
-    from onecat.runtime.models.qwen3_5 import conv_positions
-
-    torch.manual_seed(0)
-    batch, positions, channels, taps = 3, 4, 10, 4
-    x = torch.randn(batch * positions + 2, channels + 5)[: batch * positions, :channels]
-    state, weight = torch.randn(batch, channels, taps - 1), torch.randn(channels, taps)
-    out, states = conv_positions(x, state, weight, positions)
-    step_state = state
-    for p in range(positions):
-        step_out, step_state = causal_conv1d_step(x.reshape(batch, positions, channels)[:, p], step_state, weight)
-        assert torch.allclose(out.reshape(batch, positions, channels)[:, p], step_out, atol=1e-6)
-        assert torch.equal(states.reshape(positions, batch, channels, taps - 1)[p], step_state)
-
-
 def test_detokenizer_holds_back_possible_stop_string():
     detok = IncrementalDetokenizer(_CharTokenizer(), ["END"])
     pieces = []

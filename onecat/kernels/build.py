@@ -144,8 +144,8 @@ def kernel_names(program: str) -> list[str]:
     if program == "w4a16_wmma":
         found = re.findall(r"^ONECAT_WMMA\((\d+), (\d+), (\d+)\)$", text, flags=re.M)
         return [f"w4a16_wmma_mt{t}_w{w}_c{c}" for t, w, c in found]
-    if program.startswith(("w4a16_moe", "paged_attention", "gdn_prefill")):  # plain extern "C" kernels, one per line
-        return re.findall(r'^extern "C" __global__ void __launch_bounds__\([^)]*\)\n(\w+)\(', text, flags=re.M)
+    if program.startswith(("w4a16_moe", "paged_attention", "gdn_prefill", "gdn_decode")):  # plain extern "C" kernels
+        return re.findall(r'^extern "C" __global__ void __launch_bounds__\([^)]*\)\n\s*(\w+)\(', text, flags=re.M)
     return [program]
 
 

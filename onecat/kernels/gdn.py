@@ -1,8 +1,10 @@
 """The Gated DeltaNet decode step on the GPU (``gdn_decode.cu``): one token (or, for a
 speculative verify pass, a few consecutive tokens) of each sequence of a batch through the
-gated delta rule, their recurrent states updated in place in the state pool (or written to
-one row per token). The runtime calls it for CUDA decode batches the kernel supports and keeps its
-torch step (``onecat.runtime.layers.delta_rule``) for everything else.
+short conv (:func:`causal_conv1d_update_`) and the gated delta rule
+(:func:`gated_delta_rule_decode_`), their conv and recurrent states updated in place in the
+state pools (or written to one row per token): two launches per layer. The runtime calls them
+for CUDA decode batches the kernels support and keeps its torch step
+(``onecat.runtime.layers.delta_rule``) for everything else.
 """
 
 from __future__ import annotations
@@ -95,4 +97,65 @@ def gated_delta_rule_decode_(
     ]  # fmt: skip
     stream = torch.cuda.current_stream(mixed.device).cuda_stream
     kernel.launch((head_v_dim // _COLUMNS, num_v_heads, batch), 32 * 4, stream, args)
+    return out
+
+
+CONV_KERNEL = 4
+"""The short conv's kernel size :func:`causal_conv1d_update_` is built for (Qwen3.5's)."""
+
+
+def causal_conv1d_update_(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    slots: torch.Tensor,
+    dst_slots: torch.Tensor | None = None,
+    positions: int = 1,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The short conv + SiLU of ``positions`` consecutive tokens of each of ``B`` sequences
+    (rows ``b * positions + p``), the step before :func:`gated_delta_rule_decode_`: reads the
+    conv state of sequence ``b`` from ``conv_state[slots[b]]`` and writes the state after
+    token ``p`` to ``conv_state[dst_slots[p * B + b]]`` (default: ``slots``, in place; several
+    positions need ``dst_slots``).
+
+    ``x`` fp16 ``[B*P, >= C]`` (rows may be strided, an even stride), ``conv_state`` fp16
+    ``[rows, C, 3]`` contiguous, ``weight`` fp16 ``[C, 4]`` contiguous, ``slots`` int64 ``[B]``.
+    Returns ``silu(conv)`` fp16 ``[B*P, C]`` contiguous (into ``out`` when given). Same math
+    as ``runtime.layers.causal_conv.causal_conv1d_step`` token after token, with fp32
+    accumulation and one rounding (as the prefill conv kernel).
+    """
+    where = "onecat.kernels.gdn.causal_conv1d_update_"
+    rows, channels = x.shape[0], weight.shape[0]
+    batch = rows // max(positions, 1)
+    if dst_slots is None and positions > 1:
+        raise OnecatError(f"{where}: several positions per sequence need dst_slots (one row per position)")
+    dst_slots = slots if dst_slots is None else dst_slots
+    checks = [
+        ("x", x.dtype == torch.float16 and x.dim() == 2 and x.shape[1] >= channels and x.stride(1) == 1
+         and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0),
+        ("positions", positions >= 1 and rows == batch * positions),
+        ("weight", weight.dtype == torch.float16 and weight.is_contiguous()
+         and tuple(weight.shape) == (channels, CONV_KERNEL) and channels % 2 == 0),
+        ("conv_state", conv_state.dtype == torch.float16 and conv_state.is_contiguous()
+         and conv_state.dim() == 3 and tuple(conv_state.shape[1:]) == (channels, CONV_KERNEL - 1)),
+        ("slots", slots.dtype == torch.int64 and slots.is_contiguous() and slots.numel() == batch),
+        ("dst_slots", dst_slots.dtype == torch.int64 and dst_slots.is_contiguous() and dst_slots.numel() == rows),
+    ]  # fmt: skip
+    for name, ok in checks:
+        if not ok:
+            raise OnecatError(f"{where}: {name} has the wrong dtype, shape or layout (see the docstring)")
+    if out is None:
+        out = torch.empty(rows, channels, dtype=torch.float16, device=x.device)
+    if batch == 0:
+        return out
+    device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    args = [
+        ctypes.c_void_p(x.data_ptr()), ctypes.c_int(x.stride(0)), ctypes.c_void_p(conv_state.data_ptr()),
+        ctypes.c_void_p(weight.data_ptr()), ctypes.c_void_p(slots.data_ptr()),
+        ctypes.c_void_p(dst_slots.data_ptr()), ctypes.c_void_p(out.data_ptr()), ctypes.c_int(channels),
+        ctypes.c_int(positions),
+    ]  # fmt: skip
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    get_kernel("gdn_decode_conv", device_index).launch(((channels + 255) // 256, batch, 1), 128, stream, args)
     return out

@@ -128,3 +128,56 @@ extern "C" __global__ void __launch_bounds__(128)
     }
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The short conv (kernel 4) + SiLU of the same P consecutive tokens of B sequences, before
+// gdn_decode: conv states read from rows src[b] of the conv-state pool, the state after token
+// p written to row dst[p][b] (decoding: P = 1 and dst = src, in place).  One launch replaces
+// the gather, the conv, the new-state concatenation and the scatter back.
+//   x        fp16 [B*P][x_stride]  in_proj_qkv's output, token p of sequence b in row b*P + p;
+//                                  channels [0, C) are q | k | v
+//   conv_st  fp16 [rows][C][3]     the last 3 inputs of each row, oldest first
+//   weight   fp16 [C][4]
+//   src      int64 [B];   dst  int64 [P][B]
+//   out      fp16 [B*P][C]         silu(sum_i w[i] x[t-3+i]), fp32 accumulation, one rounding
+// Thread mapping: block (256 channels, sequence b), 128 threads; thread owns 2 adjacent
+// channels, reads their 3 old inputs into registers, then walks the P tokens writing each
+// output and each new state.  A thread reads a channel's old state before it writes any row:
+// in place is safe, and no two threads touch the same channel of a row.
+extern "C" __global__ void __launch_bounds__(128)
+    gdn_decode_conv(const half* __restrict__ x, int x_stride, half* __restrict__ conv_st,
+                    const half* __restrict__ weight, const long long* __restrict__ src,
+                    const long long* __restrict__ dst, half* __restrict__ out, int channels,
+                    int positions) {
+  const int c = 2 * (blockIdx.x * 128 + threadIdx.x);
+  if (c >= channels) return;
+  const int b = blockIdx.y, num_seqs = gridDim.y;
+  float w0[4], w1[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    w0[i] = __half2float(weight[c * 4 + i]);
+    w1[i] = __half2float(weight[(c + 1) * 4 + i]);
+  }
+  const half* old = conv_st + ((size_t)src[b] * channels + c) * 3;
+  float2 p0 = make_float2(__half2float(old[0]), __half2float(old[3]));
+  float2 p1 = make_float2(__half2float(old[1]), __half2float(old[4]));
+  float2 p2 = make_float2(__half2float(old[2]), __half2float(old[5]));
+  for (int j = 0; j < positions; ++j) {
+    const size_t row = (size_t)b * positions + j;
+    const float2 v = __half22float2(*reinterpret_cast<const half2*>(x + row * x_stride + c));
+    const float y0 = w0[0] * p0.x + w0[1] * p1.x + w0[2] * p2.x + w0[3] * v.x;
+    const float y1 = w1[0] * p0.y + w1[1] * p1.y + w1[2] * p2.y + w1[3] * v.y;
+    *reinterpret_cast<half2*>(out + row * channels + c) =
+        __floats2half2_rn(y0 / (1.0f + expf(-y0)), y1 / (1.0f + expf(-y1)));
+    p0 = p1;
+    p1 = p2;
+    p2 = v;
+    half* st = conv_st + ((size_t)dst[(size_t)j * num_seqs + b] * channels + c) * 3;
+    st[0] = __float2half_rn(p0.x);
+    st[1] = __float2half_rn(p1.x);
+    st[2] = __float2half_rn(p2.x);
+    st[3] = __float2half_rn(p0.y);
+    st[4] = __float2half_rn(p1.y);
+    st[5] = __float2half_rn(p2.y);
+  }
+}

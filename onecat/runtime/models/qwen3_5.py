@@ -222,18 +222,18 @@ class GatedDeltaNet(nn.Module):
             self.recurrent_state.index_copy_(0, slots, rec)
 
     def _decode_in_place(self, mixed: torch.Tensor, ba: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
-        """Decode tokens on the GPU: conv step, then the sm_70 delta-rule kernel, which
-        reads the recurrent states from rows ``src`` and writes them to rows ``dst`` (no
-        gather and scatter of 64 KB per head)."""
-        conv_out, conv_state = conv_step(mixed, self.conv_state, src, self.conv1d.weight)
-        self.conv_state.index_copy_(0, dst, conv_state)
+        """Decode tokens on the GPU: the sm_70 conv-update kernel, then the delta-rule
+        kernel; both read the states from rows ``src`` and write them to rows ``dst`` (no
+        gather and scatter)."""
+        conv_out = gdn_kernel.causal_conv1d_update_(mixed, self.conv_state, self.conv1d.weight, src, dst)
         return gdn_kernel.gated_delta_rule_decode_(
             conv_out, ba, self.A_log, self.dt_bias, self.recurrent_state, src, self.num_k_heads, dst_slots=dst
         )
 
     def _uses_decode_kernel(self, mixed: torch.Tensor) -> bool:
-        return mixed.is_cuda and self.conv_state.numel() > 0 and gdn_kernel.supports(
-            self.head_k_dim, self.head_v_dim, mixed.dtype
+        return (
+            mixed.is_cuda and self.conv_state.numel() > 0 and self.conv1d.weight.shape[1] == gdn_kernel.CONV_KERNEL
+            and gdn_kernel.supports(self.head_k_dim, self.head_v_dim, mixed.dtype)
         )
 
     def _decode(self, mixed: torch.Tensor, ba: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
@@ -258,11 +258,12 @@ class GatedDeltaNet(nn.Module):
         if width == 1:
             return self._decode(mixed[:n], ba[:n], src, dst)
         batch = n // width  # rows are sequence by sequence, state rows position by position
-        if self._uses_decode_kernel(mixed):  # all positions in one conv and one kernel launch
-            conv_out, conv_states = conv_positions(mixed[:n], self.conv_state[src[:batch]], self.conv1d.weight, width)
-            self.conv_state.index_copy_(0, dst, conv_states)
-            return gdn_kernel.gated_delta_rule_decode_(  # (compiled, conv_out may come back strided)
-                conv_out.contiguous(), ba[:n], self.A_log, self.dt_bias, self.recurrent_state, src[:batch],
+        if self._uses_decode_kernel(mixed):  # all positions in one conv and one delta-rule launch
+            conv_out = gdn_kernel.causal_conv1d_update_(
+                mixed[:n], self.conv_state, self.conv1d.weight, src[:batch], dst, positions=width
+            )
+            return gdn_kernel.gated_delta_rule_decode_(
+                conv_out, ba[:n], self.A_log, self.dt_bias, self.recurrent_state, src[:batch],
                 self.num_k_heads, dst_slots=dst, positions=width,
             )
         outputs = [
@@ -368,34 +369,6 @@ def decay_and_rate(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``g = -exp(A_log) * softplus(a + dt_bias)`` (fp32) and ``beta = sigmoid(b)``."""
     return -A_log.float().exp() * F.softplus(a.float() + dt_bias), torch.sigmoid(b)
-
-
-@fused
-def conv_step(
-    mixed: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor, conv_weight: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The short conv of ``B`` decode tokens, states read from their ``slots``: (silu(conv)
-    ``[B, C]``, new conv states in the pool's dtype)."""
-    out, state = causal_conv1d_step(mixed, conv_states[slots], conv_weight)
-    return out, state.to(conv_states.dtype)
-
-
-@fused
-def conv_positions(
-    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, positions: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The short conv of ``positions`` consecutive tokens of ``B`` sequences: ``x [B*P, C]``
-    (rows sequence by sequence), ``state [B, C, K-1]`` -> (silu(conv) ``[B*P, C]``, the
-    conv state after each token ``[P*B, C, K-1]``, position by position, in the state's
-    dtype). Token by token this is :func:`causal_conv1d_step`."""
-    batch, channels, taps = state.shape[0], x.shape[1], weight.shape[1]
-    window = torch.cat((state.to(x.dtype), x.reshape(batch, positions, channels).transpose(1, 2)), dim=2)
-    out = F.silu((window.unfold(2, taps, 1) * weight.to(x.dtype)[None, :, None, :]).sum(-1))  # [B, C, P]
-    states = window.unfold(2, taps - 1, 1)[:, :, 1:]  # [B, C, P, K-1]
-    return (
-        out.transpose(1, 2).reshape(batch * positions, channels),
-        states.permute(2, 0, 1, 3).reshape(positions * batch, channels, taps - 1).to(state.dtype),
-    )
 
 
 @fused
