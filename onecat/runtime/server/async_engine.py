@@ -5,7 +5,8 @@ its methods. Handlers send it commands (add, abort, stop) through a thread-safe 
 answers each add with a future (so that the engine's own validation, e.g. a prompt longer
 than max_model_len, reaches the client as a 400 before any byte is streamed), runs
 ``engine.step()`` while requests are unfinished, and hands every ``RequestOutput`` to the
-request's ``RequestStream`` on the handler's event loop (``call_soon_threadsafe``).
+request's ``RequestStream`` on the handler's event loop (one ``call_soon_threadsafe`` per
+loop and step).
 After every iteration it publishes a snapshot of ``engine.stats()`` for /metrics and the
 queue limit. When idle it blocks on the command queue (no busy polling).
 
@@ -119,6 +120,11 @@ def _call_on_loop(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # the event loop has been closed: nobody is listening any more
         pass
+
+
+def _push_all(items: list[tuple[RequestStream, Any]]) -> None:
+    for stream, item in items:
+        stream.push(item)
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:
@@ -300,13 +306,18 @@ class AsyncEngine:
         self._streams.clear()
 
     def _dispatch(self, outputs: list[Any]) -> None:
+        """Hand a step's outputs to their streams: one wake-up of each event loop per step,
+        not one per request."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
             if output.finished:
                 del self._streams[output.request_id]
-            _call_on_loop(stream.loop, stream.push, output)
+            by_loop.setdefault(stream.loop, []).append((stream, output))
+        for loop, items in by_loop.items():
+            _call_on_loop(loop, _push_all, items)
 
     def _publish_stats(self) -> None:
         try:
