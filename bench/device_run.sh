@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine: GPU tests and benchmarks on onecat's compute_70 PTX (the code
+# a V100 runs, JIT-compiled by the newer GPU's driver). That machine has torch but no network,
+# no vLLM and no CUDA 12 toolchain, so prepare on the CPU side, in the repository root:
+#
+#   python -m onecat.cli build-kernels --arch sm_70 --out .ptx        # NVRTC 12 (pip)
+#   pip download --only-binary=:all: --no-deps --python-version 3.12 -d .whl \
+#       fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection annotated-doc
+#
+# carry .ptx and .whl (the server's wheels, for `serve`), then run there:
+#
+#   bash bench/device_run.sh tests profile e2e serve
+#
+# Sections run in the order given (default: tests e2e), each under its own time limit, so one
+# slow part cannot eat the others' time; results (JSON and logs) go to $OUT or ./device-out.
+set -u
+out=${OUT:-$PWD/device-out}
+mkdir -p "$out"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/onecat-site .whl/*.whl
+fi
+export PYTHONPATH=$PWD:/tmp/onecat-site ONECAT_KERNEL_DIR=$PWD/.ptx ONECAT_KERNEL_ARCH=70 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+run() {  # run SECONDS NAME COMMAND...: log to $out/NAME.log, print its tail
+  local limit=$1 name=$2
+  shift 2
+  echo "== $name"
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  echo "(exit $?)"
+  tail -n 25 "$out/$name.log"
+}
+for section in ${@:-tests e2e}; do
+  case $section in
+    tests) run 600 gpu-tests python3 -m pytest -q -p no:cacheprovider -m gpu tests --ignore=tests/test_runtime_tp.py ;;
+    tp-tests) NCCL_NVLS_ENABLE=0 TORCHDYNAMO_DISABLE=1 run 600 tp-tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_runtime_tp.py ;;
+    profile) (cd bench && run 300 profile python3 profile_step.py --model 27b --batches 1,8,32 --out "$out/profile_27b.json") ;;
+    e2e) (cd bench && run 600 e2e python3 e2e.py --models 27b,35b-a3b --batches 1,8,32 --hf-layers 8 --out "$out/e2e.json") ;;
+    serve) (cd bench && run 600 serve python3 serve_h200.py --models 35b-a3b,27b --concurrency 1,8,32,64 --out "$out/serve.json") ;;
+    serve-decode) (cd bench && run 400 serve-decode python3 serve_h200.py --models 35b-a3b,27b --concurrency 32 \
+                     --input-len 128 --range-ratio 0 --output-len 256 --out "$out/serve_decode.json") ;;
+    *) echo "unknown section $section (tests, tp-tests, profile, e2e, serve, serve-decode)" >&2; exit 2 ;;
+  esac
+done
