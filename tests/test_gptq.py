@@ -20,10 +20,15 @@ from onecat.formats.integers import dequantize, quantize_groups
 from onecat.formats.quant_config import detect_source_format
 from onecat.formats.quantized_linears import find_quantized_linears, read_quantized_linear
 from onecat.quantize.gptq import (
+    activation_order,
     add_to_hessian,
     enough_rows,
     gptq_quantize,
+    gptq_round,
+    hessian_from_factor,
     inverse_hessian_factor,
+    permute_hessian,
+    refit_scales,
     smoothed_hessian,
 )
 from onecat.quantize.pipeline import REPORT_NAME, quantize_model
@@ -63,6 +68,43 @@ def test_gptq_lowers_output_error_against_rtn(group: int, block: int) -> None:
     rtn = output_mse(x, w, dequantize(*quantize_groups(w, group)))
     # measured: GPTQ leaves about 2.6% of RTN's output error on these inputs
     assert gptq < 0.25 * rtn, (gptq, rtn)
+
+
+def test_scale_refit_lowers_the_damped_objective_and_keeps_the_codes() -> None:
+    """The refit scales minimise the damped Hessian's objective for GPTQ's codes: it drops
+    (and so does the undamped output error here), the scales stay fp16-representable and
+    positive, and a row whose normal equations are singular (all codes equal the zero
+    point) keeps GPTQ's scales."""
+    n, k, group = 64, 256, 64
+    w = torch.randn(1, n, k, generator=torch.Generator().manual_seed(2))
+    x = correlated_inputs(1024, k, rank=24, seed=3)
+    h = add_to_hessian(None, x) / x.shape[0]
+    upper, dead = inverse_hessian_factor(h, 0.1)
+    damped = hessian_from_factor(upper[None])
+    q, z, s = gptq_round(w, upper[None], dead[None], group)
+    q[0, 0] = z[0, 0].repeat_interleave(group)  # a row of all-zero codes: a singular system
+    refit = refit_scales(w, damped, q, z, s, group, chunk_elements=5 * k)  # several row chunks
+
+    def objective(scales, hess):  # rows 1.. (row 0's error is its whole weight)
+        err = w - (q.float() - z.float().repeat_interleave(group, -1)) * scales.repeat_interleave(group, -1)
+        return float(torch.einsum("bnk,bkl,bnl->", err[:, 1:], hess, err[:, 1:]))
+
+    assert objective(refit, damped) < 0.98 * objective(s, damped)
+    after, before = (output_mse(x, w[0, 1:], dequantize(q[0, 1:], z[0, 1:], sc[0, 1:])) for sc in (refit, s))
+    assert after < before
+    assert torch.equal(refit[0, 0], s[0, 0])
+    assert (refit > 0).all() and torch.equal(refit, refit.half().float())
+
+
+def test_hessian_from_factor_undoes_the_damped_factorisation_and_act_order() -> None:
+    x = correlated_inputs(512, 64, rank=8, seed=4)
+    h = add_to_hessian(None, x) / x.shape[0]
+    damped = h + 0.1 * h.diagonal().mean() * torch.eye(64)
+    order = activation_order(h)
+    plain, _ = inverse_hessian_factor(h, 0.1)
+    permuted, _ = inverse_hessian_factor(permute_hessian(h, order), 0.1)
+    for got in (hessian_from_factor(plain), hessian_from_factor(permuted, order)):
+        assert torch.allclose(got, damped, rtol=1e-4, atol=1e-4 * float(damped.abs().max()))
 
 
 def test_gptq_integers_are_valid_and_match_their_dequantization() -> None:

@@ -17,8 +17,8 @@ Steps for layer i (built by :class:`~onecat.quantize.layer_build.LayerFactory`):
    its token sample) against the fp output. Weights are snapshotted with a real clone.
 4. Fold every chosen scale, then quantize. ``awq``: clip-search each quantized linear (except
    ``clip_skip``) on its token sample divided by its input scale, then round plainly.
-   ``awq+gptq``: no clip search; GPTQ (:mod:`onecat.quantize.gptq`) against the Hessian of
-   the linear's inputs after smoothing (on SmolLM2-135M g64, over 10 layers, GPTQ on the
+   ``awq+gptq``: no clip search; GPTQ (:mod:`onecat.quantize.gptq`), then the least-squares
+   refit of its group scales, against the Hessian of the linear's inputs after smoothing (on SmolLM2-135M g64, over 10 layers, GPTQ on the
    unclipped weights left 15% less layer-output error than GPTQ within AWQ's clip ranges,
    and saves the clip search). The calibration pass accumulates
    ``X^T X`` of every quantized linear's input over all tokens (experts: over their token
@@ -52,8 +52,10 @@ from onecat.quantize.gptq import (
     add_to_hessian,
     enough_rows,
     gptq_round,
+    hessian_from_factor,
     inverse_hessian_factor,
     permute_hessian,
+    refit_scales,
     smoothed_hessian,
 )
 from onecat.quantize.layer_build import LayerFactory
@@ -384,7 +386,7 @@ class LayerQuantizer:
             rows_total = sum(modules[n].weight.shape[0] for n in names)
             jobs.setdefault((rows_total, k), []).append((names, upper, dead, order))
         for (rows_total, k), same_shape in jobs.items():
-            per_job = (rows_total * k * 2 + k * k) * 4  # weights + working copy + factor
+            per_job = (rows_total * k * 2 + 2 * k * k) * 4  # weights + working copy + factor + Hessian
             per_call = max(1, GPTQ_BATCH_BYTES // per_job)
             for c in range(0, len(same_shape), per_call):
                 batch = same_shape[c : c + per_call]
@@ -398,6 +400,7 @@ class LayerQuantizer:
         upper = torch.stack([u for _, u, _, _ in batch])
         dead = torch.stack([d for _, _, d, _ in batch])
         order = torch.stack([o for _, _, _, o in batch]) if settings.act_order else None
+        hessian = hessian_from_factor(upper, order)  # damped, original column order: the scale refit
         weights = [[modules[n].weight.data for n in names] for names, _, _, _ in batch]
         out = {n: (torch.empty(w.shape, dtype=torch.uint8, device=w.device),
                    torch.empty(w.shape[0], k // g, dtype=torch.uint8, device=w.device),
@@ -408,6 +411,7 @@ class LayerQuantizer:
             r1 = min(r0 + step, rows_total)
             w = torch.stack([_rows(ws, r0, r1) for ws in weights])
             q, z, s = gptq_round(w, upper, dead, g, block_size=settings.block_size, order=order)
+            s = refit_scales(w, hessian, q, z, s, g)
             for b, (names, _, _, _) in enumerate(batch):
                 start = 0
                 for n in names:
