@@ -11,6 +11,7 @@ an API key is set it guards the ``/v1`` routes (as vLLM's ``--api-key`` does); /
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -94,10 +95,30 @@ class _InternalErrorMiddleware:
                 await JSONResponse(internal_error(request_id).body(), status_code=500)(scope, receive, send)
 
 
+DRAIN_SECONDS = 5.0
+"""How long a refused request's body is read and dropped before the 413 is sent."""
+
+
+async def _drop_body(receive: Receive, seconds: float) -> None:
+    """Read and drop a request's remaining body until it ends, the client leaves or
+    ``seconds`` pass."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while (left := deadline - loop.time()) > 0:
+        try:
+            message = await asyncio.wait_for(receive(), left)
+        except asyncio.TimeoutError:
+            return
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+
+
 class _BodySizeLimitMiddleware:
-    """Answers 413 to a request whose body exceeds ``max_bytes``: at once when its
-    Content-Length says so (nothing is read), otherwise (chunked) as soon as the bytes
-    received pass the limit. Pure ASGI, so the app sees the body as it was sent."""
+    """Answers 413 to a request whose body exceeds ``max_bytes``: when its Content-Length says
+    so, otherwise (chunked) as soon as the bytes received pass the limit. Before answering, the
+    rest of the body is read and dropped for up to ``DRAIN_SECONDS`` (nothing is kept): a
+    server that closes a connection with unread data resets it, and the client, still
+    sending, may then lose the 413. Pure ASGI, so the app sees the body as it was sent."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, metrics: ServerMetrics) -> None:
         self.app = app
@@ -140,6 +161,7 @@ class _BodySizeLimitMiddleware:
 
     async def _refuse(self, size: int, scope: Scope, receive: Receive, send: Send, so_far: bool = False) -> None:
         self.metrics.request_errors.labels("413").inc()
+        await _drop_body(receive, DRAIN_SECONDS)
         body = error_body(
             f"the request body ({size} bytes{' so far' if so_far else ''}) is larger than the "
             f"{self.max_bytes} bytes this server accepts (--max-request-body-bytes)",
