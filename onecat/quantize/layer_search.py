@@ -349,19 +349,31 @@ class LayerQuantizer:
         smoothed weight under the damped Hessian of its calibration token sample; a linear
         that saw no calibration tokens keeps the rounding's scales."""
         packed = {}
+        hessians: dict[str, torch.Tensor | None] = {}  # per input: q/k/v, gate/up share one
         for name in quantized:
             w = modules[name].weight.data
             q, z, s = quantize_groups(w, self.group_size)
             key = cap.key_of.get(name)
-            h, rows = cap.hessian(key) if key is not None else (None, 0)
-            if h is not None and rows:
-                h = h.to(w.device)
-                if key in input_scale:
-                    h = smoothed_hessian(h, input_scale[key])
-                h.diagonal().add_(self.recipe.gptq.damp * float(h.diagonal().mean()))
+            if key is not None and key not in hessians:
+                hessians[key] = self._damped_sample_hessian(cap, key, input_scale, w.device)
+            h = hessians.get(key)
+            if h is not None:
                 s = refit_scales(unclipped[name].float()[None], h[None], q[None], z[None], s[None], self.group_size)[0]
             packed[name] = self._store(modules[name], (q, z, s), where + name)
         return packed
+
+    def _damped_sample_hessian(self, cap: _Capture, key: str, input_scale: dict,
+                               device: torch.device) -> torch.Tensor | None:
+        """The Hessian of input ``key``'s calibration token sample, smoothed like the weights
+        and damped by ``gptq.damp``; None when the input saw no tokens."""
+        h, rows = cap.hessian(key)
+        if h is None or not rows:
+            return None
+        h = h.to(device)
+        if key in input_scale:
+            h = smoothed_hessian(h, input_scale[key])
+        h.diagonal().add_(self.recipe.gptq.damp * float(h.diagonal().mean()))
+        return h
 
     def _quantize(self, quantized: list[str], modules: dict, where: str) -> dict[str, dict]:
         """Plain rounding of every quantized linear (its module gets the dequantized weight)."""
