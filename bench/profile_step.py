@@ -27,6 +27,7 @@ from e2e import (
     timed_workload,
     workload_prompts,
 )
+from e2e_tp import kernel_kind
 from torch.profiler import ProfilerActivity, profile
 
 from onecat.runtime.config import EngineConfig
@@ -58,6 +59,40 @@ def kernel_summary(prof, calls: int, top: int) -> dict:
     }
 
 
+def step_timeline(prof, calls: int) -> dict:
+    """The kernels of the last of ``calls`` profiled repetitions in launch order, run-length
+    grouped as [name, count, total us, gaps before them us], and the step's time split by
+    kernel kind (``e2e_tp.kernel_kind``) with the gaps between kernels."""
+    events = sorted(
+        (e for e in prof.events() if "cuda" in str(getattr(e, "device_type", "")).lower() and e.time_range.elapsed_us() > 0),
+        key=lambda e: e.time_range.start,
+    )
+    if not events:
+        return {}
+    step = events[len(events) - len(events) // calls :]
+    runs: list[list] = []
+    split = {"gaps": 0.0}
+    previous_end = step[0].time_range.start
+    for e in step:
+        gap = max(0.0, e.time_range.start - previous_end)
+        previous_end = max(previous_end, e.time_range.end)
+        duration = e.time_range.elapsed_us()
+        kind = kernel_kind(e.name)
+        split[kind] = split.get(kind, 0.0) + duration
+        split["gaps"] += gap
+        name = e.name[:70]
+        if runs and runs[-1][0] == name:
+            runs[-1][1] += 1
+            runs[-1][2] += duration
+            runs[-1][3] += gap
+        else:
+            runs.append([name, 1, duration, gap])
+    return {
+        "split_us": {k: round(v, 1) for k, v in split.items()},
+        "sequence": [[n, c, round(d, 1), round(g, 1)] for n, c, d, g in runs],
+    }
+
+
 def profile_decode(engine: LLMEngine, batch: int, steps: int, prompt_len: int, top: int) -> dict:
     """Wall and kernel time of ``steps`` decode steps of ``batch`` sequences."""
     ids = start_decoding(engine, batch, prompt_len, 3 * steps + 8, 77 * batch, tag="prof")
@@ -77,6 +112,7 @@ def profile_decode(engine: LLMEngine, batch: int, steps: int, prompt_len: int, t
         engine.abort_request(rid)
     result = {"batch": batch, "wall_ms": wall_ms, "tok_s": batch / wall_ms * 1e3, **kernel_summary(prof, steps, top)}
     result["host_gap_ms"] = wall_ms - result["kernel_ms"]
+    result["last_step"] = step_timeline(prof, steps)
     return result
 
 
@@ -167,15 +203,16 @@ def main() -> None:
     batches_needed += [int(c) for c in filter(None, args.workload.split(","))]
     engine = LLMEngine.from_model(
         EngineConfig(model=f"random-{args.model}", max_num_seqs=max(batches_needed), max_model_len=4096,
-                     max_num_batched_tokens=args.prefill_len, num_kv_blocks=2048, device="cuda"),
+                     max_num_batched_tokens=max(args.prefill_len, 2048), num_kv_blocks=2048, device="cuda"),
         model,
     )  # fmt: skip
     report = {"model": args.model, "layers": cfg.num_hidden_layers, "gpu": torch.cuda.get_device_name(0), "decode": [], "prefill": None}
     for batch in batches:
         report["decode"].append(profile_decode(engine, batch, args.steps, args.prompt_len, args.top))
-        print(json.dumps(report["decode"][-1]), flush=True)
-    report["prefill"] = profile_prefill(engine, args.prefill_len, args.top)
-    print(json.dumps(report["prefill"]), flush=True)
+        print(json.dumps({k: v for k, v in report["decode"][-1].items() if k != "last_step"}), flush=True)
+    if args.prefill_len:
+        report["prefill"] = profile_prefill(engine, args.prefill_len, args.top)
+        print(json.dumps(report["prefill"]), flush=True)
     report["mixed"] = []
     for pair in filter(None, args.mixed.split(",")):
         batch, length = map(int, pair.split(":"))

@@ -169,6 +169,25 @@ def test_route_reference_matches_softmax_topk_renormalise(dtype):
     assert torch.allclose(weights.sum(-1), torch.ones(33))
 
 
+def test_router_reference_is_the_linears_then_the_route():
+    """``moe_router``'s CPU reference: fp16-rounded projection logits, the route, and the shared
+    gate's logit; without a shared gate its third output is ``[T, 0]``."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 64, generator=gen).half()
+    router, shared = (torch.randn(32, 64, generator=gen) / 8).half(), (torch.randn(1, 64, generator=gen) / 8).half()
+    weights, ids, gate = moe.moe_router(x, router, shared, 4)
+    ref_w, ref_ids = moe.reference_route(F.linear(x.float(), router.float()).half(), 4)
+    assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_w)
+    assert gate.shape == (5, 1) and gate.dtype == torch.float16
+    assert torch.allclose(gate.float(), x.float() @ shared.float().T, atol=2e-3, rtol=1e-3)
+    assert moe.moe_router(x, router, None, 4)[2].shape == (5, 0)
+    with pytest.raises(OnecatError, match="router_weight"):
+        moe.moe_router(x, router[:, :32], shared, 4)
+    with pytest.raises(OnecatError, match="shared_gate_weight"):
+        moe.moe_router(x, router, shared[:, :8], 4)
+    assert not moe.router_fits(x, router, shared), "CPU tensors never take the GPU kernel"
+
+
 def test_route_breaks_ties_lowest_index_first():
     logits = torch.zeros(3, 16)
     logits[0, [3, 9, 12]] = 2.0  # three-way tie for the top, then a 13-way tie at 0

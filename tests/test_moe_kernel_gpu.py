@@ -238,6 +238,67 @@ def test_route_kernel_breaks_ties_lowest_index_first():
     assert ids.tolist() == expected
 
 
+@pytest.mark.parametrize("tokens", [1, 8, 33, 64])
+@pytest.mark.parametrize("shared", [True, False])
+def test_router_kernel_matches_fp64_projection_and_route(tokens, shared):
+    """The one-launch router (projection + route + shared gate) against the fp64 projection:
+    logits within fp16 rounding, the same experts wherever the fp64 logits leave a margin
+    beyond that rounding, weights within the logits' rounding; outputs poisoned first."""
+    from onecat.kernels.moe import moe_router, reference_route, router_fits
+
+    gen = torch.Generator(device="cuda").manual_seed(100 + tokens)
+    h = 2048
+    wide = torch.randn(tokens, h + 64, device="cuda", generator=gen).half()
+    x = wide[:, :h]  # strided rows, as the normed hidden states may be
+    router = (torch.randn(E, h, device="cuda", generator=gen) / 16).half()
+    gate_w = (torch.randn(1, h, device="cuda", generator=gen) / 16).half() if shared else None
+    assert router_fits(x, router, gate_w)
+    poison_allocator()
+    for _ in range(2):  # twice: the kernel leaves its ticket counter zeroed for the next launch
+        weights, ids, gate = moe_router(x, router, gate_w, TOP_K)
+    logits64 = x.double() @ router.double().T
+    rounded = logits64.half()
+    ref_w, ref_ids = reference_route(rounded.cpu(), TOP_K)
+    top = torch.sort(logits64, dim=-1, descending=True).values
+    clear = ((top[:, : TOP_K] - top[:, 1 : TOP_K + 1]).abs().min(-1).values > 0.02).cpu()
+    assert clear.sum() >= tokens // 2, "test data: most tokens must have clear top-k margins"
+    assert torch.equal(ids.cpu()[clear], ref_ids[clear]), "expert ids differ where the fp64 margins are clear"
+    assert (weights.cpu()[clear] - ref_w[clear]).abs().max() <= 2e-3
+    assert torch.allclose(weights.sum(-1), torch.ones(tokens, device="cuda"), atol=1e-5)
+    if shared:
+        assert gate.shape == (tokens, 1)
+        assert (gate.double() - x.double() @ gate_w.double().T).abs().max() <= 2e-3 + 1e-3 * top.abs().max()
+    else:
+        assert gate.shape == (tokens, 0)
+
+
+def test_router_kernel_ties_and_graph_capture():
+    """Equal rows give equal logits (the same sums in the same order): ties go to the lowest
+    expert index; the launch replays inside a CUDA graph with new inputs."""
+    from onecat.kernels.moe import moe_router
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    h = 512
+    router = (torch.randn(E, h, device="cuda", generator=gen) / 16).half()
+    router[[3, 40, 77, 200, 201]] = router[250] * 0 + 0.05  # five equal, clearly largest rows
+    x = torch.rand(4, h, device="cuda", generator=gen).half() + 0.5
+    weights, ids, _ = moe_router(x, router, None, TOP_K)
+    assert ids[:, :5].tolist() == [[3, 40, 77, 200, 201]] * 4
+    assert torch.allclose(weights[:, :5], weights[:, :1].expand(4, 5))
+    static = torch.randn(16, h, device="cuda", generator=gen).half()
+    shared = (torch.randn(1, h, device="cuda", generator=gen) / 16).half()
+    moe_router(static, router, shared, TOP_K)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_router(static, router, shared, TOP_K)
+    for seed in (1, 2):
+        static.copy_(torch.randn(16, h, device="cuda", generator=gen.manual_seed(seed)).half())
+        graph.replay()
+        expected = moe_router(static.clone(), router, shared, TOP_K)
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(out, expected, strict=True))
+
+
 # --- the runtime's MoE layer -------------------------------------------------------------
 
 

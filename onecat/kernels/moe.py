@@ -24,6 +24,11 @@ op can be captured in a CUDA graph.
 ``torch.ops.onecat.moe_route(logits, top_k) -> (weights fp32 [T, k], ids int32 [T, k])``:
 Qwen3.5's router (softmax over the experts, top k, renormalised) in one kernel
 (``w4a16_moe_route.cu``), ties taken lowest expert index first; CPU: :func:`reference_route`.
+
+``torch.ops.onecat.moe_router(x, router_weight, shared_gate_weight, top_k)``: for decode
+batches, the router's fp16 projection, the same selection and the shared expert's gate logit
+in ONE launch (it replaces a cuBLAS GEMM, the routing kernel and cuBLAS's two-kernel GEMV of
+the one-row shared gate); CPU: :func:`reference_router`.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import torch.nn.functional as F
 
 from onecat.errors import OnecatError
 from onecat.kernels.loader import get_kernel
+from onecat.kernels.workspace import stream_buffer
 from onecat.pack.volta_layout import TILE, dequantize_volta
 
 _MOE_SCHEMA = (
@@ -43,10 +49,14 @@ _MOE_SCHEMA = (
     "Tensor w13_scales_zeros, Tensor w2_qweight, Tensor w2_scales_zeros, int group_size) -> Tensor"
 )
 _ROUTE_SCHEMA = "moe_route(Tensor logits, int top_k) -> (Tensor, Tensor)"
+_ROUTER_SCHEMA = (
+    "moe_router(Tensor x, Tensor router_weight, Tensor? shared_gate_weight, int top_k) -> (Tensor, Tensor, Tensor)"
+)
 
 _LIB = torch.library.Library("onecat", "FRAGMENT")  # module scope: keeps the registration alive
 _LIB.define(_MOE_SCHEMA)
 _LIB.define(_ROUTE_SCHEMA)
+_LIB.define(_ROUTER_SCHEMA)
 
 GATHER_MAX_PAIRS = 256
 """Largest ``T * top_k`` run by the gather-GEMV kernels; more pairs take the grouped path."""
@@ -61,6 +71,10 @@ _GROUP_ROWS = {False: 64, True: 16}  # w4a16_moe_wmma.cu tile rows: 64, and the 
 _GROUP_WARPS = 4  # kMoeWarps
 _ALIGN_THREADS = 1024  # kAlignThreads
 _ROUTE_WARPS = 4  # w4a16_moe_route.cu kRouteWarps
+_ROUTER_WARPS = 16  # kRouterWarps
+ROUTER_MAX_TOKENS = 64
+"""Most tokens :func:`moe_router` takes on the GPU (decode batches); prompts run the fp16
+projection and :func:`moe_route`."""
 _MAX_TOP_K = 32  # one lane per choice
 _GRID_Y_MAX = 65535
 
@@ -357,3 +371,105 @@ def moe_route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Ten
     (the same numbers: the full softmax's denominator cancels in the renormalisation).
     """
     return torch.ops.onecat.moe_route(logits, top_k)
+
+
+# --- router with its projection (decode) -------------------------------------------------
+
+
+def _check_router(x: torch.Tensor, router_weight: torch.Tensor, shared_gate_weight: torch.Tensor | None, top_k: int) -> None:
+    where = "onecat.kernels.moe.moe_router"
+    if x.dim() != 2 or router_weight.dim() != 2 or router_weight.shape[1] != x.shape[1]:
+        raise OnecatError(
+            f"{where}: x must be [T, H] and router_weight [E, H], got {tuple(x.shape)} and {tuple(router_weight.shape)}"
+        )
+    if shared_gate_weight is not None and shared_gate_weight.numel() != x.shape[1]:
+        raise OnecatError(f"{where}: shared_gate_weight must hold H = {x.shape[1]} values, got {tuple(shared_gate_weight.shape)}")
+    experts = router_weight.shape[0]
+    if not 1 <= top_k <= min(experts, _MAX_TOP_K):
+        raise OnecatError(f"{where}: top_k {top_k} must be in 1..{min(experts, _MAX_TOP_K)} for {experts} experts")
+
+
+def router_fits(x: torch.Tensor, router_weight: torch.Tensor, shared_gate_weight: torch.Tensor | None) -> bool:
+    """True when :func:`moe_router` runs its one-launch GPU kernel on these inputs: CUDA fp16,
+    at most :data:`ROUTER_MAX_TOKENS` tokens, ``H % 8 == 0``, at most :data:`MAX_EXPERTS` experts."""
+    weights = [router_weight] if shared_gate_weight is None else [router_weight, shared_gate_weight]
+    return (
+        x.is_cuda and x.dtype == torch.float16 and x.dim() == 2 and x.shape[0] <= ROUTER_MAX_TOKENS
+        and x.shape[1] % 8 == 0 and router_weight.shape[0] <= MAX_EXPERTS
+        and all(w.dtype == torch.float16 and w.is_contiguous() and w.device == x.device for w in weights)
+    )  # fmt: skip
+
+
+def reference_router(
+    x: torch.Tensor, router_weight: torch.Tensor, shared_gate_weight: torch.Tensor | None, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The router with its projection on any device: fp32 logits ``x @ router_weight^T``
+    rounded to ``x.dtype`` (as the linear layer rounds them), :func:`reference_route` over
+    them, and the shared expert's gate logit ``[T, 1]`` (``[T, 0]`` without one)."""
+    _check_router(x, router_weight, shared_gate_weight, top_k)
+    logits = F.linear(x.float(), router_weight.float()).to(x.dtype)
+    weights, ids = reference_route(logits, top_k)
+    if shared_gate_weight is None:
+        return weights, ids, x.new_empty((x.shape[0], 0))
+    return weights, ids, F.linear(x.float(), shared_gate_weight.reshape(1, -1).float()).to(x.dtype)
+
+
+def _cuda_router(
+    x: torch.Tensor, router_weight: torch.Tensor, shared_gate_weight: torch.Tensor | None, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_router(x, router_weight, shared_gate_weight, top_k)
+    if not router_fits(x, router_weight, shared_gate_weight):
+        return reference_router(x, router_weight, shared_gate_weight, top_k)
+    tokens, hidden = x.shape
+    experts = router_weight.shape[0]
+    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((tokens, top_k), dtype=torch.int32, device=x.device)
+    shared = torch.empty((tokens, 0 if shared_gate_weight is None else 1), dtype=x.dtype, device=x.device)
+    if tokens == 0:
+        return weights, ids, shared
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        x = x.contiguous().clone()
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    scratch = stream_buffer("moe_router", x.device, stream, 32 + tokens * experts, zeroed=True)
+    rows = experts + (shared_gate_weight is not None)
+    get_kernel("moe_router_decode", _device_index(x)).launch(
+        (math.ceil(rows / _ROUTER_WARPS), 1, 1), 32 * _ROUTER_WARPS, stream,
+        [_ptr(x), *_ints(x.stride(0), tokens, hidden), _ptr(router_weight), *_ints(experts),
+         _ptr(shared_gate_weight), *_ints(top_k), ctypes.c_void_p(scratch.data_ptr() + 128),
+         _ptr(scratch), _ptr(weights), _ptr(ids), _ptr(shared)],
+    )  # fmt: skip
+    return weights, ids, shared
+
+
+_LIB.impl("moe_router", _cuda_router, "CUDA")
+_LIB.impl("moe_router", reference_router, "CPU")
+
+
+@torch.library.register_fake("onecat::moe_router")
+def _fake_router(x, router_weight, shared_gate_weight, top_k):
+    shape = (x.shape[0], top_k)
+    shared = (x.shape[0], 0 if shared_gate_weight is None else 1)
+    return (
+        x.new_empty(shape, dtype=torch.float32), x.new_empty(shape, dtype=torch.int32), x.new_empty(shared),
+    )
+
+
+def moe_router(
+    x: torch.Tensor, router_weight: torch.Tensor, shared_gate_weight: torch.Tensor | None, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The router's fp16 projection, :func:`moe_route` and the shared expert's gate logit in
+    one GPU launch (``w4a16_moe_route.cu``, ``moe_router_decode``) for decode batches.
+
+    Args:
+        x: fp16 ``[T, H]`` hidden states (on the GPU, up to :data:`ROUTER_MAX_TOKENS` tokens
+            run the kernel; more run :func:`reference_router`).
+        router_weight: fp16 ``[E, H]``, the router's (unquantized) weight.
+        shared_gate_weight: fp16 ``[1, H]`` (or ``[H]``), the shared expert's gate, or None.
+        top_k: experts per token.
+
+    Returns:
+        ``(weights fp32 [T, k], ids int32 [T, k], shared gate logits [T, 1] or [T, 0])``:
+        what ``moe_route(x @ router_weight^T, top_k)`` and ``x @ shared_gate_weight^T`` give
+        with fp16-rounded logits (sums in fp32, in another order than cuBLAS's).
+    """
+    return torch.ops.onecat.moe_router(x, router_weight, shared_gate_weight, top_k)

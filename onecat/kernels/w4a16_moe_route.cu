@@ -1,48 +1,52 @@
 // MoE router of Qwen3.5 on the GPU: softmax over E expert logits, the top k, renormalised.
 //
 // Renormalised top-k softmax weights equal a softmax over the k selected logits alone (the
-// full softmax's denominator cancels), and the softmax is monotonic, so the kernel selects
-// the k largest logits and then normalises exp(l_j - l_max) over them, in fp32:
+// full softmax's denominator cancels), and the softmax is monotonic, so the kernels select
+// the k largest logits and then normalise exp(l_j - l_max) over them, in fp32:
 //   weights[t, j] = exp(l[t, i_j] - l[t, i_0]) / sum_{j' < k} exp(l[t, i_j'] - l[t, i_0])
 // with i_0, i_1, ... the experts in decreasing logit order; equal logits are taken lowest
 // expert index first (deterministic).
 //
-// Data layout: logits [T, E] fp16 or fp32 with row stride `row_stride` (elements), unit
-// column stride; weights [T, k] fp32 and ids [T, k] int32, contiguous.
+// Two kernels:
 //
-// Thread mapping: one warp per token (4 warps per block).  Lane l holds the logits of experts
-// l, l+32, l+64, ... in registers (E <= 32 * kSlots).  Each of the k rounds picks every
-// lane's best untaken (value, index) and reduces them across the warp with shuffles (larger
-// value, then lower index), the owner marks it taken, and lane j keeps the j-th choice.
+// w4a16_moe_route_topk: the selection over given logits.
+//   Data layout: logits [T, E] fp16 or fp32 with row stride `row_stride` (elements), unit
+//   column stride; weights [T, k] fp32 and ids [T, k] int32, contiguous.
+//   Thread mapping: one warp per token (4 warps per block), see select_top_k.
+//
+// moe_router_decode: the router's projection AND the selection in one launch, for a few
+//   tokens (decode): logits = x @ router_w^T (fp32 sums rounded to fp16, as the fp16 linear
+//   it replaces rounds them), and optionally the shared expert's gate logit x @ shared_w^T
+//   (fp16 [T]) in the same pass.
+//   Data layout: x [T, H] fp16 (row stride x_stride elements, rows 16-byte aligned, H % 8 ==
+//   0); router_w [E, H] and shared_w [H] fp16 contiguous; scratch fp32 [T, E]; counter one
+//   u32 that is zero on entry and left zero.
+//   Thread mapping: block b, warp w computes weight row r = 16 b + w (rows 0..E-1 the
+//   experts, row E the shared gate) for every token: lane l reads 8 consecutive weights
+//   (one 128-bit load) per 256 columns and the same 8 columns of up to 8 tokens at a time,
+//   fp32 products, a warp shuffle sum per token.  Each block then fences and takes a ticket;
+//   the last block to finish (all logits are in the scratch) runs the selection, one warp
+//   per token, reading the logits through L2, and zeroes the counter again.  No block waits
+//   for another, so the kernel is safe whatever the residency.
 #include "w4a16_common.cuh"
 
 namespace onecat {
 constexpr int kRouteWarps = 4;
 constexpr int kSlots = 32;  // logits per lane: E <= 1024
+constexpr int kRouterWarps = 16;
+constexpr int kRouterTokens = 8;  // tokens per pass over a weight row
 
 __device__ __forceinline__ bool route_better(float v, int i, float bv, int bi) {
   return bi < 0 || v > bv || (v == bv && i < bi);
 }
-}  // namespace onecat
 
-extern "C" __global__ void __launch_bounds__(32 * onecat::kRouteWarps)
-w4a16_moe_route_topk(const void* logits, int logits32, int row_stride, int T, int E, int top_k,
-                     float* __restrict__ weights, int* __restrict__ ids) {
-  using namespace onecat;
+// The top_k of one token's E logits, which the warp holds as v[s] = logit of expert 32 s +
+// lane: each of the k rounds picks every lane's best untaken (value, index), reduces them
+// across the warp with shuffles (larger value, then lower index), the owner marks it taken,
+// and lane j keeps the j-th choice; then the softmax over the k choices.
+__device__ __forceinline__ void select_top_k(const float (&v)[kSlots], int E, int top_k,
+                                             float* __restrict__ weights, int* __restrict__ ids) {
   const int lane = threadIdx.x & 31;
-  const int t = blockIdx.x * kRouteWarps + (threadIdx.x >> 5);
-  if (t >= T) return;
-  float v[kSlots];
-#pragma unroll
-  for (int s = 0; s < kSlots; ++s) {
-    const int i = s * 32 + lane;
-    v[s] = 0.0f;
-    if (i < E) {
-      const size_t at = (size_t)t * row_stride + i;
-      v[s] = logits32 ? reinterpret_cast<const float*>(logits)[at]
-                      : __half2float(reinterpret_cast<const half*>(logits)[at]);
-    }
-  }
   unsigned taken = 0u;
   float mine = 0.0f, top = 0.0f;
   int mine_index = 0;
@@ -78,7 +82,92 @@ w4a16_moe_route_topk(const void* logits, int logits32, int row_stride, int T, in
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
   if (lane < top_k) {
-    weights[(size_t)t * top_k + lane] = ex / sum;
-    ids[(size_t)t * top_k + lane] = mine_index;
+    weights[lane] = ex / sum;
+    ids[lane] = mine_index;
   }
+}
+}  // namespace onecat
+
+extern "C" __global__ void __launch_bounds__(32 * onecat::kRouteWarps)
+w4a16_moe_route_topk(const void* logits, int logits32, int row_stride, int T, int E, int top_k,
+                     float* __restrict__ weights, int* __restrict__ ids) {
+  using namespace onecat;
+  const int lane = threadIdx.x & 31;
+  const int t = blockIdx.x * kRouteWarps + (threadIdx.x >> 5);
+  if (t >= T) return;
+  float v[kSlots];
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) {
+    const int i = s * 32 + lane;
+    v[s] = 0.0f;
+    if (i < E) {
+      const size_t at = (size_t)t * row_stride + i;
+      v[s] = logits32 ? reinterpret_cast<const float*>(logits)[at]
+                      : __half2float(reinterpret_cast<const half*>(logits)[at]);
+    }
+  }
+  select_top_k(v, E, top_k, weights + (size_t)t * top_k, ids + (size_t)t * top_k);
+}
+
+extern "C" __global__ void __launch_bounds__(32 * onecat::kRouterWarps)
+moe_router_decode(const half* __restrict__ x, int x_stride, int T, int H,
+                  const half* __restrict__ router_w, int E, const half* __restrict__ shared_w,
+                  int top_k, float* __restrict__ scratch, unsigned* __restrict__ counter,
+                  float* __restrict__ weights, int* __restrict__ ids,
+                  half* __restrict__ shared_gate) {
+  using namespace onecat;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int row = blockIdx.x * kRouterWarps + warp;
+  if (row < E + (shared_w != nullptr ? 1 : 0)) {
+    const half* w = row < E ? router_w + (size_t)row * H : shared_w;
+    for (int t0 = 0; t0 < T; t0 += kRouterTokens) {
+      float acc[kRouterTokens];
+#pragma unroll
+      for (int j = 0; j < kRouterTokens; ++j) acc[j] = 0.0f;
+      for (int k = 8 * lane; k < H; k += 256) {
+        const uint4 wv = __ldg(reinterpret_cast<const uint4*>(w + k));
+        const half2* wh = reinterpret_cast<const half2*>(&wv);
+#pragma unroll
+        for (int j = 0; j < kRouterTokens; ++j) {
+          if (t0 + j < T) {
+            const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + (size_t)(t0 + j) * x_stride + k));
+            const half2* xh = reinterpret_cast<const half2*>(&xv);
+#pragma unroll
+            for (int p = 0; p < 4; ++p) {
+              const float2 a = __half22float2(wh[p]), b = __half22float2(xh[p]);
+              acc[j] = fmaf(a.x, b.x, fmaf(a.y, b.y, acc[j]));
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kRouterTokens; ++j) {
+        float sum = acc[j];
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+        if (lane == 0 && t0 + j < T) {
+          const half rounded = __float2half_rn(sum);
+          if (row < E) scratch[(size_t)(t0 + j) * E + row] = __half2float(rounded);
+          else shared_gate[t0 + j] = rounded;
+        }
+      }
+    }
+  }
+  __shared__ bool last;
+  __threadfence();  // this thread's logits are visible device-wide before the ticket
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int t = warp; t < T; t += kRouterWarps) {
+    float v[kSlots];
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+      const int i = s * 32 + lane;
+      v[s] = i < E ? __ldcg(scratch + (size_t)t * E + i) : 0.0f;
+    }
+    select_top_k(v, E, top_k, weights + (size_t)t * top_k, ids + (size_t)t * top_k);
+  }
+  if (threadIdx.x == 0) *counter = 0u;
 }

@@ -17,7 +17,7 @@ from torch import nn
 
 from onecat.kernels import gdn as gdn_kernel
 from onecat.kernels import gdn_prefill
-from onecat.kernels.moe import moe_route
+from onecat.kernels.moe import moe_route, moe_router, router_fits
 from onecat.runtime.context import ForwardContext, PrefillChunk, get_context
 from onecat.runtime.distributed.parallel_state import all_reduce
 from onecat.runtime.layers.attention import PagedAttention
@@ -454,15 +454,19 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = merged_linear(plan, [f"{prefix}.shared_expert_gate"], hidden, [1], dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, hidden]`` -> ``[T, hidden]``. On CUDA the router is one kernel
-        (``moe_route``: the same softmax / top-k / renormalisation, ties lowest index first)."""
-        logits = self.gate(x)
-        if logits.is_cuda:
-            weights, expert_ids = moe_route(logits, self.top_k)
+        """``x [T, hidden]`` -> ``[T, hidden]``. On CUDA the routing is one kernel (``moe_route``:
+        the same softmax / top-k / renormalisation, ties lowest index first); for decode
+        batches one kernel also computes the router's and the shared gate's projections
+        (``moe_router``)."""
+        gate, shared_gate = self.gate, self.shared_expert_gate
+        if not gate.is_packed and not shared_gate.is_packed and gate.bias is None and shared_gate.bias is None \
+                and router_fits(x, gate.weight, shared_gate.weight):  # decode: one launch
+            weights, expert_ids, shared_logit = moe_router(x, gate.weight, shared_gate.weight, self.top_k)
         else:
-            weights, expert_ids = route(logits, self.top_k)
+            logits, shared_logit = gate(x), shared_gate(x)
+            weights, expert_ids = moe_route(logits, self.top_k) if logits.is_cuda else route(logits, self.top_k)
         routed = self.experts(x, expert_ids, weights)
-        return add_gated(routed, self.shared_expert_gate(x), self.shared_expert(x))
+        return add_gated(routed, shared_logit, self.shared_expert(x))
 
 
 class DecoderLayer(nn.Module):
