@@ -79,6 +79,25 @@ def test_greedy_follows_penalised_logits():
     assert Sampler()(logits[:1], [repeat]).token_ids == [11]  # 2.0 / 1.5 < 1.5
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_plain_greedy_batch_takes_the_first_maximum_of_fp16_logits(device):
+    """A batch of plain greedy rows reads the argmax of the model's fp16 logits directly; it
+    must pick what the full path picks (fp32 copy, ties to the lowest id), as must a batch
+    where one row asks for something (logprobs, min_tokens) and takes the full path."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, VOCAB, generator=gen).half()
+    logits[1, [7, 30, 50]] = 9.0  # a three-way tie for the top
+    logits[2] = 0.0  # all equal
+    plain = [Row(SamplingParams(temperature=0), device=device) for _ in range(4)]
+    full = [*plain[:3], Row(SamplingParams(temperature=0, logprobs=1), device=device)]
+    masked = [*plain[:3], Row(SamplingParams(temperature=0, min_tokens=5), device=device)]
+    want = logits.float().argmax(-1).tolist()
+    assert want[1:3] == [7, 0]
+    assert Sampler()(logits.to(device), plain).token_ids == want
+    assert Sampler()(logits.to(device), full).token_ids == want
+    assert Sampler(eos_token_ids=[EOS])(logits.to(device), masked).token_ids[:3] == want[:3]
+
+
 def test_min_p_keeps_tokens_above_the_scaled_maximum():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05] + [0.0] * (VOCAB - 4))
     logits = probs.clamp_min(1e-30).log()[None]

@@ -69,6 +69,9 @@ GRAPH_RESERVE_BYTES = 512 << 20
 MIN_GRAPH_BLOCKS = 16
 MAX_STATE_CHECKPOINTS = 16
 """Most GDN state checkpoints kept for prefix caching (each is a whole slot: ~151 MB on the 27B)."""
+OVERFLOW_CHECK_STEPS = 64
+"""The fp16-overflow check of the logits (a host sync and four small kernels) runs on every
+eager pass (every prompt) and on one decode-graph step in this many."""
 
 
 def next_power_of_two(n: int) -> int:
@@ -117,6 +120,7 @@ class ModelRunner:
         if self.graph_batch_sizes[-1] < self.num_slots:
             self.graph_batch_sizes.append(self.num_slots)
         self._overflow_warned = False
+        self._graph_steps = 0  # decode-graph steps, for the sparse overflow check
         self._verified: tuple[DecodeGraph, list[Sequence]] | None = None  # the last verify graph and its sequences
         self.last_hidden = torch.empty(0)  # run_hidden's last result
 
@@ -268,9 +272,11 @@ class ModelRunner:
             graph = self._run_graph(scheduled, 1)
             if graph is not None:
                 logits, sampled = graph.logits[: len(seqs)], seqs
+                self._graph_steps += 1
+        checked = logits is None or self._graph_steps % OVERFLOW_CHECK_STEPS == 1  # a sync: not every step
         if logits is None:
             sampled, logits = self._run_eager(scheduled)
-        if self.dtype == torch.float16 and not self._overflow_warned and not bool(torch.isfinite(logits).all()):
+        if checked and self.dtype == torch.float16 and not self._overflow_warned and not bool(torch.isfinite(logits).all()):
             self._overflow_warned = True
             logger.warning(
                 "non-finite logits: activations overflowed fp16 (the checkpoint was trained in "

@@ -159,6 +159,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """``logits [B, V]`` and one row per logits row -> B tokens (and asked-for logprobs)."""
+        if all(self._plain_greedy(row) for row in rows):  # the common decode batch: one kernel, one read
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
         logits = logits.to(torch.float32, copy=True)
         params = [row.params for row in rows]
         device = logits.device
@@ -203,6 +205,17 @@ class Sampler:
             pairs = list(zip(top_ids[j][:k], top_values[j][:k], strict=True)) if k else []
             out[i] = TokenLogprobs(token_list[i], lp, pairs)
         return SamplerOutput(token_list, out)
+
+    def _plain_greedy(self, row: SamplingRow) -> bool:
+        """True when the row's token is the plain argmax of its logits: greedy, and nothing
+        (processors, bias, penalties, a ``min_tokens`` mask, logprobs) changes or reports them.
+        The argmax of the model's fp16 logits equals that of their exact fp32 copy."""
+        p = row.params
+        return (
+            is_greedy(p) and not p.logits_processors and not p.logit_bias and not p.has_penalties
+            and p.logprobs is None
+            and not (p.min_tokens and len(row.token_ids) - row.num_prompt_tokens < p.min_tokens)
+        )  # fmt: skip
 
     @staticmethod
     def _run_processors(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
