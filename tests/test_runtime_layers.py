@@ -108,3 +108,38 @@ def test_cuda_graph_decode_matches_eager(tmp_path, staggered):
         gc.collect()
         torch.cuda.empty_cache()
     assert_same_greedy_runs(results[0], results[1], 1e-2, relative=True, label="CUDA graphs vs eager")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize("tokens", [6, 100])
+def test_folded_shared_expert_matches_the_separate_mlp(device, tokens):
+    """The MoE block with its shared expert folded into the experts' spare slot (one more
+    choice per token, weighted by the sigmoid gate) computes what the separate shared MLP and
+    gated add compute; the shared expert's layers become views of that slot (no copy kept)."""
+    from onecat.runtime.models.config import ModelConfig
+    from onecat.runtime.models.qwen3_5 import SparseMoE, fold_shared_experts
+    from onecat.runtime.quant_plan import QuantPlan
+    from onecat.tiny import _text_kwargs
+
+    cfg = ModelConfig.from_dict({"model_type": "qwen3_5_moe", **_text_kwargs("qwen3_5_moe", 64, 4)})
+    with torch.device(device):
+        layer = SparseMoE(cfg, "model.layers.0.mlp", QuantPlan(default=32), torch.float16)
+    gen = torch.Generator().manual_seed(5)
+    for name, param in layer.named_parameters():
+        if param.dtype == torch.int32:
+            param.data.copy_(torch.randint(-(2**31), 2**31 - 1, param.shape, generator=gen, dtype=torch.int32))
+        elif "scales_zeros" in name:
+            scale = torch.rand(param.shape[:-1], generator=gen) * 0.02 + 0.01
+            param.data.copy_(torch.stack([scale, -8 * scale], dim=-1).half())
+        else:
+            param.data.copy_((torch.randn(param.shape, generator=gen) * 0.3).half())
+    x = torch.randn(tokens, cfg.hidden_size, generator=gen).half().to(device)  # 6: decode paths, 100: prompt paths
+    separate = layer(x)
+    assert layer.shared_slot is None and fold_shared_experts(layer) == 1 and layer.shared_slot == cfg.num_experts
+    folded = layer(x)
+    assert layer.shared_expert.down_proj.qweight.data_ptr() == layer.experts.w2_qweight[cfg.num_experts].data_ptr()
+    scale = separate.float().abs().max()
+    assert (folded.float() - separate.float()).abs().max() <= 5e-3 * scale, "folded vs separate shared expert"
+    assert fold_shared_experts(layer) == 1, "folding again changes nothing"
+    assert torch.equal(layer(x), folded)

@@ -50,7 +50,8 @@ _MOE_SCHEMA = (
 )
 _ROUTE_SCHEMA = "moe_route(Tensor logits, int top_k) -> (Tensor, Tensor)"
 _ROUTER_SCHEMA = (
-    "moe_router(Tensor x, Tensor router_weight, Tensor? shared_gate_weight, int top_k) -> (Tensor, Tensor, Tensor)"
+    "moe_router(Tensor x, Tensor router_weight, Tensor? shared_gate_weight, int top_k, int shared_expert=-1) "
+    "-> (Tensor, Tensor, Tensor)"
 )
 
 _LIB = torch.library.Library("onecat", "FRAGMENT")  # module scope: keeps the registration alive
@@ -58,8 +59,9 @@ _LIB.define(_MOE_SCHEMA)
 _LIB.define(_ROUTE_SCHEMA)
 _LIB.define(_ROUTER_SCHEMA)
 
-GATHER_MAX_PAIRS = 256
-"""Largest ``T * top_k`` run by the gather-GEMV kernels; more pairs take the grouped path."""
+GATHER_MAX_PAIRS = 288
+"""Largest ``T * top_k`` run by the gather-GEMV kernels; more pairs take the grouped path
+(288: a 32-sequence decode step of Qwen3.5-35B-A3B, top-8 plus its folded shared expert)."""
 MAX_EXPERTS = 1024
 """Most experts the align and routing kernels take (one thread / register slot per expert)."""
 
@@ -376,8 +378,12 @@ def moe_route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Ten
 # --- router with its projection (decode) -------------------------------------------------
 
 
-def _check_router(x: torch.Tensor, router_weight: torch.Tensor, shared_gate_weight: torch.Tensor | None, top_k: int) -> None:
+def _check_router(
+    x: torch.Tensor, router_weight: torch.Tensor, shared_gate_weight: torch.Tensor | None, top_k: int, shared_expert: int
+) -> None:
     where = "onecat.kernels.moe.moe_router"
+    if shared_expert >= 0 and shared_gate_weight is None:
+        raise OnecatError(f"{where}: shared_expert {shared_expert} needs the shared expert's gate weight")
     if x.dim() != 2 or router_weight.dim() != 2 or router_weight.shape[1] != x.shape[1]:
         raise OnecatError(
             f"{where}: x must be [T, H] and router_weight [E, H], got {tuple(x.shape)} and {tuple(router_weight.shape)}"
@@ -401,30 +407,50 @@ def router_fits(x: torch.Tensor, router_weight: torch.Tensor, shared_gate_weight
 
 
 def reference_router(
-    x: torch.Tensor, router_weight: torch.Tensor, shared_gate_weight: torch.Tensor | None, top_k: int
+    x: torch.Tensor, router_weight: torch.Tensor, shared_gate_weight: torch.Tensor | None, top_k: int,
+    shared_expert: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The router with its projection on any device: fp32 logits ``x @ router_weight^T``
     rounded to ``x.dtype`` (as the linear layer rounds them), :func:`reference_route` over
-    them, and the shared expert's gate logit ``[T, 1]`` (``[T, 0]`` without one)."""
-    _check_router(x, router_weight, shared_gate_weight, top_k)
+    them, and the shared expert's gate logit ``[T, 1]`` (``[T, 0]`` without one); with
+    ``shared_expert >= 0`` that expert is appended to every token's choices instead (see
+    :func:`moe_router`)."""
+    _check_router(x, router_weight, shared_gate_weight, top_k, shared_expert)
     logits = F.linear(x.float(), router_weight.float()).to(x.dtype)
     weights, ids = reference_route(logits, top_k)
     if shared_gate_weight is None:
         return weights, ids, x.new_empty((x.shape[0], 0))
-    return weights, ids, F.linear(x.float(), shared_gate_weight.reshape(1, -1).float()).to(x.dtype)
+    gate = F.linear(x.float(), shared_gate_weight.reshape(1, -1).float()).to(x.dtype)
+    if shared_expert < 0:
+        return weights, ids, gate
+    weights, ids = append_shared_expert(weights, ids, gate, shared_expert)
+    return weights, ids, x.new_empty((x.shape[0], 0))
+
+
+def append_shared_expert(
+    weights: torch.Tensor, ids: torch.Tensor, gate_logit: torch.Tensor, shared_expert: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing ``[T, k]`` plus the shared expert as choice ``k`` of every token, weighted
+    ``sigmoid(gate_logit)`` (fp32): the grouped MoE op then adds the gated shared expert."""
+    shared_w = torch.sigmoid(gate_logit.float().reshape(-1, 1))
+    shared_id = torch.full_like(ids[:, :1], shared_expert)
+    return torch.cat([weights, shared_w], dim=1), torch.cat([ids, shared_id], dim=1)
 
 
 def _cuda_router(
-    x: torch.Tensor, router_weight: torch.Tensor, shared_gate_weight: torch.Tensor | None, top_k: int
+    x: torch.Tensor, router_weight: torch.Tensor, shared_gate_weight: torch.Tensor | None, top_k: int,
+    shared_expert: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_router(x, router_weight, shared_gate_weight, top_k)
+    _check_router(x, router_weight, shared_gate_weight, top_k, shared_expert)
     if not router_fits(x, router_weight, shared_gate_weight):
-        return reference_router(x, router_weight, shared_gate_weight, top_k)
+        return reference_router(x, router_weight, shared_gate_weight, top_k, shared_expert)
     tokens, hidden = x.shape
     experts = router_weight.shape[0]
-    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=x.device)
-    ids = torch.empty((tokens, top_k), dtype=torch.int32, device=x.device)
-    shared = torch.empty((tokens, 0 if shared_gate_weight is None else 1), dtype=x.dtype, device=x.device)
+    choices = top_k + (shared_expert >= 0)
+    weights = torch.empty((tokens, choices), dtype=torch.float32, device=x.device)
+    ids = torch.empty((tokens, choices), dtype=torch.int32, device=x.device)
+    gate_width = 1 if shared_gate_weight is not None and shared_expert < 0 else 0
+    shared = torch.empty((tokens, gate_width), dtype=x.dtype, device=x.device)
     if tokens == 0:
         return weights, ids, shared
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
@@ -435,7 +461,7 @@ def _cuda_router(
     get_kernel("moe_router_decode", _device_index(x)).launch(
         (math.ceil(rows / _ROUTER_WARPS), 1, 1), 32 * _ROUTER_WARPS, stream,
         [_ptr(x), *_ints(x.stride(0), tokens, hidden), _ptr(router_weight), *_ints(experts),
-         _ptr(shared_gate_weight), *_ints(top_k), ctypes.c_void_p(scratch.data_ptr() + 128),
+         _ptr(shared_gate_weight), *_ints(top_k, shared_expert), ctypes.c_void_p(scratch.data_ptr() + 128),
          _ptr(scratch), _ptr(weights), _ptr(ids), _ptr(shared)],
     )  # fmt: skip
     return weights, ids, shared
@@ -446,16 +472,17 @@ _LIB.impl("moe_router", reference_router, "CPU")
 
 
 @torch.library.register_fake("onecat::moe_router")
-def _fake_router(x, router_weight, shared_gate_weight, top_k):
-    shape = (x.shape[0], top_k)
-    shared = (x.shape[0], 0 if shared_gate_weight is None else 1)
+def _fake_router(x, router_weight, shared_gate_weight, top_k, shared_expert=-1):
+    shape = (x.shape[0], top_k + (shared_expert >= 0))
+    shared = (x.shape[0], 0 if shared_gate_weight is None or shared_expert >= 0 else 1)
     return (
         x.new_empty(shape, dtype=torch.float32), x.new_empty(shape, dtype=torch.int32), x.new_empty(shared),
     )
 
 
 def moe_router(
-    x: torch.Tensor, router_weight: torch.Tensor, shared_gate_weight: torch.Tensor | None, top_k: int
+    x: torch.Tensor, router_weight: torch.Tensor, shared_gate_weight: torch.Tensor | None, top_k: int,
+    shared_expert: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The router's fp16 projection, :func:`moe_route` and the shared expert's gate logit in
     one GPU launch (``w4a16_moe_route.cu``, ``moe_router_decode``) for decode batches.
@@ -466,10 +493,14 @@ def moe_router(
         router_weight: fp16 ``[E, H]``, the router's (unquantized) weight.
         shared_gate_weight: fp16 ``[1, H]`` (or ``[H]``), the shared expert's gate, or None.
         top_k: experts per token.
+        shared_expert: if >= 0, the index the shared expert has among the stacked experts
+            (its weights folded in after the routed ones): it becomes choice ``k`` of every
+            token with weight ``sigmoid(gate logit)`` (:func:`append_shared_expert`).
 
     Returns:
         ``(weights fp32 [T, k], ids int32 [T, k], shared gate logits [T, 1] or [T, 0])``:
         what ``moe_route(x @ router_weight^T, top_k)`` and ``x @ shared_gate_weight^T`` give
-        with fp16-rounded logits (sums in fp32, in another order than cuBLAS's).
+        with fp16-rounded logits (sums in fp32, in another order than cuBLAS's); with
+        ``shared_expert >= 0``, ``[T, k+1]`` routing and no gate logits.
     """
-    return torch.ops.onecat.moe_router(x, router_weight, shared_gate_weight, top_k)
+    return torch.ops.onecat.moe_router(x, router_weight, shared_gate_weight, top_k, shared_expert)

@@ -16,11 +16,13 @@
 //
 // moe_router_decode: the router's projection AND the selection in one launch, for a few
 //   tokens (decode): logits = x @ router_w^T (fp32 sums rounded to fp16, as the fp16 linear
-//   it replaces rounds them), and optionally the shared expert's gate logit x @ shared_w^T
-//   (fp16 [T]) in the same pass.
+//   it replaces rounds them), and optionally the shared expert's gate logit g = x @ shared_w^T
+//   (fp16 [T]) in the same pass.  With shared_id >= 0 the shared expert is one more choice of
+//   every token instead: ids/weights are [T, k+1] and column k holds (shared_id, sigmoid(g)),
+//   so that the grouped MoE op adds sigmoid(g) * shared(x) to the routed sum.
 //   Data layout: x [T, H] fp16 (row stride x_stride elements, rows 16-byte aligned, H % 8 ==
 //   0); router_w [E, H] and shared_w [H] fp16 contiguous; scratch fp32 [T, E]; counter one
-//   u32 that is zero on entry and left zero.
+//   u32 that is zero on entry and left zero; weights fp32 / ids int32 [T, k] or [T, k+1].
 //   Thread mapping: block b, warp w computes weight row r = 16 b + w (rows 0..E-1 the
 //   experts, row E the shared gate) for every token: lane l reads 8 consecutive weights
 //   (one 128-bit load) per 256 columns and the same 8 columns of up to 8 tokens at a time,
@@ -112,11 +114,12 @@ w4a16_moe_route_topk(const void* logits, int logits32, int row_stride, int T, in
 extern "C" __global__ void __launch_bounds__(32 * onecat::kRouterWarps)
 moe_router_decode(const half* __restrict__ x, int x_stride, int T, int H,
                   const half* __restrict__ router_w, int E, const half* __restrict__ shared_w,
-                  int top_k, float* __restrict__ scratch, unsigned* __restrict__ counter,
-                  float* __restrict__ weights, int* __restrict__ ids,
-                  half* __restrict__ shared_gate) {
+                  int top_k, int shared_id, float* __restrict__ scratch,
+                  unsigned* __restrict__ counter, float* __restrict__ weights,
+                  int* __restrict__ ids, half* __restrict__ shared_gate) {
   using namespace onecat;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int stride = top_k + (shared_id >= 0 ? 1 : 0);  // choices per token in weights / ids
   const int row = blockIdx.x * kRouterWarps + warp;
   if (row < E + (shared_w != nullptr ? 1 : 0)) {
     const half* w = row < E ? router_w + (size_t)row * H : shared_w;
@@ -147,8 +150,14 @@ moe_router_decode(const half* __restrict__ x, int x_stride, int T, int H,
         for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
         if (lane == 0 && t0 + j < T) {
           const half rounded = __float2half_rn(sum);
-          if (row < E) scratch[(size_t)(t0 + j) * E + row] = __half2float(rounded);
-          else shared_gate[t0 + j] = rounded;
+          if (row < E) {
+            scratch[(size_t)(t0 + j) * E + row] = __half2float(rounded);
+          } else if (shared_id >= 0) {
+            weights[(size_t)(t0 + j) * stride + top_k] = 1.0f / (1.0f + expf(-__half2float(rounded)));
+            ids[(size_t)(t0 + j) * stride + top_k] = shared_id;
+          } else {
+            shared_gate[t0 + j] = rounded;
+          }
         }
       }
     }
@@ -167,7 +176,7 @@ moe_router_decode(const half* __restrict__ x, int x_stride, int T, int H,
       const int i = s * 32 + lane;
       v[s] = i < E ? __ldcg(scratch + (size_t)t * E + i) : 0.0f;
     }
-    select_top_k(v, E, top_k, weights + (size_t)t * top_k, ids + (size_t)t * top_k);
+    select_top_k(v, E, top_k, weights + (size_t)t * stride, ids + (size_t)t * stride);
   }
   if (threadIdx.x == 0) *counter = 0u;
 }

@@ -58,7 +58,7 @@ from onecat.runtime.engine.speculative import SpeculativeConfig
 from onecat.runtime.layers import fusion
 from onecat.runtime.layers.attention import PagedAttention
 from onecat.runtime.layers.draft_head import quantized_draft_head
-from onecat.runtime.models.qwen3_5 import GatedDeltaNet, Qwen3_5ForCausalLM
+from onecat.runtime.models.qwen3_5 import GatedDeltaNet, Qwen3_5ForCausalLM, fold_shared_experts
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,7 @@ class ModelRunner:
         self.num_drafts = speculation.num_speculative_tokens if speculation else 0
         if self.num_drafts and model.mtp is not None and model.draft_head is None:
             model.draft_head = quantized_draft_head(model.lm_head)  # before memory planning: it counts
+        fold_shared_experts(model)  # MoE: the shared expert joins the routed ones' grouped launches
         wanted_len = config.max_model_len or self.model_config.max_position_embeddings
         self.num_checkpoints = 0  # set by _plan_memory
         self.num_blocks, self.num_slots = self._plan_memory(config, wanted_len)

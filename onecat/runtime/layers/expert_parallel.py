@@ -40,12 +40,17 @@ class LocalExperts(FusedExperts):
 
 
 def routed_experts(
-    num_experts: int, hidden_size: int, intermediate_size: int, *, group_size: int | None, dtype: torch.dtype
+    num_experts: int, hidden_size: int, intermediate_size: int, *, group_size: int | None, dtype: torch.dtype,
+    spare_slots: int = 0,
 ) -> FusedExperts:
-    """All experts without tensor parallelism, else this rank's ``num_experts / N`` of them."""
+    """All experts without tensor parallelism (with ``spare_slots`` for a folded shared
+    expert, see :meth:`FusedExperts.fold_in`), else this rank's ``num_experts / N`` of them
+    (no spare slots: the shared expert is split across the ranks instead)."""
     world = tp_size()
     if world == 1:
-        return FusedExperts(num_experts, hidden_size, intermediate_size, group_size=group_size, dtype=dtype)
+        return FusedExperts(
+            num_experts, hidden_size, intermediate_size, group_size=group_size, dtype=dtype, spare_slots=spare_slots
+        )
     count = num_experts // world
     return LocalExperts(
         num_experts, tp_rank() * count, count, hidden_size, intermediate_size, group_size=group_size, dtype=dtype

@@ -23,7 +23,7 @@ from onecat.kernels.moe import w4a16_moe
 from onecat.pack.volta_layout import TILE
 from onecat.runtime.context import get_context
 from onecat.runtime.layers.fusion import fused
-from onecat.runtime.layers.linear import LinearWeights
+from onecat.runtime.layers.linear import Linear, LinearWeights
 
 GATE, UP, DOWN = "gate_proj", "up_proj", "down_proj"
 
@@ -36,7 +36,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class FusedExperts(nn.Module):
-    """``num_experts`` SwiGLU experts (hidden -> intermediate -> hidden)."""
+    """``num_experts`` SwiGLU experts (hidden -> intermediate -> hidden), and ``spare_slots``
+    more stacked after them that another MLP of the same shape can be folded into
+    (:meth:`fold_in`: the MoE block's shared expert, so one grouped launch runs both)."""
 
     def __init__(
         self,
@@ -46,13 +48,14 @@ class FusedExperts(nn.Module):
         *,
         group_size: int | None,
         dtype: torch.dtype,
+        spare_slots: int = 0,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.group_size = group_size
-        e, h, i = num_experts, hidden_size, intermediate_size
+        e, h, i = num_experts + spare_slots, hidden_size, intermediate_size
         for name, (n, k) in (("w13", (2 * i, h)), ("w2", (h, i))):
             if group_size is None:
                 self._add(name, torch.empty(e, n, k, dtype=dtype))
@@ -81,6 +84,25 @@ class FusedExperts(nn.Module):
         if target.shape != loaded.shape:
             raise ValueError(f"expert {expert} {which}: expected {tuple(target.shape)}, got {tuple(loaded.shape)}")
         target.copy_(loaded.to(param.dtype))
+
+    def fold_in(self, slot: int, gate_up: Linear, down: Linear) -> bool:
+        """Copy a packed SwiGLU MLP (merged gate/up, down) into spare ``slot`` and make its
+        layers' parameters views of that slot (no second copy is kept). Returns False, and
+        changes nothing, unless both layers are packed with exactly the experts' tile shapes."""
+        if not self.is_packed or not self.num_experts <= slot < self.w13_qweight.shape[0]:
+            return False
+        pairs = [
+            (layer, name, getattr(self, f"{stack}_{name}"))
+            for layer, stack in ((gate_up, "w13"), (down, "w2")) for name in ("qweight", "scales_zeros")
+        ]  # fmt: skip
+        if not all(layer.is_packed and layer.bias is None for layer in (gate_up, down)) or any(
+            getattr(layer, name).shape != stacked.shape[1:] for layer, name, stacked in pairs
+        ):
+            return False
+        for layer, name, stacked in pairs:
+            stacked.data[slot].copy_(getattr(layer, name))
+            getattr(layer, name).data = stacked.data[slot]
+        return True
 
     def load_weights(self, expert: int, which: str, weights: LinearWeights) -> None:
         """Load one expert's ``gate_proj``, ``up_proj`` or ``down_proj``."""

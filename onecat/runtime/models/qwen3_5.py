@@ -17,7 +17,7 @@ from torch import nn
 
 from onecat.kernels import gdn as gdn_kernel
 from onecat.kernels import gdn_prefill
-from onecat.kernels.moe import moe_route, moe_router, router_fits
+from onecat.kernels.moe import append_shared_expert, moe_route, moe_router, router_fits
 from onecat.runtime.context import ForwardContext, PrefillChunk, get_context
 from onecat.runtime.distributed.parallel_state import all_reduce
 from onecat.runtime.layers.attention import PagedAttention
@@ -444,29 +444,49 @@ class SparseMoE(nn.Module):
         group = plan.group_size(expert_sources, [cfg.moe_intermediate_size], hidden)
         if group is not None and plan.group_size(expert_sources, [hidden], cfg.moe_intermediate_size) is None:
             group = None
+        foldable = group is not None and cfg.shared_expert_intermediate_size == cfg.moe_intermediate_size
         self.experts = routed_experts(
-            cfg.num_experts, hidden, cfg.moe_intermediate_size, group_size=group, dtype=dtype
-        )
+            cfg.num_experts, hidden, cfg.moe_intermediate_size, group_size=group, dtype=dtype,
+            spare_slots=int(foldable),
+        )  # fmt: skip
+        self.shared_slot: int | None = None  # set by fold_shared_expert
         self.experts.prefix = f"{prefix}.experts"
         self.shared_expert = MLP(
             hidden, cfg.shared_expert_intermediate_size, f"{prefix}.shared_expert", plan, dtype
         )
         self.shared_expert_gate = merged_linear(plan, [f"{prefix}.shared_expert_gate"], hidden, [1], dtype)
 
+    def fold_shared_expert(self) -> bool:
+        """After loading: copy the shared expert into the experts' spare slot (its layers then
+        view it), so that it runs as one more choice of every token, weighted by its sigmoid
+        gate, inside the same grouped launches (no separate MLP and gated add). Needs a spare
+        slot (packed experts, no tensor parallelism, equal intermediate sizes) and the shared
+        expert packed like the experts; otherwise it stays separate. Returns whether it is folded."""
+        if self.shared_slot is None and self.experts.fold_in(
+            self.experts.num_experts, self.shared_expert.gate_up_proj, self.shared_expert.down_proj
+        ):
+            self.shared_slot = self.experts.num_experts
+        return self.shared_slot is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``. On CUDA the routing is one kernel (``moe_route``:
         the same softmax / top-k / renormalisation, ties lowest index first); for decode
         batches one kernel also computes the router's and the shared gate's projections
-        (``moe_router``)."""
-        gate, shared_gate = self.gate, self.shared_expert_gate
+        (``moe_router``). A folded shared expert (:meth:`fold_shared_expert`) is one more
+        choice per token: the whole block is then the router and the grouped MoE op."""
+        gate, shared_gate, slot = self.gate, self.shared_expert_gate, self.shared_slot
         if not gate.is_packed and not shared_gate.is_packed and gate.bias is None and shared_gate.bias is None \
                 and router_fits(x, gate.weight, shared_gate.weight):  # decode: one launch
-            weights, expert_ids, shared_logit = moe_router(x, gate.weight, shared_gate.weight, self.top_k)
+            weights, expert_ids, shared_logit = moe_router(
+                x, gate.weight, shared_gate.weight, self.top_k, -1 if slot is None else slot
+            )
         else:
             logits, shared_logit = gate(x), shared_gate(x)
             weights, expert_ids = moe_route(logits, self.top_k) if logits.is_cuda else route(logits, self.top_k)
+            if slot is not None:
+                weights, expert_ids = append_shared_expert(weights, expert_ids, shared_logit, slot)
         routed = self.experts(x, expert_ids, weights)
-        return add_gated(routed, shared_logit, self.shared_expert(x))
+        return routed if slot is not None else add_gated(routed, shared_logit, self.shared_expert(x))
 
 
 class DecoderLayer(nn.Module):
@@ -600,3 +620,9 @@ class MtpHead(nn.Module):
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
         x, residual = self.layers[0](positions, x, None)
         return add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
+
+
+def fold_shared_experts(model: nn.Module) -> int:
+    """:meth:`SparseMoE.fold_shared_expert` on every MoE block of a loaded model; returns how
+    many were folded."""
+    return sum(m.fold_shared_expert() for m in model.modules() if isinstance(m, SparseMoE))
