@@ -19,7 +19,10 @@ per stretch between two cores:
 A pass pads its ``n`` tokens to the bucket, replays the stretches in order, and between
 them runs each mixer's ``core`` eagerly on the first ``n`` rows, in the pass's
 ``ForwardContext`` (KV writes, slots and lengths concern the real tokens only; padding rows
-are token-wise garbage that nothing reads). A step that decodes some sequences while it
+are token-wise garbage that nothing reads). Where a layer's token-wise projection writes its
+keys and values into the KV cache itself (the fused attention-input kernel), the stretches
+read the KV slots from a static buffer (``slots``: the pass's slot mapping, -1 on padding
+rows, which write nothing). A step that decodes some sequences while it
 prefills others runs as one such pass: the cores handle both kinds of tokens, and the
 weights (all experts, for a MoE prompt) are read once for the whole step. Steps with only
 decode tokens replay the whole-model decode graphs instead (no eager cores at all). Stretches hand tensors to each other and to the
@@ -74,6 +77,7 @@ class PromptGraphs:
         self.dtype = model.model.embed_tokens.weight.dtype
         self.input_ids = torch.zeros(self.size, dtype=torch.int64, device=device)
         self.positions = torch.zeros(self.size, dtype=torch.int64, device=device)
+        self.slots = torch.full((self.size,), -1, dtype=torch.int64, device=device)  # KV slots; -1: none
         self.buffers: dict[str, torch.Tensor] = {}
         for layer in self.layers:
             mixer = layer.mixer
@@ -123,7 +127,7 @@ class PromptGraphs:
     def capture(self) -> None:
         """Capture every bucket's stretches (largest first: buffers are allocated then).
         Run on the stream the passes will use; raises if capture fails."""
-        set_context(ForwardContext(slot_mapping=self.positions, capturing_graph=True))
+        set_context(ForwardContext(slot_mapping=self.slots, capturing_graph=True))
         try:
             with fusion.compiling():
                 for tokens in reversed(self.buckets):
@@ -154,12 +158,17 @@ class PromptGraphs:
         stretch = (lambda i: graphs[i].replay()) if graphs else (lambda i: self._stretch(i, bucket))
         self.input_ids[:tokens].copy_(input_ids)
         self.positions[:tokens].copy_(positions)
-        set_context(context)
+        self.slots[:tokens].copy_(context.slot_mapping)
+        self.slots[tokens:bucket].fill_(-1)
+        pieces = ForwardContext(slot_mapping=self.slots)  # what the stretches see (as captured)
         try:
             for index, layer in enumerate(self.layers):
+                set_context(pieces)
                 stretch(index)
+                set_context(context)
                 inputs = self._load(f"{layer.layer_type}.input", self._arity[layer.layer_type][0], tokens)
                 self.buffers[f"{layer.layer_type}.core"][:tokens].copy_(layer.mixer.core(*inputs))
+            set_context(pieces)
             stretch(len(self.layers))
         finally:
             set_context(None)

@@ -2,8 +2,10 @@
 
 The cache of one layer is ``k_cache``/``v_cache`` ``[num_blocks, block_size, kv_heads,
 head_dim]``; a sequence's tokens live in the blocks of its block table, token ``t`` at slot
-``block_table[t // block_size] * block_size + t % block_size``. Each call first writes the new
-keys and values at the context's ``slot_mapping``, then:
+``block_table[t // block_size] * block_size + t % block_size``. The new keys and values are
+written at the context's ``slot_mapping`` first: on CUDA fp16 by the fused input kernel
+(``onecat.kernels.attention_prep``, :meth:`PagedAttention.prepare_inputs`, called from the
+layer's token-wise ``project``), elsewhere by each call itself. Then:
 
 - decode tokens (one per sequence, batched): on CUDA with an fp16 cache, the paged
   decode-attention kernel (``onecat.kernels.attention``) reads each sequence's blocks in place,
@@ -27,6 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 from onecat.kernels import attention as attention_kernel
+from onecat.kernels import attention_prep
 from onecat.runtime.context import ForwardContext, get_context
 
 PREFILL_SCORE_ELEMENTS = 1 << 25
@@ -60,6 +63,32 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+
+    def fuses_inputs(self, device: torch.device, dtype: torch.dtype, rotary_dim: int) -> bool:
+        """True when the layer's inputs go through :meth:`prepare_inputs` for activations of
+        this device and dtype (CUDA fp16, a head shape the kernel supports, the cache fp16 or
+        not allocated yet): the keys and values are then in the cache before :meth:`forward`."""
+        cache = self.k_cache
+        cache_fits = cache.numel() == 0 or (cache.dtype == torch.float16 and cache.dim() == 4 and cache.is_contiguous())
+        return cache_fits and attention_prep.supports(device, dtype, self.head_dim, rotary_dim)
+
+    def prepare_inputs(
+        self, qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+        inv_freq: torch.Tensor, eps: float, rotary_dim: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The fused input kernel over every row of ``qkv [T, 2*H*D + 2*KVH*D]`` (token-wise,
+        see ``onecat.kernels.attention_prep``): returns q ``[T, H, D]`` normed and rotated,
+        and writes keys and values at the context's ``slot_mapping`` (nothing before the cache
+        exists). k and v ``[T, KVH, D]`` come back too when some rows are not decode rows
+        (prompt chunks attend over their fresh keys), else None. Graph-safe: the slots are
+        read on the device (the piecewise prompt graphs pass a static buffer, -1 on padding)."""
+        ctx = get_context()
+        tokens = qkv.shape[0]
+        return attention_prep.prepare_attention_inputs(
+            qkv, positions, q_weight, k_weight, inv_freq, eps, ctx.slot_mapping[:tokens], self.k_cache,
+            self.v_cache, self.num_heads, self.num_kv_heads, self.head_dim, rotary_dim,
+            fresh_kv=ctx.num_decodes < tokens,
+        )
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if self.k_cache.numel() == 0:
@@ -159,10 +188,15 @@ class PagedAttention(nn.Module):
             )
         return out[0].transpose(0, 1)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``q [T, H, D]``, ``k``/``v`` ``[T, KVH, D]`` of the flat batch -> ``[T, H, D]``."""
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, stored: bool = False
+    ) -> torch.Tensor:
+        """``q [T, H, D]``, ``k``/``v`` ``[T, KVH, D]`` of the flat batch -> ``[T, H, D]``.
+        ``stored``: the keys and values are in the cache already (:meth:`prepare_inputs`);
+        k and v are then read only for prompt chunks and may be None in a decode-only pass."""
         ctx = get_context()
-        self._store(k, v, ctx.slot_mapping)
+        if not stored:
+            self._store(k, v, ctx.slot_mapping)
         outputs = []
         if ctx.num_decodes:
             outputs.append(self._decode(q[: ctx.num_decodes], ctx))

@@ -89,21 +89,39 @@ class GatedAttention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d**-0.5)
 
     def project(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """Token-wise part before the core: ((q, k, v), (gate,)) of ``x [T, hidden]``."""
+        """Token-wise part before the core: ((q, k, v), (gate,)) of ``x [T, hidden]``.
+
+        On CUDA fp16 with a supported head shape one kernel prepares q and writes the step's
+        keys and values into the KV cache (``PagedAttention.prepare_inputs``); k and v are
+        then the fresh rows only when the step has prompt rows (else None), and the gate is
+        a ``[T, H, D]`` view of the projection. Elsewhere the torch path
+        (:func:`attention_inputs`) runs and the core writes the cache."""
+        qkv = self.qkv_proj(x)
+        if self.attn.fuses_inputs(qkv.device, qkv.dtype, self.rotary.rotary_dim):
+            q, k, v = self.attn.prepare_inputs(
+                qkv, positions, self.q_norm.weight, self.k_norm.weight, self.rotary.inv_freq,
+                self.q_norm.eps, self.rotary.rotary_dim,
+            )
+            d = self.head_dim
+            gate = qkv[:, : 2 * self.num_heads * d].view(qkv.shape[0], self.num_heads, 2 * d)[..., d:]
+            return (q, k, v), (gate,)
         q, k, v, gate = attention_inputs(
-            self.qkv_proj(x), positions, self.q_norm.weight, self.k_norm.weight,
+            qkv, positions, self.q_norm.weight, self.k_norm.weight,
             self.rotary.inv_freq, self.q_norm.eps, self.num_heads, self.num_kv_heads,
             self.head_dim, self.rotary.rotary_dim,
         )
         return (q, k, v), (gate,)
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def core(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
         """The part that mixes tokens of a sequence (reads the batch context): ``[T, H, D]``."""
-        return self.attn(q, k, v)
+        stored = self.attn.fuses_inputs(q.device, q.dtype, self.rotary.rotary_dim)  # by project
+        return self.attn(q, k, v, stored=stored)
 
     def finish(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """Token-wise part after the core: gate and output projection -> ``[T, hidden]``."""
-        return self.o_proj(sigmoid_gate(out.reshape(out.shape[0], -1), gate))
+        """Token-wise part after the core: gate and output projection -> ``[T, hidden]``
+        (``gate`` ``[T, H*D]``, or ``[T, H, D]`` from the fused path)."""
+        gated = sigmoid_gate(out.reshape(gate.shape), gate)
+        return self.o_proj(gated.reshape(gated.shape[0], -1))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]`` at ``positions [T]`` -> ``[T, hidden]``."""

@@ -1,0 +1,156 @@
+// Gated-attention inputs for sm_70: one launch between a full-attention layer's merged qkv
+// projection and its attention, for every token of a step (decode and prompt rows alike: the
+// work is token-wise).  Per token it splits the projection into heads, applies the per-head
+// RMSNorm with the (1 + w) weight to queries and keys, rotates their first rotary_dim
+// features (partial RoPE, rotate-half style) and writes keys and values straight into the
+// layer's paged KV cache.  It replaces ~10 small fused elementwise kernels and the two cache
+// scatters of the torch path.  Compiled by NVRTC 12 for compute_70 / sm_70; no torch headers.
+//
+// Data layout (row-major, innermost dimension contiguous):
+//   qkv           fp16 [T][qkv_stride]   row t: for each query head h, D query features then
+//                                        D gate features (2*H*D), then KVH*D keys, then KVH*D
+//                                        values; the gate is not touched here
+//   positions     int64 [T]
+//   q_weight,
+//   k_weight      fp32 [D]               the norms' zero-centred weights w (scale 1 + w)
+//   inv_freq      fp32 [rotary_dim / 2]
+//   slot_mapping  int64 [T]              cache row of token t; a row outside [0, num_slots)
+//                                        (e.g. -1 for padding rows) writes no cache entry
+//   k_cache,
+//   v_cache       fp16 [num_slots][KVH][D]   one layer's cache ([num_blocks][block_size]
+//                                        flattened); null (num_slots 0) writes none
+//   q_out         fp16 [T][H][D]         contiguous
+//   k_out, v_out  fp16 [T][KVH][D]       contiguous; optional (null: not written), for the
+//                                        prompt path that attends over the fresh keys
+//
+// Math (the torch reference `attention_inputs` with its rounding points): per head, with x
+// the D fp16 inputs as fp32,
+//     y = fp16( x * rsqrt(mean(x^2) + eps) * (1 + w) )
+//     for i < r/2 (r = rotary_dim), angle = fp32(position) * inv_freq[i] (one fp32 product):
+//         out[i]       = fp16( y[i] cos(angle) - y[i + r/2] sin(angle) )
+//         out[i + r/2] = fp16( y[i + r/2] cos(angle) + y[i] sin(angle) )
+//     out[i] = y[i] for i >= r.
+// The rotation's products and sums are rounded one by one (no fused multiply-add), as torch
+// computes them elementwise.  Values are copied unchanged.
+//
+// Thread mapping: block (token t, group of 4 heads), 128 threads = 4 warps, one warp per head
+// of the token's H + 2*KVH heads (query heads, then key heads, then value heads).  Lane l
+// holds features l, l + 32, ..., l + D - 32 (D / 32 <= 8 of them, in registers), so every warp
+// load and store touches 32 consecutive halfs.  The sum of squares meets by xor shuffles; the
+// rotation's partner feature i +- r/2 lives in another lane, so each warp stages its normed
+// rotary features in its own slice of shared memory.  The block first fills a shared table of
+// cos / sin of the token's r/2 angles (shared by its heads).
+#include <cuda_fp16.h>
+
+namespace onecat_prep {
+constexpr int kWarps = 4;
+constexpr int kMaxDim = 256;
+constexpr int kMaxPerLane = kMaxDim / 32;
+constexpr double kInvPi = 0.318309886183790671537767526745;
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+}  // namespace onecat_prep
+
+extern "C" __global__ void __launch_bounds__(128)
+    attention_prep(const half* __restrict__ qkv, long long qkv_stride,
+                   const long long* __restrict__ positions, const float* __restrict__ q_weight,
+                   const float* __restrict__ k_weight, const float* __restrict__ inv_freq, float eps,
+                   const long long* __restrict__ slot_mapping, half* __restrict__ k_cache,
+                   half* __restrict__ v_cache, long long num_slots, half* __restrict__ q_out,
+                   half* __restrict__ k_out, half* __restrict__ v_out, int num_heads,
+                   int num_kv_heads, int head_dim, int rotary_dim) {
+  using namespace onecat_prep;
+  __shared__ float cos_table[kMaxDim / 2], sin_table[kMaxDim / 2];
+  __shared__ float staged[kWarps][kMaxDim];
+  const long long t = blockIdx.x;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int half_rot = rotary_dim >> 1;
+
+  // 1. cos / sin of this token's angles, shared by the block's heads
+  const float position = (float)positions[t];
+  for (int i = threadIdx.x; i < half_rot; i += 32 * kWarps) {
+    const float angle = __fmul_rn(position, inv_freq[i]);
+    double s, c;  // in half turns, in double: exact reduction, no Payne-Hanek stack frame
+    sincospi((double)angle * kInvPi, &s, &c);
+    cos_table[i] = (float)c;
+    sin_table[i] = (float)s;
+  }
+  __syncthreads();
+
+  const int head = blockIdx.y * kWarps + warp;
+  if (head >= num_heads + 2 * num_kv_heads) return;
+  const int per_lane = head_dim >> 5;
+  const half* row = qkv + t * qkv_stride;
+  const long long slot = slot_mapping[t];
+  const bool to_cache = k_cache != nullptr && slot >= 0 && slot < num_slots;
+
+  // 2. values: copied as they are
+  if (head >= num_heads + num_kv_heads) {
+    const int g = head - num_heads - num_kv_heads;
+    const half* src = row + 2 * num_heads * head_dim + (num_kv_heads + g) * head_dim;
+    half* cache_row = to_cache ? v_cache + (slot * num_kv_heads + g) * head_dim : nullptr;
+    half* out_row = v_out != nullptr ? v_out + (t * num_kv_heads + g) * head_dim : nullptr;
+#pragma unroll
+    for (int j = 0; j < kMaxPerLane; ++j) {
+      if (j < per_lane) {
+        const half v = src[lane + 32 * j];
+        if (cache_row) cache_row[lane + 32 * j] = v;
+        if (out_row) out_row[lane + 32 * j] = v;
+      }
+    }
+    return;
+  }
+
+  // 3. queries and keys: RMSNorm with (1 + w), rounded to fp16
+  const bool is_query = head < num_heads;
+  const int g = is_query ? head : head - num_heads;
+  const half* src = is_query ? row + 2 * g * head_dim : row + 2 * num_heads * head_dim + g * head_dim;
+  const float* weight = is_query ? q_weight : k_weight;
+  float x[kMaxPerLane];
+  float squares = 0.f;
+#pragma unroll
+  for (int j = 0; j < kMaxPerLane; ++j) {
+    x[j] = j < per_lane ? __half2float(src[lane + 32 * j]) : 0.f;
+    squares = fmaf(x[j], x[j], squares);
+  }
+  const float inv_rms = rsqrtf(warp_sum(squares) / (float)head_dim + eps);
+  float* mine = staged[warp];
+#pragma unroll
+  for (int j = 0; j < kMaxPerLane; ++j) {
+    if (j < per_lane) {
+      const int i = lane + 32 * j;
+      x[j] = __half2float(__float2half_rn(__fmul_rn(__fmul_rn(x[j], inv_rms), 1.f + weight[i])));
+      if (i < rotary_dim) mine[i] = x[j];
+    }
+  }
+  __syncwarp();
+
+  // 4. partial RoPE of the first rotary_dim features, then the stores
+  half* dst;
+  if (is_query) {
+    dst = q_out + (t * num_heads + g) * head_dim;
+  } else {
+    dst = k_out != nullptr ? k_out + (t * num_kv_heads + g) * head_dim : nullptr;
+  }
+  half* cache_row = !is_query && to_cache ? k_cache + (slot * num_kv_heads + g) * head_dim : nullptr;
+#pragma unroll
+  for (int j = 0; j < kMaxPerLane; ++j) {
+    if (j < per_lane) {
+      const int i = lane + 32 * j;
+      float y = x[j];
+      if (i < half_rot) {
+        y = __fsub_rn(__fmul_rn(y, cos_table[i]), __fmul_rn(mine[i + half_rot], sin_table[i]));
+      } else if (i < rotary_dim) {
+        const int f = i - half_rot;
+        y = __fadd_rn(__fmul_rn(y, cos_table[f]), __fmul_rn(mine[f], sin_table[f]));
+      }
+      const half out = __float2half_rn(y);
+      if (dst) dst[i] = out;
+      if (cache_row) cache_row[i] = out;
+    }
+  }
+}
