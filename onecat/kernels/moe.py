@@ -458,7 +458,7 @@ def _cuda_router(
     stream = torch.cuda.current_stream(x.device).cuda_stream
     scratch = stream_buffer("moe_router", x.device, stream, 32 + tokens * experts, zeroed=True)
     rows = experts + (shared_gate_weight is not None)
-    get_kernel("moe_router_decode", _device_index(x)).launch(
+    get_kernel("w4a16_moe_route_decode", _device_index(x)).launch(
         (math.ceil(rows / _ROUTER_WARPS), 1, 1), 32 * _ROUTER_WARPS, stream,
         [_ptr(x), *_ints(x.stride(0), tokens, hidden), _ptr(router_weight), *_ints(experts),
          _ptr(shared_gate_weight), *_ints(top_k, shared_expert), ctypes.c_void_p(scratch.data_ptr() + 128),
@@ -485,7 +485,7 @@ def moe_router(
     shared_expert: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The router's fp16 projection, :func:`moe_route` and the shared expert's gate logit in
-    one GPU launch (``w4a16_moe_route.cu``, ``moe_router_decode``) for decode batches.
+    one GPU launch (``w4a16_moe_route.cu``, ``w4a16_moe_route_decode``) for decode batches.
 
     Args:
         x: fp16 ``[T, H]`` hidden states (on the GPU, up to :data:`ROUTER_MAX_TOKENS` tokens

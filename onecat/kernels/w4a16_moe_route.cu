@@ -14,7 +14,7 @@
 //   column stride; weights [T, k] fp32 and ids [T, k] int32, contiguous.
 //   Thread mapping: one warp per token (4 warps per block), see select_top_k.
 //
-// moe_router_decode: the router's projection AND the selection in one launch, for a few
+// w4a16_moe_route_decode: the router's projection AND the selection in one launch, for a few
 //   tokens (decode): logits = x @ router_w^T (fp32 sums rounded to fp16, as the fp16 linear
 //   it replaces rounds them), and optionally the shared expert's gate logit g = x @ shared_w^T
 //   (fp16 [T]) in the same pass.  With shared_id >= 0 the shared expert is one more choice of
@@ -112,7 +112,7 @@ w4a16_moe_route_topk(const void* logits, int logits32, int row_stride, int T, in
 }
 
 extern "C" __global__ void __launch_bounds__(32 * onecat::kRouterWarps)
-moe_router_decode(const half* __restrict__ x, int x_stride, int T, int H,
+w4a16_moe_route_decode(const half* __restrict__ x, int x_stride, int T, int H,
                   const half* __restrict__ router_w, int E, const half* __restrict__ shared_w,
                   int top_k, int shared_id, float* __restrict__ scratch,
                   unsigned* __restrict__ counter, float* __restrict__ weights,
