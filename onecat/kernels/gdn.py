@@ -1,10 +1,11 @@
 """The Gated DeltaNet decode step on the GPU (``gdn_decode.cu``): one token (or, for a
 speculative verify pass, a few consecutive tokens) of each sequence of a batch through the
-short conv (:func:`causal_conv1d_update_`) and the gated delta rule
-(:func:`gated_delta_rule_decode_`), their conv and recurrent states updated in place in the
+short conv (:func:`causal_conv1d_update_`) and the gated delta rule with the gated norm after
+it (:func:`gated_delta_rule_decode_`), their conv and recurrent states updated in place in the
 state pools (or written to one row per token): two launches per layer. The runtime calls them
 for CUDA decode batches the kernels support and keeps its torch step
-(``onecat.runtime.layers.delta_rule``) for everything else.
+(``onecat.runtime.layers.delta_rule``) for everything else; :func:`gated_rms_norm_` is the
+gated norm alone, for the rows of prompt chunks.
 """
 
 from __future__ import annotations
@@ -18,19 +19,38 @@ from onecat.kernels.loader import get_kernel
 
 HEAD_K_DIM = 128
 """The key head dimension the kernel is built for (Qwen3.5's)."""
-_COLUMNS = 32  # state columns per block
+HEAD_V_DIMS = (32, 64, 128)
+"""The value head dimensions it has a kernel for (``gdn_decode_d<dv>``, 8 * dv threads a block)."""
 
 
 def supports(head_k_dim: int, head_v_dim: int, dtype: torch.dtype) -> bool:
     """True when :func:`gated_delta_rule_decode_` runs these head sizes and activation dtype."""
-    return head_k_dim == HEAD_K_DIM and head_v_dim % _COLUMNS == 0 and dtype == torch.float16
+    return head_k_dim == HEAD_K_DIM and head_v_dim in HEAD_V_DIMS and dtype == torch.float16
+
+
+def supports_gated_norm(head_v_dim: int, dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
+    """True when :func:`gated_rms_norm_` runs this value head dim, activation and weight dtype."""
+    return head_v_dim in HEAD_V_DIMS and dtype == torch.float16 and weight_dtype == torch.float32
+
+
+def _gated_norm_checks(z: torch.Tensor, norm_weight: torch.Tensor, rows: int, num_v_heads: int,
+                       head_v_dim: int) -> list[tuple[str, bool]]:
+    return [
+        ("z", z.dtype == torch.float16 and z.dim() == 2 and z.shape[0] == rows
+         and z.shape[1] >= num_v_heads * head_v_dim and z.stride(1) == 1),
+        ("norm_weight", norm_weight.dtype == torch.float32 and norm_weight.is_contiguous()
+         and norm_weight.numel() == head_v_dim),
+    ]  # fmt: skip
 
 
 def gated_delta_rule_decode_(
     mixed: torch.Tensor,
     ba: torch.Tensor,
+    z: torch.Tensor,
     A_log: torch.Tensor,
     dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
     state: torch.Tensor,
     slots: torch.Tensor,
     num_k_heads: int,
@@ -38,17 +58,20 @@ def gated_delta_rule_decode_(
     dst_slots: torch.Tensor | None = None,
     positions: int = 1,
 ) -> torch.Tensor:
-    """``positions`` consecutive tokens of each of ``B`` sequences (rows ``b * positions + p``);
-    updates ``state[slots]`` in place, or, when ``dst_slots`` is given (int64 ``[positions,
-    B]`` flattened, position by position), writes the state after token ``p`` of sequence
-    ``b`` to ``state[dst_slots[p * B + b]]`` (rows that no other sequence reads).
+    """``positions`` consecutive tokens of each of ``B`` sequences (rows ``b * positions + p``)
+    through the gated delta rule and the gated norm after it; updates ``state[slots]`` in
+    place, or, when ``dst_slots`` is given (int64 ``[positions, B]`` flattened, position by
+    position), writes the state after token ``p`` of sequence ``b`` to
+    ``state[dst_slots[p * B + b]]`` (rows that no other sequence reads).
 
     ``mixed`` fp16 ``[B*P, >= 2*Hk*128 + Hv*dv]`` (the short conv's output: q | k | v, rows
-    may be strided), ``ba`` fp16 ``[B*P, >= 2*Hv]`` (b | a), ``A_log`` and ``dt_bias`` fp32
-    ``[Hv]``, ``state`` fp32 ``[slots, Hv, 128, dv]`` contiguous, ``slots`` int64 ``[B]``.
-    Returns ``o [B*P, Hv, dv]`` fp16, written into ``out`` when given (tests poison it). The
-    math is ``gated_delta_rule_step`` with ``decay_and_rate``, token after token (see
-    ``gdn_decode.cu``).
+    may be strided), ``ba`` fp16 ``[B*P, >= 2*Hv]`` (b | a), ``z`` fp16 ``[B*P, >= Hv*dv]``
+    (the output gate, rows may be strided), ``A_log`` and ``dt_bias`` fp32 ``[Hv]``,
+    ``norm_weight`` fp32 ``[dv]``, ``state`` fp32 ``[slots, Hv, 128, dv]`` contiguous,
+    ``slots`` int64 ``[B]``. Returns ``norm_weight * rmsnorm(o) * silu(z)`` per value head,
+    ``[B*P, Hv, dv]`` fp16, written into ``out`` when given (tests poison it). The math is
+    ``gated_delta_rule_step`` with ``decay_and_rate`` token after token, then
+    ``gated_rms_norm``, in fp32 with one rounding (see ``gdn_decode.cu``).
     """
     where = "onecat.kernels.gdn.gated_delta_rule_decode_"
     rows = mixed.shape[0]
@@ -56,8 +79,8 @@ def gated_delta_rule_decode_(
     _, num_v_heads, head_k_dim, head_v_dim = state.shape
     if not supports(head_k_dim, head_v_dim, mixed.dtype) or num_v_heads % num_k_heads:
         raise OnecatError(
-            f"{where}: needs fp16 activations, key head dim {HEAD_K_DIM}, value head dim a "
-            f"multiple of {_COLUMNS} and value heads a multiple of key heads; got {mixed.dtype}, "
+            f"{where}: needs fp16 activations, key head dim {HEAD_K_DIM}, value head dim one of "
+            f"{HEAD_V_DIMS} and value heads a multiple of key heads; got {mixed.dtype}, "
             f"{head_k_dim}, {head_v_dim}, {num_v_heads} / {num_k_heads}"
         )
     width = 2 * num_k_heads * head_k_dim + num_v_heads * head_v_dim
@@ -66,12 +89,13 @@ def gated_delta_rule_decode_(
         ("positions", positions >= 1 and rows == batch * positions),
         ("ba", ba.dtype == torch.float16 and ba.shape[0] == rows and ba.shape[1] >= 2 * num_v_heads
          and ba.stride(1) == 1),
+        *_gated_norm_checks(z, norm_weight, rows, num_v_heads, head_v_dim),
         ("A_log", A_log.dtype == torch.float32 and A_log.is_contiguous() and A_log.numel() == num_v_heads),
         ("dt_bias", dt_bias.dtype == torch.float32 and dt_bias.is_contiguous()
          and dt_bias.numel() == num_v_heads),
         ("state", state.dtype == torch.float32 and state.is_contiguous()),
         ("slots", slots.dtype == torch.int64 and slots.is_contiguous() and slots.numel() == batch),
-    ]
+    ]  # fmt: skip
     if dst_slots is None and positions > 1:
         raise OnecatError(f"{where}: several positions per sequence need dst_slots (one row per position)")
     dst_slots = slots if dst_slots is None else dst_slots
@@ -85,18 +109,52 @@ def gated_delta_rule_decode_(
     if batch == 0:
         return out
     device_index = mixed.device.index if mixed.device.index is not None else torch.cuda.current_device()
-    kernel = get_kernel("gdn_decode", device_index)
+    kernel = get_kernel(f"gdn_decode_d{head_v_dim}", device_index)
     args = [
         ctypes.c_void_p(mixed.data_ptr()), ctypes.c_int(mixed.stride(0)),
         ctypes.c_void_p(ba.data_ptr()), ctypes.c_int(ba.stride(0)),
+        ctypes.c_void_p(z.data_ptr()), ctypes.c_int(z.stride(0)),
         ctypes.c_void_p(A_log.data_ptr()), ctypes.c_void_p(dt_bias.data_ptr()),
+        ctypes.c_void_p(norm_weight.data_ptr()), ctypes.c_float(norm_eps),
         ctypes.c_void_p(state.data_ptr()), ctypes.c_void_p(slots.data_ptr()),
         ctypes.c_void_p(dst_slots.data_ptr()), ctypes.c_void_p(out.data_ptr()),
-        ctypes.c_int(num_k_heads), ctypes.c_int(num_v_heads), ctypes.c_int(head_v_dim),
-        ctypes.c_int(positions),
+        ctypes.c_int(num_k_heads), ctypes.c_int(num_v_heads), ctypes.c_int(positions),
     ]  # fmt: skip
     stream = torch.cuda.current_stream(mixed.device).cuda_stream
-    kernel.launch((head_v_dim // _COLUMNS, num_v_heads, batch), 32 * 4, stream, args)
+    kernel.launch((num_v_heads, batch, 1), 8 * head_v_dim, stream, args)
+    return out
+
+
+def gated_rms_norm_(
+    x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The gated norm alone (kernel ``gdn_decode_gated_norm``), for rows the prefill kernels computed:
+    ``norm_weight * rmsnorm(x) * silu(z)`` per value head, the same math as the end of
+    :func:`gated_delta_rule_decode_`. ``x`` fp16 ``[T, Hv, dv]`` contiguous, ``z`` fp16
+    ``[T, >= Hv*dv]`` (rows may be strided), ``norm_weight`` fp32 ``[dv]``. Returns fp16
+    ``[T, Hv, dv]``, written into ``out`` when given (``x`` itself is allowed)."""
+    where = "onecat.kernels.gdn.gated_rms_norm_"
+    rows, num_v_heads, head_v_dim = x.shape if x.dim() == 3 else (0, 0, 0)
+    checks = [
+        ("x", x.dim() == 3 and x.dtype == torch.float16 and x.is_contiguous() and head_v_dim in HEAD_V_DIMS),
+        *_gated_norm_checks(z, norm_weight, rows, num_v_heads, head_v_dim),
+    ]  # fmt: skip
+    if out is None:
+        out = torch.empty_like(x)
+    checks.append(("out", out.shape == x.shape and out.dtype == x.dtype and out.is_contiguous()))
+    for name, ok in checks:
+        if not ok:
+            raise OnecatError(f"{where}: {name} has the wrong dtype, shape or layout (see the docstring)")
+    if rows == 0:
+        return out
+    device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    args = [
+        ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(z.data_ptr()), ctypes.c_int(z.stride(0)),
+        ctypes.c_void_p(norm_weight.data_ptr()), ctypes.c_float(eps), ctypes.c_void_p(out.data_ptr()),
+        ctypes.c_int(num_v_heads), ctypes.c_int(head_v_dim),
+    ]  # fmt: skip
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    get_kernel("gdn_decode_gated_norm", device_index).launch((rows, num_v_heads, 1), head_v_dim, stream, args)
     return out
 
 

@@ -1,18 +1,18 @@
-// Gated DeltaNet decode step for sm_70: P consecutive tokens of each of B sequences through
-// the gated delta rule (P = 1 for decoding; P = 1 + drafts for a speculative verify pass).
-// Each sequence's recurrent state is read once from its slot of the state pool, kept in
-// registers across its P tokens, and written after token p to the row dst[p][b] (its slot
-// itself: an update IN PLACE; for the drafts, rows of their own, so that a rejection can
-// fall back to the state after any kept token).
-// It replaces, per GDN layer and decode step, a gather of the states, the torch step and the
-// scatter back (three reads and three writes of 64 KB per value head) by one read and P
-// writes.  Compiled by NVRTC 12 for compute_70 / sm_70; no torch headers.
+// Gated DeltaNet decode step for sm_70: P consecutive tokens of each of B sequences through the
+// gated delta rule and the gated RMSNorm after it (P = 1 for decoding; P = 1 + drafts for a
+// speculative verify pass).  Each sequence's recurrent state is read once from its slot of the
+// state pool, kept in registers across its P tokens, and written after token p to the row
+// dst[p][b] (its slot itself: an update IN PLACE; for the drafts, rows of their own, so that a
+// rejection can fall back to the state after any kept token).  Every token's output leaves
+// normed and gated, ready for out_proj.  Compiled by NVRTC 12 for compute_70 / sm_70; no torch
+// headers.
 //
 // Data layout (row-major, innermost dimension contiguous):
 //   mixed    fp16 [B*P][mixed_stride] the short conv's output, token p of sequence b in row
 //                                     b*P + p: q (Hk*128) | k (Hk*128) | v (Hv*DV)
 //   ba       fp16 [B*P][ba_stride]    in_proj_ba's output: b (Hv) | a (Hv)
-//   A_log, dt_bias  fp32 [Hv]
+//   z        fp16 [B*P][z_stride]     in_proj_z's output (the output gate): Hv*DV
+//   A_log, dt_bias  fp32 [Hv];   norm_w  fp32 [DV] (the gated norm's weight, shared by heads)
 //   state    fp32 [slots][Hv][128][DV]  S of value head h of sequence b starts as state[slot[b]][h]
 //   slots    int64 [B]                (distinct for real sequences; padding rows of a CUDA
 //                                     graph share a scratch slot whose content is garbage)
@@ -23,110 +23,227 @@
 // (eps 1e-6 inside the root) and q scaled by 128^-1/2, g = -exp(A_log) * softplus(a + dt_bias)
 // and beta = sigmoid(b):
 //     S <- exp(g) S;   delta = beta (v - S^T k);   S <- S + k delta^T;   o = S^T q
+//     out = norm_w * o / sqrt(mean(o^2) + eps) * silu(z)     (mean over the head's DV values)
+// in fp32, rounded once at the end.
 //
-// Thread mapping: block (column chunk c, value head h, sequence b), 128 threads = 4 warps.
-// Per token, thread t first loads q[t] and k[t] (the 128 rows) and the block normalises them
-// into shared memory.  Lane l of warp w owns column j = 32c + l of S and rows 32w .. 32w+31,
-// and holds those 32 fp32 values in registers for all P tokens: for each row a warp reads and
-// writes 128 contiguous bytes.  S^T k and S^T q are sums over rows: each warp sums its 32 rows
-// in registers, the 4 warp partials meet in shared memory.
+// Thread mapping: block (value head h, sequence b), 8*DV threads (1024 for DV 128).  The norm
+// needs all DV values of a head's o, so one block owns the whole head.  Thread t = DV*g + j owns
+// column j of S and the 16 rows 16g .. 16g+15 (row group g of 8), and holds those 16 fp32
+// values in registers for all P tokens: a warp covers 32 adjacent columns, so for each row it
+// reads and writes 128 contiguous bytes.  Per token, threads t < 128 load q[t] and k[t] and
+// the block normalises them into shared memory.  S^T k and S^T q are sums over rows: each
+// thread sums its 16 rows in registers, the 8 row groups' partials meet in shared memory, and
+// row group 0 (t < DV, one thread per column) finishes o, sums o^2 over the head (warp
+// shuffles, then one value per warp through shared memory), applies norm and gate, and stores.
+//
+// Occupancy (V100: 80 SMs, H200: 132 SMs; each SM 64K registers, 64 warps): at 64 registers
+// (ptxas, 0 spills) one 32-warp block of DV 128 fits an SM, so the grid of Hv x B blocks runs
+//   27B (Hv 48 a GPU):   B=1: 48 blocks,  B=3: 144,  B=33: 1584,  B=64: 3072
+//   35B-A3B (Hv 32):     B=1: 32 blocks,  B=3: 96,   B=33: 1056,  B=64: 2048
+// in ceil(blocks / SMs) waves (27B B=64: 39 on a V100, 24 on an H200); tensor parallelism
+// divides Hv.  (Holding 32 rows in 512 threads, two blocks an SM, needs more than the 64
+// registers that allows: ptxas spilled.)  The step streams 64 KB of fp32 state per head in and
+// out with little math, so what it needs is bytes in flight, not busy SMs: every thread issues
+// its 16 row loads at once, a block has its whole 64 KB head in flight, and one block per SM
+// exceeds what Little's law asks for the full bandwidth of a V100 (~900 GB/s x ~0.5 us = 0.45
+// MB against 80 x 64 KB) and about meets an H200's (~4.8 TB/s x ~0.6 us = 2.9 MB against 132 x
+// 64 KB).  At B=1 only Hv SMs work (48 or 32; the former mapping, 4 blocks of 4 warps per head,
+// spread over all of them), still 3 MB (27B) / 2 MB (35B-A3B) in flight: enough for a V100
+// and about enough for an H200; 27B at TP=2 (24 blocks) is the thinnest case.  The price of a
+// head per block is 6 barriers of 32 warps per token; the gain is the gated-norm launch and a
+// [B*P, Hv*DV] fp16 round trip through memory per layer.
 #include <cuda_fp16.h>
 
 namespace onecat_gdn {
-constexpr int kDk = 128;              // key head dim = rows of S
-constexpr int kWarps = 4;
-constexpr int kRows = kDk / kWarps;   // rows of S per warp
-constexpr int kCols = 32;             // columns of S per block: one per lane
+constexpr int kDk = 128;               // key head dim = rows of S
+constexpr int kGroups = 8;             // row groups: 8*DV threads
+constexpr int kRows = kDk / kGroups;   // rows of S per thread
+constexpr int kMaxDv = 128;            // largest value head dim (1024 threads)
+constexpr int kQkWarps = kDk / 32;     // warps that load q and k
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int offset = 16; offset; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;
 }
-}  // namespace onecat_gdn
 
-extern "C" __global__ void __launch_bounds__(128)
-    gdn_decode(const half* __restrict__ mixed, int mixed_stride, const half* __restrict__ ba,
-               int ba_stride, const float* __restrict__ A_log, const float* __restrict__ dt_bias,
-               float* __restrict__ state, const long long* __restrict__ slots,
-               const long long* __restrict__ dst, half* __restrict__ out, int num_k_heads,
-               int num_v_heads, int dv, int positions) {
-  using namespace onecat_gdn;
+// Sum of `v` over the first `warps` warps of the block (every thread calls it and gets the sum;
+// later warps' values are ignored).  `scratch` holds `warps` floats.  One barrier: the caller
+// makes sure that no thread still reads `scratch` from an earlier call.
+__device__ __forceinline__ float leading_warps_sum(float v, int warps, float* scratch) {
+  v = warp_sum(v);
+  if ((threadIdx.x & 31) == 0 && (int)(threadIdx.x >> 5) < warps) scratch[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float total = 0.f;
+  for (int w = 0; w < warps; ++w) total += scratch[w];
+  return total;
+}
+
+// The gated RMSNorm of one value o of a head whose values' squares sum to sum_sq:
+// weight * o / sqrt(mean + eps) * silu(gate), fp32, one rounding.
+__device__ __forceinline__ half gated_norm(float o, float sum_sq, int dv, float eps, float weight,
+                                           float gate) {
+  const float silu = gate / (1.f + expf(-gate));
+  return __float2half_rn(weight * (o * rsqrtf(sum_sq / (float)dv + eps)) * silu);
+}
+
+template <int DV>
+__device__ __forceinline__ void decode(const half* __restrict__ mixed, int mixed_stride,
+                                       const half* __restrict__ ba, int ba_stride,
+                                       const half* __restrict__ z, int z_stride,
+                                       const float* __restrict__ A_log,
+                                       const float* __restrict__ dt_bias,
+                                       const float* __restrict__ norm_w, float norm_eps,
+                                       float* __restrict__ state, const long long* __restrict__ slots,
+                                       const long long* __restrict__ dst, half* __restrict__ out,
+                                       int num_k_heads, int num_v_heads, int positions) {
   __shared__ float q_rows[kDk], k_rows[kDk];
-  __shared__ float norms[2][kWarps];
-  __shared__ float partial[kWarps][kCols];
-  const int chunk = blockIdx.x, h = blockIdx.y, b = blockIdx.z, num_seqs = gridDim.z;
+  __shared__ float norms[2][kQkWarps];
+  __shared__ float partial[kGroups][DV];
+  __shared__ float sums[DV / 32];
+  const int h = blockIdx.x, b = blockIdx.y, num_seqs = gridDim.y;
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const int group = t / DV, j = t % DV;
+  const bool loads_qk = t < kDk, finishes = group == 0;  // both warp-uniform
   const int key_head = h / (num_v_heads / num_k_heads);
   const int key_dim = num_k_heads * kDk;
-  const int j = chunk * kCols + lane;
-  const size_t head_offset = ((size_t)h * kDk + warp * kRows) * dv + j;
-  const size_t slot_size = (size_t)num_v_heads * kDk * dv;
-  const float* k_mine = k_rows + warp * kRows;
-  const float* q_mine = q_rows + warp * kRows;
-  const float A = expf(A_log[h]);
+  const int head_offset = (h * kDk + group * kRows) * DV + j;  // < 2^31: Hv * 128 * DV
+  const float* k_mine = k_rows + group * kRows;
+  const float* q_mine = q_rows + group * kRows;
 
-  // this thread's 32 entries of S, read once
+  // this thread's 16 entries of S, read once
   float s[kRows];
-  const float* S = state + (size_t)slots[b] * slot_size + head_offset;
+  const float* S = state + slots[b] * num_v_heads * (kDk * DV) + head_offset;
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) s[r] = S[(size_t)r * dv];
+  for (int r = 0; r < kRows; ++r) s[r] = S[r * DV];
 
+#pragma unroll 1
   for (int p = 0; p < positions; ++p) {
-    const size_t token = (size_t)b * positions + p;
-    const half* row = mixed + token * mixed_stride;
-    // 1. q and k of this head, l2-normalised over the 128 rows (one element per thread)
-    const float q = __half2float(row[key_head * kDk + t]);
-    const float k = __half2float(row[key_dim + key_head * kDk + t]);
-    const float qq = warp_sum(q * q), kk = warp_sum(k * k);
-    __syncthreads();  // the previous token is done with norms, q_rows, k_rows and partial
-    if (lane == 0) {
+    const int token = b * positions + p;
+    const half* row = mixed + (size_t)token * mixed_stride;
+    const half* gates = ba + (size_t)token * ba_stride;
+    // 1. q and k of this head, l2-normalised over the 128 rows (one element per thread t < 128)
+    float q = 0.f, k = 0.f, qq = 0.f, kk = 0.f;
+    if (loads_qk) {
+      q = __half2float(row[key_head * kDk + t]);
+      k = __half2float(row[key_dim + key_head * kDk + t]);
+      qq = warp_sum(q * q);
+      kk = warp_sum(k * k);
+    }
+    __syncthreads();  // the previous token is done with norms, q_rows, k_rows, partial and sums
+    if (loads_qk && lane == 0) {
       norms[0][warp] = qq;
       norms[1][warp] = kk;
     }
     __syncthreads();
-    const float q_sq = norms[0][0] + norms[0][1] + norms[0][2] + norms[0][3];
-    const float k_sq = norms[1][0] + norms[1][1] + norms[1][2] + norms[1][3];
-    q_rows[t] = q * rsqrtf(q_sq + 1e-6f) * rsqrtf((float)kDk);
-    k_rows[t] = k * rsqrtf(k_sq + 1e-6f);
+    if (loads_qk) {
+      float q_sq = 0.f, k_sq = 0.f;
+#pragma unroll
+      for (int w = 0; w < kQkWarps; ++w) {
+        q_sq += norms[0][w];
+        k_sq += norms[1][w];
+      }
+      q_rows[t] = q * rsqrtf(q_sq + 1e-6f) * rsqrtf((float)kDk);
+      k_rows[t] = k * rsqrtf(k_sq + 1e-6f);
+    }
 
     // decay and learning rate of this head (fp32; softplus as torch's, threshold 20)
-    const half* gates = ba + token * ba_stride;
     const float x = __half2float(gates[num_v_heads + h]) + dt_bias[h];
     const float softplus = x > 20.f ? x : log1pf(expf(x));
-    const float decay = expf(-A * softplus);
+    const float decay = expf(-expf(A_log[h]) * softplus);
     const float beta = 1.f / (1.f + expf(-__half2float(gates[h])));
     __syncthreads();
 
-    // 2. forget, and this warp's share of S^T k
+    // 2. forget, and this row group's share of S^T k
     float predicted = 0.f;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       s[r] *= decay;
       predicted += s[r] * k_mine[r];
     }
-    partial[warp][lane] = predicted;
+    partial[group][j] = predicted;
     __syncthreads();
-    predicted = partial[0][lane] + partial[1][lane] + partial[2][lane] + partial[3][lane];
+    predicted = 0.f;
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) predicted += partial[g][j];
 
-    // 3. the delta, the write, and this warp's share of S^T q
-    const float delta = beta * (__half2float(row[2 * key_dim + h * dv + j]) - predicted);
-    float* S_out = state + (size_t)dst[(size_t)p * num_seqs + b] * slot_size + head_offset;
+    // 3. the delta, the write, and this row group's share of S^T q
+    const float delta = beta * (__half2float(row[2 * key_dim + h * DV + j]) - predicted);
+    float* S_out = state + dst[p * num_seqs + b] * num_v_heads * (kDk * DV) + head_offset;
     float o = 0.f;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       s[r] += k_mine[r] * delta;
-      S_out[(size_t)r * dv] = s[r];
+      S_out[r * DV] = s[r];
       o += s[r] * q_mine[r];
     }
     __syncthreads();  // every thread has read `partial` above
-    partial[warp][lane] = o;
+    partial[group][j] = o;
     __syncthreads();
-    if (warp == 0) {
-      o = partial[0][lane] + partial[1][lane] + partial[2][lane] + partial[3][lane];
-      out[(token * num_v_heads + h) * dv + j] = __float2half(o);
+
+    // 4. o of column j (row group 0), the head's sum of squares, the gated norm
+    if (finishes) {
+      o = 0.f;
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g) o += partial[g][j];
+    }
+    const float sum_sq = leading_warps_sum(finishes ? o * o : 0.f, DV / 32, sums);
+    if (finishes) {
+      const float gate = __half2float(z[(size_t)token * z_stride + h * DV + j]);
+      out[((size_t)token * num_v_heads + h) * DV + j] = gated_norm(o, sum_sq, DV, norm_eps, norm_w[j], gate);
     }
   }
+}
+}  // namespace onecat_gdn
+
+// One kernel per value head dim (a compile-time row stride keeps the 16 row addresses
+// immediate offsets): gdn_decode_d128 (Qwen3.5), _d64, _d32; 8*DV threads each.
+#define ONECAT_GDN_DECODE_ARGS                                                                   \
+  const half *__restrict__ mixed, int mixed_stride, const half *__restrict__ ba, int ba_stride, \
+      const half *__restrict__ z, int z_stride, const float *__restrict__ A_log,                \
+      const float *__restrict__ dt_bias, const float *__restrict__ norm_w, float norm_eps,      \
+      float *__restrict__ state, const long long *__restrict__ slots,                           \
+      const long long *__restrict__ dst, half *__restrict__ out, int num_k_heads,               \
+      int num_v_heads, int positions
+#define ONECAT_GDN_DECODE_CALL(DV)                                                               \
+  onecat_gdn::decode<DV>(mixed, mixed_stride, ba, ba_stride, z, z_stride, A_log, dt_bias, norm_w, \
+                         norm_eps, state, slots, dst, out, num_k_heads, num_v_heads, positions)
+
+extern "C" __global__ void __launch_bounds__(1024, 1)
+    gdn_decode_d128(ONECAT_GDN_DECODE_ARGS) {
+  ONECAT_GDN_DECODE_CALL(128);
+}
+
+extern "C" __global__ void __launch_bounds__(512, 2)
+    gdn_decode_d64(ONECAT_GDN_DECODE_ARGS) {
+  ONECAT_GDN_DECODE_CALL(64);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 4)
+    gdn_decode_d32(ONECAT_GDN_DECODE_ARGS) {
+  ONECAT_GDN_DECODE_CALL(32);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The gated RMSNorm alone, for the rows the prefill kernels computed: the end of gdn_decode,
+// out = w * x / sqrt(mean(x^2) + eps) * silu(z) per value head, fp32, one rounding.
+//   x    fp16 [T][Hv][DV];   z  fp16 [T][z_stride] (Hv*DV gates);   w  fp32 [DV]
+//   out  fp16 [T][Hv][DV]    (may be x itself: a thread reads its value before the barrier and
+//                            writes only its own value after it)
+// Thread mapping: block (token, value head), DV threads (DV a multiple of 32 up to 128), one
+// value each; the sum of squares through warp shuffles and one value per warp in shared memory.
+extern "C" __global__ void __launch_bounds__(128)
+    gdn_decode_gated_norm(const half* x, const half* __restrict__ z, int z_stride,
+                   const float* __restrict__ w, float eps, half* out, int num_v_heads, int dv) {
+  using namespace onecat_gdn;
+  __shared__ float sums[kMaxDv / 32];
+  const size_t token = blockIdx.x;
+  const int h = blockIdx.y, j = threadIdx.x;
+  const size_t at = (token * num_v_heads + h) * dv + j;
+  const float o = __half2float(x[at]);
+  const float gate = __half2float(z[token * z_stride + h * dv + j]);
+  const float sum_sq = leading_warps_sum(o * o, dv >> 5, sums);
+  out[at] = gated_norm(o, sum_sq, dv, eps, w[j], gate);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from onecat.runtime.layers.norm import (
     RMSNorm,
     add_rms_norm,
     gated_rms_norm,
+    gated_rms_norm_math,
     rms_norm_math,
 )
 from onecat.runtime.layers.rotary import PartialRotaryEmbedding, apply_partial_rope
@@ -178,7 +179,9 @@ class GatedDeltaNet(nn.Module):
     ``in_proj_qkv`` gives q, k (per key head) and v (per value head), concatenated; a
     depthwise causal conv (kernel 4) with SiLU runs over that concatenation. The decay is
     ``g = -exp(A_log) * softplus(a + dt_bias)`` and the learning rate ``beta = sigmoid(b)``,
-    both in fp32. The output is ``out_proj(norm(o) * silu(z))`` per value head.
+    both in fp32. The output is ``out_proj(norm(o) * silu(z))`` per value head; the gated
+    norm belongs to ``core`` (the decode kernel applies it as it writes ``o``), so ``finish``
+    is ``out_proj`` alone.
 
     Per sequence the layer carries a conv state ``[C, K-1]`` and a recurrent state
     ``[H_v, d_k, d_v]`` (fp32) in the slot the scheduler gave it; the runner allocates
@@ -239,84 +242,99 @@ class GatedDeltaNet(nn.Module):
             self.conv_state.index_copy_(0, slots, conv.to(self.conv_state.dtype))
             self.recurrent_state.index_copy_(0, slots, rec)
 
-    def _decode_in_place(self, mixed: torch.Tensor, ba: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
-        """Decode tokens on the GPU: the sm_70 conv-update kernel, then the delta-rule
-        kernel; both read the states from rows ``src`` and write them to rows ``dst`` (no
-        gather and scatter)."""
-        conv_out = gdn_kernel.causal_conv1d_update_(mixed, self.conv_state, self.conv1d.weight, src, dst)
+    def _decode_in_place(
+        self, mixed: torch.Tensor, ba: torch.Tensor, z: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+        positions: int = 1,
+    ) -> torch.Tensor:
+        """Decode tokens on the GPU (``positions`` consecutive rows per sequence): the sm_70
+        conv-update kernel, then the delta-rule kernel, which also applies the gated norm; both
+        read the states from rows ``src`` and write them to rows ``dst`` (no gather and
+        scatter)."""
+        conv_out = gdn_kernel.causal_conv1d_update_(
+            mixed, self.conv_state, self.conv1d.weight, src, dst, positions=positions
+        )
         return gdn_kernel.gated_delta_rule_decode_(
-            conv_out, ba, self.A_log, self.dt_bias, self.recurrent_state, src, self.num_k_heads, dst_slots=dst
+            conv_out, ba, z, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps, self.recurrent_state,
+            src, self.num_k_heads, dst_slots=dst, positions=positions,
         )
 
     def _uses_decode_kernel(self, mixed: torch.Tensor) -> bool:
         return (
             mixed.is_cuda and self.conv_state.numel() > 0 and self.conv1d.weight.shape[1] == gdn_kernel.CONV_KERNEL
             and gdn_kernel.supports(self.head_k_dim, self.head_v_dim, mixed.dtype)
+            and self.norm.weight.dtype == torch.float32
         )
 
-    def _decode(self, mixed: torch.Tensor, ba: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
-        """One decode token per row, states read from rows ``src`` and written to ``dst``."""
+    def _decode(
+        self, mixed: torch.Tensor, ba: torch.Tensor, z: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
+    ) -> torch.Tensor:
+        """One decode token per row, states read from rows ``src`` and written to ``dst``:
+        the gated norm's output ``[B, Hv, dv]``."""
         if self._uses_decode_kernel(mixed):
-            return self._decode_in_place(mixed, ba, src, dst)
+            return self._decode_in_place(mixed, ba, z, src, dst)
         b, a = ba.split(self.num_v_heads, dim=-1)
         dims = (self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim)
         out, conv_state, rec_state = gated_deltanet_decode(
-            mixed, b, a, self.conv_state, self.recurrent_state, src,
-            self.conv1d.weight, self.A_log, self.dt_bias, *dims,
+            mixed, b, a, z, self.conv_state, self.recurrent_state, src,
+            self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps, *dims,
         )
         self._save_states(dst, conv_state, rec_state)
         return out
 
-    def _decode_rows(self, mixed: torch.Tensor, ba: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def _decode_rows(self, mixed: torch.Tensor, ba: torch.Tensor, z: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The step's decode rows: with ``decode_width`` rows per sequence (speculative
         decoding), position by position, each reading the state rows the previous one wrote."""
         n, width = ctx.num_decodes, ctx.decode_width
         src = ctx.decode_state_slots
         dst = src if ctx.decode_state_dst is None else ctx.decode_state_dst
         if width == 1:
-            return self._decode(mixed[:n], ba[:n], src, dst)
+            return self._decode(mixed[:n], ba[:n], z[:n], src, dst)
         batch = n // width  # rows are sequence by sequence, state rows position by position
         if self._uses_decode_kernel(mixed):  # all positions in one conv and one delta-rule launch
-            conv_out = gdn_kernel.causal_conv1d_update_(
-                mixed[:n], self.conv_state, self.conv1d.weight, src[:batch], dst, positions=width
-            )
-            return gdn_kernel.gated_delta_rule_decode_(
-                conv_out, ba[:n], self.A_log, self.dt_bias, self.recurrent_state, src[:batch],
-                self.num_k_heads, dst_slots=dst, positions=width,
-            )
+            return self._decode_in_place(mixed[:n], ba[:n], z[:n], src[:batch], dst, positions=width)
         outputs = [
-            self._decode(mixed[j:n:width], ba[j:n:width], src[j * batch : (j + 1) * batch],
+            self._decode(mixed[j:n:width], ba[j:n:width], z[j:n:width], src[j * batch : (j + 1) * batch],
                          dst[j * batch : (j + 1) * batch])
             for j in range(width)
         ]
         return torch.stack(outputs, dim=1).reshape(n, *outputs[0].shape[1:])
 
     def project(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """Token-wise part before the core: ((mixed, ba), (z,)) of ``x [T, hidden]``
+        """Token-wise part before the core: ((mixed, ba, z), ()) of ``x [T, hidden]``
         (positions unused: the state carries order)."""
         mixed, z = self.in_proj_qkvz(x).split(self.in_proj_qkvz.output_sizes, dim=-1)
-        return (mixed, self.in_proj_ba(x)), (z,)
+        return (mixed, self.in_proj_ba(x), z), ()
 
-    def core(self, mixed: torch.Tensor, ba: torch.Tensor) -> torch.Tensor:
-        """Conv and delta rule over the batch's sequences, states read and written in their
-        slots: the core output ``[T, Hv, dv]`` before the gated norm."""
+    def core(self, mixed: torch.Tensor, ba: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Conv, delta rule and gated norm over the batch's sequences, states read and written
+        in their slots: ``[T, Hv, dv]``, ready for ``out_proj``. Decode rows come first, then
+        the prompt chunks, one after another."""
         ctx = get_context()
-        b, a = ba.split(self.num_v_heads, dim=-1)
         outputs = []
         if ctx.num_decodes:
-            outputs.append(self._decode_rows(mixed, ba, ctx))
-        if ctx.prefills and mixed.is_cuda and gdn_prefill.supports(
-            self.head_k_dim, self.head_v_dim, self.conv1d.weight.shape[1], mixed.dtype
-        ):
-            outputs.append(self._prefill_in_place(mixed, ba, ctx.prefills))
-        else:
-            outputs += self._prefill_torch(mixed, a, b, ctx.prefills)
+            outputs.append(self._decode_rows(mixed, ba, z, ctx))
+        if ctx.prefills:
+            first, end = ctx.prefills[0].start, ctx.prefills[-1].start + ctx.prefills[-1].length
+            if mixed.is_cuda and gdn_prefill.supports(
+                self.head_k_dim, self.head_v_dim, self.conv1d.weight.shape[1], mixed.dtype
+            ):
+                raw = self._prefill_in_place(mixed, ba, ctx.prefills)
+            else:
+                b, a = ba.split(self.num_v_heads, dim=-1)
+                raw = torch.cat(self._prefill_torch(mixed, a, b, ctx.prefills))
+            outputs.append(self._gated_norm(raw, z[first:end]))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
-    def finish(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """Token-wise part after the core: gated norm and output projection -> ``[T, hidden]``."""
-        out = gated_rms_norm(core, z.reshape(core.shape), self.norm.weight, self.norm.eps)
-        return self.out_proj(out.reshape(core.shape[0], -1))
+    def _gated_norm(self, raw: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """``norm(raw) * silu(z)`` per value head for prompt rows: one kernel on CUDA fp16 (in
+        place), else torch."""
+        if raw.is_cuda and gdn_kernel.supports_gated_norm(self.head_v_dim, raw.dtype, self.norm.weight.dtype):
+            return gdn_kernel.gated_rms_norm_(raw, z, self.norm.weight, self.norm.eps, out=raw)
+        return gated_rms_norm(raw, z.reshape(raw.shape), self.norm.weight, self.norm.eps)
+
+    def finish(self, core: torch.Tensor) -> torch.Tensor:
+        """Token-wise part after the core: the output projection -> ``[T, hidden]``."""
+        return self.out_proj(core.reshape(core.shape[0], -1))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``."""
@@ -394,26 +412,30 @@ def gated_deltanet_decode(
     mixed: torch.Tensor,
     b: torch.Tensor,
     a: torch.Tensor,
+    z: torch.Tensor,
     conv_states: torch.Tensor,
     rec_states: torch.Tensor,
     slots: torch.Tensor,
     conv_weight: torch.Tensor,
     A_log: torch.Tensor,
     dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
     num_k_heads: int,
     head_k_dim: int,
     num_v_heads: int,
     head_v_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One token of ``B`` sequences through the GDN core: conv step and delta-rule step,
-    reading the sequences' states from their ``slots`` of the state buffers. Returns the
-    core output ``[B, Hv, dv]`` and the new conv and recurrent states ``[B, ...]`` (the
-    caller writes them back)."""
+    """One token of ``B`` sequences through the GDN core: conv step, delta-rule step and the
+    gated norm with ``z [B, Hv*dv]``, reading the sequences' states from their ``slots`` of
+    the state buffers. Returns the normed output ``[B, Hv, dv]`` and the new conv and
+    recurrent states ``[B, ...]`` (the caller writes them back)."""
     conv_out, conv_state = causal_conv1d_step(mixed, conv_states[slots], conv_weight)
     q, k, v = split_heads(conv_out, num_k_heads, head_k_dim, num_v_heads, head_v_dim)
     g, beta = decay_and_rate(a, b, A_log, dt_bias)
     out, rec_state = gated_delta_rule_step(q, k, v, g, beta, rec_states[slots])
-    return out.to(mixed.dtype), conv_state, rec_state
+    out = out.to(mixed.dtype)
+    return gated_rms_norm_math(out, z.reshape(out.shape), norm_weight, norm_eps), conv_state, rec_state
 
 
 class MLP(nn.Module):
