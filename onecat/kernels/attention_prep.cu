@@ -30,8 +30,10 @@
 //         out[i]       = fp16( y[i] cos(angle) - y[i + r/2] sin(angle) )
 //         out[i + r/2] = fp16( y[i + r/2] cos(angle) + y[i] sin(angle) )
 //     out[i] = y[i] for i >= r.
-// The rotation's products and sums are rounded one by one (no fused multiply-add), as torch
-// computes them elementwise.  Values are copied unchanged.
+// cos and sin of the fp32 angle are evaluated in double (sincospi: an exact range reduction,
+// no Payne-Hanek stack frame for angles past 1e5) and rounded to fp32.  The rotation's
+// products and sums are rounded one by one (no fused multiply-add), as torch computes them
+// elementwise.  Values are copied unchanged.
 //
 // Thread mapping: block (token t, group of 4 heads), 128 threads = 4 warps, one warp per head
 // of the token's H + 2*KVH heads (query heads, then key heads, then value heads).  Lane l
