@@ -74,6 +74,7 @@ _GROUP_WARPS = 4  # kMoeWarps
 _ALIGN_THREADS = 1024  # kAlignThreads
 _ROUTE_WARPS = 4  # w4a16_moe_route.cu kRouteWarps
 _ROUTER_WARPS = 16  # kRouterWarps
+_ROUTER_STAGE_HALFS = 16384  # kRouterStageHalfs: the widest hidden size the kernel stages
 ROUTER_MAX_TOKENS = 64
 """Most tokens :func:`moe_router` takes on the GPU (decode batches); prompts run the fp16
 projection and :func:`moe_route`."""
@@ -397,11 +398,12 @@ def _check_router(
 
 def router_fits(x: torch.Tensor, router_weight: torch.Tensor, shared_gate_weight: torch.Tensor | None) -> bool:
     """True when :func:`moe_router` runs its one-launch GPU kernel on these inputs: CUDA fp16,
-    at most :data:`ROUTER_MAX_TOKENS` tokens, ``H % 8 == 0``, at most :data:`MAX_EXPERTS` experts."""
+    at most :data:`ROUTER_MAX_TOKENS` tokens, ``H % 8 == 0`` and ``H <= 16384``, at most
+    :data:`MAX_EXPERTS` experts."""
     weights = [router_weight] if shared_gate_weight is None else [router_weight, shared_gate_weight]
     return (
         x.is_cuda and x.dtype == torch.float16 and x.dim() == 2 and x.shape[0] <= ROUTER_MAX_TOKENS
-        and x.shape[1] % 8 == 0 and router_weight.shape[0] <= MAX_EXPERTS
+        and x.shape[1] % 8 == 0 and x.shape[1] <= _ROUTER_STAGE_HALFS and router_weight.shape[0] <= MAX_EXPERTS
         and all(w.dtype == torch.float16 and w.is_contiguous() and w.device == x.device for w in weights)
     )  # fmt: skip
 

@@ -24,8 +24,10 @@
 //   0); router_w [E, H] and shared_w [H] fp16 contiguous; scratch fp32 [T, E]; counter one
 //   u32 that is zero on entry and left zero; weights fp32 / ids int32 [T, k] or [T, k+1].
 //   Thread mapping: block b, warp w computes weight row r = 16 b + w (rows 0..E-1 the
-//   experts, row E the shared gate) for every token: lane l reads 8 consecutive weights
-//   (one 128-bit load) per 256 columns and the same 8 columns of up to 8 tokens at a time,
+//   experts, row E the shared gate) for every token.  The block first stages up to 8
+//   tokens of x in shared memory (all threads, 128-bit loads: one round trip to L2 instead of
+//   one per token and column chunk); then lane l reads 8 consecutive weights (one 128-bit
+//   load) per 256 columns and the same 8 columns of each staged token from shared memory,
 //   fp32 products, a warp shuffle sum per token.  Each block then fences and takes a ticket;
 //   the last block to finish (all logits are in the scratch) runs the selection, one warp
 //   per token, reading the logits through L2, and zeroes the counter again.  No block waits
@@ -36,7 +38,8 @@ namespace onecat {
 constexpr int kRouteWarps = 4;
 constexpr int kSlots = 32;  // logits per lane: E <= 1024
 constexpr int kRouterWarps = 16;
-constexpr int kRouterTokens = 8;  // tokens per pass over a weight row
+constexpr int kRouterTokens = 8;           // most tokens staged in shared memory at a time
+constexpr int kRouterStageHalfs = 16384;   // 32 KB of staged x: 8 tokens of H = 2048
 
 __device__ __forceinline__ bool route_better(float v, int i, float bv, int bi) {
   return bi < 0 || v > bv || (v == bv && i < bi);
@@ -57,6 +60,7 @@ __device__ __forceinline__ void select_top_k(const float (&v)[kSlots], int E, in
     int bi = -1;
 #pragma unroll
     for (int s = 0; s < kSlots; ++s) {
+      if (s * 32 >= E) break;  // E = 256: 8 of the 32 slots
       const int i = s * 32 + lane;
       if (i < E && !((taken >> s) & 1u) && route_better(v[s], i, bv, bi)) {
         bv = v[s];
@@ -113,51 +117,67 @@ w4a16_moe_route_topk(const void* logits, int logits32, int row_stride, int T, in
 
 extern "C" __global__ void __launch_bounds__(32 * onecat::kRouterWarps)
 w4a16_moe_route_decode(const half* __restrict__ x, int x_stride, int T, int H,
-                  const half* __restrict__ router_w, int E, const half* __restrict__ shared_w,
-                  int top_k, int shared_id, float* __restrict__ scratch,
-                  unsigned* __restrict__ counter, float* __restrict__ weights,
-                  int* __restrict__ ids, half* __restrict__ shared_gate) {
+                       const half* __restrict__ router_w, int E, const half* __restrict__ shared_w,
+                       int top_k, int shared_id, float* __restrict__ scratch,
+                       unsigned* __restrict__ counter, float* __restrict__ weights,
+                       int* __restrict__ ids, half* __restrict__ shared_gate) {
   using namespace onecat;
+  __shared__ __align__(16) half xs[kRouterStageHalfs];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int stride = top_k + (shared_id >= 0 ? 1 : 0);  // choices per token in weights / ids
   const int row = blockIdx.x * kRouterWarps + warp;
-  if (row < E + (shared_w != nullptr ? 1 : 0)) {
-    const half* w = row < E ? router_w + (size_t)row * H : shared_w;
-    for (int t0 = 0; t0 < T; t0 += kRouterTokens) {
-      float acc[kRouterTokens];
+  const bool has_row = row < E + (shared_w != nullptr ? 1 : 0);
+  const half* w = row < E ? router_w + (size_t)row * H : shared_w;
+  const int chunk = min(kRouterTokens, kRouterStageHalfs / H);  // tokens staged at a time
+  const int vecs = H / 8;                                        // 16-byte vectors per x row
+  for (int t0 = 0; t0 < T; t0 += chunk) {
+    const int n = min(chunk, T - t0);
+    __syncthreads();  // the previous chunk's readers are done
+    for (int v = threadIdx.x; v < n * vecs; v += blockDim.x) {
+      const int j = v / vecs;
+      reinterpret_cast<uint4*>(xs)[v] =
+          __ldg(reinterpret_cast<const uint4*>(x + (size_t)(t0 + j) * x_stride) + (v - j * vecs));
+    }
+    __syncthreads();
+    if (!has_row) continue;
+    float acc[kRouterTokens];
 #pragma unroll
-      for (int j = 0; j < kRouterTokens; ++j) acc[j] = 0.0f;
-      for (int k = 8 * lane; k < H; k += 256) {
-        const uint4 wv = __ldg(reinterpret_cast<const uint4*>(w + k));
-        const half2* wh = reinterpret_cast<const half2*>(&wv);
+    for (int j = 0; j < kRouterTokens; ++j) acc[j] = 0.0f;
+#pragma unroll 4
+    for (int k = 8 * lane; k < H; k += 256) {
+      const uint4 wv = __ldg(reinterpret_cast<const uint4*>(w + k));
+      const half2* wh = reinterpret_cast<const half2*>(&wv);
+      float2 wf[4];
 #pragma unroll
-        for (int j = 0; j < kRouterTokens; ++j) {
-          if (t0 + j < T) {
-            const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + (size_t)(t0 + j) * x_stride + k));
-            const half2* xh = reinterpret_cast<const half2*>(&xv);
+      for (int p = 0; p < 4; ++p) wf[p] = __half22float2(wh[p]);
 #pragma unroll
-            for (int p = 0; p < 4; ++p) {
-              const float2 a = __half22float2(wh[p]), b = __half22float2(xh[p]);
-              acc[j] = fmaf(a.x, b.x, fmaf(a.y, b.y, acc[j]));
-            }
+      for (int j = 0; j < kRouterTokens; ++j) {
+        if (j < n) {
+          const uint4 xv = *reinterpret_cast<const uint4*>(xs + j * H + k);
+          const half2* xh = reinterpret_cast<const half2*>(&xv);
+#pragma unroll
+          for (int p = 0; p < 4; ++p) {
+            const float2 b = __half22float2(xh[p]);
+            acc[j] = fmaf(wf[p].x, b.x, fmaf(wf[p].y, b.y, acc[j]));
           }
         }
       }
+    }
 #pragma unroll
-      for (int j = 0; j < kRouterTokens; ++j) {
-        float sum = acc[j];
+    for (int j = 0; j < kRouterTokens; ++j) {
+      float sum = acc[j];
 #pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-        if (lane == 0 && t0 + j < T) {
-          const half rounded = __float2half_rn(sum);
-          if (row < E) {
-            scratch[(size_t)(t0 + j) * E + row] = __half2float(rounded);
-          } else if (shared_id >= 0) {
-            weights[(size_t)(t0 + j) * stride + top_k] = 1.0f / (1.0f + expf(-__half2float(rounded)));
-            ids[(size_t)(t0 + j) * stride + top_k] = shared_id;
-          } else {
-            shared_gate[t0 + j] = rounded;
-          }
+      for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+      if (lane == 0 && j < n) {
+        const int t = t0 + j;
+        const half rounded = __float2half_rn(sum);
+        if (row < E) {
+          scratch[(size_t)t * E + row] = __half2float(rounded);
+        } else if (shared_id >= 0) {
+          weights[(size_t)t * stride + top_k] = 1.0f / (1.0f + expf(-__half2float(rounded)));
+          ids[(size_t)t * stride + top_k] = shared_id;
+        } else {
+          shared_gate[t] = rounded;
         }
       }
     }
