@@ -24,6 +24,7 @@ pytestmark = [
 DK = 128
 EPS = 1e-6
 SHAPES = {"27B": (16, 48, 128), "35B-A3B": (16, 32, 128)}  # key heads, value heads, value head dim
+HIDDEN = {"27B": 5120, "35B-A3B": 2048}
 
 
 def gated_norm_fp64(o, z, norm_w, eps=EPS):
@@ -54,21 +55,33 @@ def delta_rule_fp64(mixed, ba, A_log, dt_bias, states, num_k_heads, num_v_heads,
     return torch.einsum("bhkv,bhk->bhv", s, q), s
 
 
-def reference(inputs, states, rows, num_k_heads, num_v_heads, dv):
-    """fp64 decode step of ``rows`` (one token per sequence): normed output and new states."""
-    o, s = delta_rule_fp64(inputs["mixed"][rows], inputs["ba"][rows], inputs["A_log"], inputs["dt_bias"], states,
+def reference(inputs, states, rows, num_k_heads, num_v_heads, dv, project_ba=False):
+    """fp64 decode step of ``rows`` (one token per sequence): normed output and new states;
+    ``project_ba``: b and a are ``x @ ba_w.T`` (fp64) instead of the ``ba`` rows."""
+    if project_ba:
+        ba = inputs["x"][rows].double() @ inputs["ba_w"].double().T
+    else:
+        ba = inputs["ba"][rows]
+    o, s = delta_rule_fp64(inputs["mixed"][rows], ba, inputs["A_log"], inputs["dt_bias"], states,
                            num_k_heads, num_v_heads, dv)
     return gated_norm_fp64(o, inputs["z"][rows], inputs["norm_w"]), s
 
 
-def random_inputs(rows, num_k_heads, num_v_heads, dv, pool, seed):
+def random_inputs(rows, num_k_heads, num_v_heads, dv, pool, seed, hidden=None):
+    """Kernel inputs; with ``hidden``, also a layer input ``x`` (strided rows) and an
+    in_proj_ba weight ``ba_w [2*Hv, hidden]`` for the kernel's own projection."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     width = 2 * num_k_heads * DK + num_v_heads * dv
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen, device="cuda")
 
+    extra = {}
+    if hidden:
+        extra["x"] = randn(rows, hidden + 64).half()[:, :hidden]
+        extra["ba_w"] = (randn(2 * num_v_heads, hidden) * 1.5 / hidden**0.5).half()
     return {
+        **extra,
         # strided rows, as the runtime passes views of wider projections
         "mixed": randn(rows, width + 40).half()[:, :width],
         "ba": (randn(rows, 2 * num_v_heads + 8) * 2).half(),
@@ -81,14 +94,17 @@ def random_inputs(rows, num_k_heads, num_v_heads, dv, pool, seed):
     }
 
 
-def run_kernel(inputs, slots, num_k_heads, rows, num_v_heads, dv, dst=None, positions=1):
-    """The kernel on ``inputs`` (state updated in place), its output poisoned with NaN first."""
+def run_kernel(inputs, slots, num_k_heads, rows, num_v_heads, dv, dst=None, positions=1, project_ba=False):
+    """The kernel on ``inputs`` (state updated in place), its output poisoned with NaN first;
+    ``project_ba``: no ``ba`` rows, the kernel projects b and a from ``x`` and ``ba_w``."""
     from onecat.kernels.gdn import gated_delta_rule_decode_
 
     out = torch.full((rows, num_v_heads, dv), float("nan"), dtype=torch.float16, device="cuda")
+    projection = {"hidden_states": inputs["x"], "ba_weight": inputs["ba_w"]} if project_ba else {}
     got = gated_delta_rule_decode_(
-        inputs["mixed"], inputs["ba"], inputs["z"], inputs["A_log"], inputs["dt_bias"], inputs["norm_w"], EPS,
-        inputs["state"], slots, num_k_heads, out=out, dst_slots=dst, positions=positions,
+        inputs["mixed"], None if project_ba else inputs["ba"], inputs["z"], inputs["A_log"], inputs["dt_bias"],
+        inputs["norm_w"], EPS, inputs["state"], slots, num_k_heads, out=out, dst_slots=dst, positions=positions,
+        **projection,
     )
     torch.cuda.synchronize()
     assert got.data_ptr() == out.data_ptr()
@@ -108,22 +124,25 @@ def assert_state_close(got, ref, what):
 
 
 CASES = [
-    (shape, batch, positions)
+    (shape, batch, positions, project_ba)
     for shape in SHAPES
     for batch in (1, 3, 33)
     for positions in (1, 4)
+    for project_ba in (False, True)
 ]
 
 
-@pytest.mark.parametrize("shape, batch, positions", CASES)
-def test_gdn_decode_matches_fp64_at_the_real_shapes(shape, batch, positions):
+@pytest.mark.parametrize("shape, batch, positions, project_ba", CASES)
+def test_gdn_decode_matches_fp64_at_the_real_shapes(shape, batch, positions, project_ba):
     """Both Qwen3.5 shapes: ``positions`` tokens per sequence (1: decoding, in place; 4: a
     verify pass, the state after each position to its own row, the last one the slot, as the
-    runner lays them out), each position's output normed and gated."""
+    runner lays them out), each position's output normed and gated; b and a given as rows, or
+    projected by the kernel from the layer input (``project_ba``, the model's hidden size)."""
     num_k_heads, num_v_heads, dv = SHAPES[shape]
     rows = batch * positions
     pool = batch * (positions + 1) + 2
-    inputs = random_inputs(rows, num_k_heads, num_v_heads, dv, pool, seed=batch * 10 + positions)
+    inputs = random_inputs(rows, num_k_heads, num_v_heads, dv, pool, seed=batch * 10 + positions,
+                           hidden=HIDDEN[shape])
     slots = inputs["perm"][:batch].contiguous()
     if positions == 1:
         dst = None
@@ -133,7 +152,7 @@ def test_gdn_decode_matches_fp64_at_the_real_shapes(shape, batch, positions):
         dst = torch.cat([fresh, slots]).contiguous()
         writes = dst
     before = inputs["state"].clone()
-    out = run_kernel(inputs, slots, num_k_heads, rows, num_v_heads, dv, dst, positions)
+    out = run_kernel(inputs, slots, num_k_heads, rows, num_v_heads, dv, dst, positions, project_ba)
 
     untouched = torch.ones(pool, dtype=torch.bool, device="cuda")
     untouched[writes] = False
@@ -141,7 +160,7 @@ def test_gdn_decode_matches_fp64_at_the_real_shapes(shape, batch, positions):
     ref_state = before[slots]
     for p in range(positions):
         token = torch.arange(batch, device="cuda") * positions + p
-        ref_out, ref_state = reference(inputs, ref_state, token, num_k_heads, num_v_heads, dv)
+        ref_out, ref_state = reference(inputs, ref_state, token, num_k_heads, num_v_heads, dv, project_ba)
         assert_output_close(out[token], ref_out, f"output at position {p}")
         assert_state_close(inputs["state"][writes[p * batch : (p + 1) * batch]], ref_state, f"state after position {p}")
 
@@ -233,6 +252,12 @@ def test_gdn_decode_rejects_what_it_cannot_run():
         gated_delta_rule_decode_(*args[:5], i["norm_w"].half(), EPS, i["state"], slots, 2)
     with pytest.raises(OnecatError, match="z has"):
         gated_delta_rule_decode_(*args[:2], i["z"][:, :100], *args[3:], i["state"], slots, 2)
+    with pytest.raises(OnecatError, match="needs hidden_states and ba_weight"):
+        gated_delta_rule_decode_(args[0], None, *args[2:], i["state"], slots, 2)
+    with pytest.raises(OnecatError, match="ba_weight has"):
+        weight = torch.zeros(3, 64, dtype=torch.float16, device="cuda")
+        gated_delta_rule_decode_(args[0], None, *args[2:], i["state"], slots, 2, hidden_states=i["mixed"],
+                                 ba_weight=weight)
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -444,3 +469,47 @@ def test_mixed_step_layer_output_matches_the_torch_norm_paths(monkeypatch):
     assert_layer_close(got[len(decode_slots) :], ref[len(decode_slots) :], "prompt rows")
     scale = ref_rec.abs().max().item()
     assert torch.allclose(got_rec, ref_rec, atol=1e-2 * scale)
+
+
+@pytest.mark.parametrize("width", [1, 4])
+def test_decode_step_projects_b_and_a_in_the_kernel(monkeypatch, width):
+    """A pass of decode rows only through the whole layer (project, core, finish): project
+    hands the layer input in place of in_proj_ba's output and the kernel projects b and a;
+    against the torch step with in_proj_ba (outputs after out_proj, state pools). ``width``
+    4: a verify pass (state rows position by position, the slot last)."""
+    from onecat.runtime.context import ForwardContext, set_context
+    from onecat.runtime.models.qwen3_5 import GatedDeltaNet
+
+    batch = 3
+    rows = batch * width
+    layer = small_layer(4 + rows)
+    conv0, rec0 = layer.conv_state.clone(), layer.recurrent_state.clone()
+    x = torch.randn(rows, layer.in_proj_qkvz.in_features, device="cuda").half()
+    slots = [3, 0, 2]
+    fresh = [[4 + batch * j + i for i in range(batch)] for j in range(width - 1)]
+    dst = torch.tensor([r for pos in [*fresh, slots] for r in pos], device="cuda")
+    src = torch.tensor([r for pos in [slots, *fresh] for r in pos], device="cuda")
+
+    def run():
+        layer.conv_state, layer.recurrent_state = conv0.clone(), rec0.clone()
+        ctx = ForwardContext(slot_mapping=torch.zeros(rows, dtype=torch.int64, device="cuda"), num_decodes=rows,
+                             decode_state_slots=src, decode_state_dst=dst if width > 1 else None,
+                             decode_width=width)
+        set_context(ctx)
+        try:
+            with torch.inference_mode():
+                (_, ba, _), _ = layer.project(torch.zeros(rows, dtype=torch.int64, device="cuda"), x)
+                return ba, layer(torch.zeros(rows, dtype=torch.int64, device="cuda"), x), layer.recurrent_state
+        finally:
+            set_context(None)
+
+    handed, got, got_rec = run()
+    assert handed.data_ptr() == x.data_ptr(), "project computed in_proj_ba in a pass of decode rows only"
+    monkeypatch.setattr(GatedDeltaNet, "_uses_decode_kernel", lambda self, mixed: False)
+    handed, ref, ref_rec = run()
+    assert handed.shape == (rows, 8)
+    for p in range(width):
+        assert_layer_close(got[p::width], ref[p::width], f"layer output at position {p}")
+    written = dst.tolist() if width > 1 else slots
+    scale = ref_rec[written].abs().max().item()
+    assert torch.allclose(got_rec[written], ref_rec[written], atol=1e-2 * scale)

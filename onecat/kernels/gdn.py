@@ -33,6 +33,24 @@ def supports_gated_norm(head_v_dim: int, dtype: torch.dtype, weight_dtype: torch
     return head_v_dim in HEAD_V_DIMS and dtype == torch.float16 and weight_dtype == torch.float32
 
 
+def _ba_checks(ba: torch.Tensor | None, hidden_states: torch.Tensor | None, ba_weight: torch.Tensor | None,
+               rows: int, num_v_heads: int) -> list[tuple[str, bool]]:
+    """b and a come as in_proj_ba's output rows, or as its weight and input (projected in the kernel)."""
+    if ba is not None:
+        return [("ba", ba.dtype == torch.float16 and ba.dim() == 2 and ba.shape[0] == rows
+                 and ba.shape[1] >= 2 * num_v_heads and ba.stride(1) == 1)]  # fmt: skip
+    if hidden_states is None or ba_weight is None:
+        return [("ba (None needs hidden_states and ba_weight)", False)]
+    hidden = ba_weight.shape[-1]
+    return [
+        ("ba_weight", ba_weight.dtype == torch.float16 and ba_weight.is_contiguous() and ba_weight.dim() == 2
+         and ba_weight.shape[0] == 2 * num_v_heads and hidden % 2 == 0),
+        ("hidden_states", hidden_states.dtype == torch.float16 and hidden_states.dim() == 2
+         and hidden_states.shape[0] == rows and hidden_states.shape[1] >= hidden and hidden_states.stride(1) == 1
+         and hidden_states.stride(0) % 2 == 0 and hidden_states.data_ptr() % 4 == 0),
+    ]  # fmt: skip
+
+
 def _gated_norm_checks(z: torch.Tensor, norm_weight: torch.Tensor, rows: int, num_v_heads: int,
                        head_v_dim: int) -> list[tuple[str, bool]]:
     return [
@@ -45,7 +63,7 @@ def _gated_norm_checks(z: torch.Tensor, norm_weight: torch.Tensor, rows: int, nu
 
 def gated_delta_rule_decode_(
     mixed: torch.Tensor,
-    ba: torch.Tensor,
+    ba: torch.Tensor | None,
     z: torch.Tensor,
     A_log: torch.Tensor,
     dt_bias: torch.Tensor,
@@ -57,6 +75,8 @@ def gated_delta_rule_decode_(
     out: torch.Tensor | None = None,
     dst_slots: torch.Tensor | None = None,
     positions: int = 1,
+    hidden_states: torch.Tensor | None = None,
+    ba_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``positions`` consecutive tokens of each of ``B`` sequences (rows ``b * positions + p``)
     through the gated delta rule and the gated norm after it; updates ``state[slots]`` in
@@ -65,7 +85,10 @@ def gated_delta_rule_decode_(
     ``state[dst_slots[p * B + b]]`` (rows that no other sequence reads).
 
     ``mixed`` fp16 ``[B*P, >= 2*Hk*128 + Hv*dv]`` (the short conv's output: q | k | v, rows
-    may be strided), ``ba`` fp16 ``[B*P, >= 2*Hv]`` (b | a), ``z`` fp16 ``[B*P, >= Hv*dv]``
+    may be strided), ``ba`` fp16 ``[B*P, >= 2*Hv]`` (b | a) or None: then the kernel projects
+    b and a itself from ``hidden_states`` fp16 ``[B*P, >= hidden]`` (the layer's normed input,
+    rows may be strided) and ``ba_weight`` fp16 ``[2*Hv, hidden]`` (in_proj_ba's weight:
+    b rows, then a rows), in fp32, with no launch of its own. ``z`` fp16 ``[B*P, >= Hv*dv]``
     (the output gate, rows may be strided), ``A_log`` and ``dt_bias`` fp32 ``[Hv]``,
     ``norm_weight`` fp32 ``[dv]``, ``state`` fp32 ``[slots, Hv, 128, dv]`` contiguous,
     ``slots`` int64 ``[B]``. Returns ``norm_weight * rmsnorm(o) * silu(z)`` per value head,
@@ -87,8 +110,7 @@ def gated_delta_rule_decode_(
     checks = [
         ("mixed", mixed.dim() == 2 and mixed.shape[1] >= width and mixed.stride(1) == 1),
         ("positions", positions >= 1 and rows == batch * positions),
-        ("ba", ba.dtype == torch.float16 and ba.shape[0] == rows and ba.shape[1] >= 2 * num_v_heads
-         and ba.stride(1) == 1),
+        *_ba_checks(ba, hidden_states, ba_weight, rows, num_v_heads),
         *_gated_norm_checks(z, norm_weight, rows, num_v_heads, head_v_dim),
         ("A_log", A_log.dtype == torch.float32 and A_log.is_contiguous() and A_log.numel() == num_v_heads),
         ("dt_bias", dt_bias.dtype == torch.float32 and dt_bias.is_contiguous()
@@ -110,9 +132,15 @@ def gated_delta_rule_decode_(
         return out
     device_index = mixed.device.index if mixed.device.index is not None else torch.cuda.current_device()
     kernel = get_kernel(f"gdn_decode_d{head_v_dim}", device_index)
+    if ba is None:  # the kernel projects b and a: no ba rows
+        ba_args = [ctypes.c_void_p(0), ctypes.c_int(0), ctypes.c_void_p(hidden_states.data_ptr()),
+                   ctypes.c_int(hidden_states.stride(0)), ctypes.c_void_p(ba_weight.data_ptr()),
+                   ctypes.c_int(ba_weight.shape[1])]
+    else:
+        ba_args = [ctypes.c_void_p(ba.data_ptr()), ctypes.c_int(ba.stride(0)), ctypes.c_void_p(0),
+                   ctypes.c_int(0), ctypes.c_void_p(0), ctypes.c_int(0)]
     args = [
-        ctypes.c_void_p(mixed.data_ptr()), ctypes.c_int(mixed.stride(0)),
-        ctypes.c_void_p(ba.data_ptr()), ctypes.c_int(ba.stride(0)),
+        ctypes.c_void_p(mixed.data_ptr()), ctypes.c_int(mixed.stride(0)), *ba_args,
         ctypes.c_void_p(z.data_ptr()), ctypes.c_int(z.stride(0)),
         ctypes.c_void_p(A_log.data_ptr()), ctypes.c_void_p(dt_bias.data_ptr()),
         ctypes.c_void_p(norm_weight.data_ptr()), ctypes.c_float(norm_eps),

@@ -10,7 +10,12 @@
 // Data layout (row-major, innermost dimension contiguous):
 //   mixed    fp16 [B*P][mixed_stride] the short conv's output, token p of sequence b in row
 //                                     b*P + p: q (Hk*128) | k (Hk*128) | v (Hv*DV)
-//   ba       fp16 [B*P][ba_stride]    in_proj_ba's output: b (Hv) | a (Hv)
+//   ba       fp16 [B*P][ba_stride]    in_proj_ba's output: b (Hv) | a (Hv); unread when ba_w is set
+//   x        fp16 [B*P][x_stride]     with ba_w: the layer's normed input (hidden values)
+//   ba_w     fp16 [2*Hv][hidden]      in_proj_ba's weight (b rows, then a rows), or null: then
+//                                     b and a come from `ba`, else the kernel projects them,
+//                                     b = x . ba_w[h], a = x . ba_w[Hv + h] in fp32, and a
+//                                     step of decode rows needs no in_proj_ba launches
 //   z        fp16 [B*P][z_stride]     in_proj_z's output (the output gate): Hv*DV
 //   A_log, dt_bias  fp32 [Hv];   norm_w  fp32 [DV] (the gated norm's weight, shared by heads)
 //   state    fp32 [slots][Hv][128][DV]  S of value head h of sequence b starts as state[slot[b]][h]
@@ -31,10 +36,13 @@
 // column j of S and the 16 rows 16g .. 16g+15 (row group g of 8), and holds those 16 fp32
 // values in registers for all P tokens: a warp covers 32 adjacent columns, so for each row it
 // reads and writes 128 contiguous bytes.  Per token, threads t < 128 load q[t] and k[t] and
-// the block normalises them into shared memory.  S^T k and S^T q are sums over rows: each
-// thread sums its 16 rows in registers, the 8 row groups' partials meet in shared memory, and
-// row group 0 (t < DV, one thread per column) finishes o, sums o^2 over the head (warp
-// shuffles, then one value per warp through shared memory), applies norm and gate, and stores.
+// the block normalises them into shared memory; with ba_w, every thread also takes every
+// (8*DV)-th half2 of the two dot products over hidden, reduced by warp shuffles and then one
+// (b, a) pair per warp in shared memory, at the barriers the q/k norms need anyway.  S^T k
+// and S^T q are sums over rows: each thread sums its 16 rows in registers, the 8 row groups'
+// partials meet in shared memory, and row group 0 (t < DV, one thread per column) finishes o,
+// sums o^2 over the head (warp shuffles, then one value per warp through shared memory),
+// applies norm and gate, and stores.
 //
 // Occupancy (V100: 80 SMs, H200: 132 SMs; each SM 64K registers, 64 warps): at 64 registers
 // (ptxas, 0 spills) one 32-warp block of DV 128 fits an SM, so the grid of Hv x B blocks runs
@@ -51,7 +59,9 @@
 // spread over all of them), still 3 MB (27B) / 2 MB (35B-A3B) in flight: enough for a V100
 // and about enough for an H200; 27B at TP=2 (24 blocks) is the thinnest case.  The price of a
 // head per block is 6 barriers of 32 warps per token; the gain is the gated-norm launch and a
-// [B*P, Hv*DV] fp16 round trip through memory per layer.
+// [B*P, Hv*DV] fp16 round trip through memory per layer.  The b/a projection adds 2 weight
+// rows and an x row per (head, token) (30 KB at hidden 5120, all of in_proj_ba's weight is
+// 1 MB and stays in L2) to 128 KB of state traffic, and saves in_proj_ba's 2 launches.
 #include <cuda_fp16.h>
 
 namespace onecat_gdn {
@@ -90,6 +100,8 @@ __device__ __forceinline__ half gated_norm(float o, float sum_sq, int dv, float 
 template <int DV>
 __device__ __forceinline__ void decode(const half* __restrict__ mixed, int mixed_stride,
                                        const half* __restrict__ ba, int ba_stride,
+                                       const half* __restrict__ hidden_x, int x_stride,
+                                       const half* __restrict__ ba_w, int hidden,
                                        const half* __restrict__ z, int z_stride,
                                        const float* __restrict__ A_log,
                                        const float* __restrict__ dt_bias,
@@ -101,6 +113,7 @@ __device__ __forceinline__ void decode(const half* __restrict__ mixed, int mixed
   __shared__ float norms[2][kQkWarps];
   __shared__ float partial[kGroups][DV];
   __shared__ float sums[DV / 32];
+  __shared__ float2 projected[kGroups * DV / 32];  // (b, a) partial dot products per warp
   const int h = blockIdx.x, b = blockIdx.y, num_seqs = gridDim.y;
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
   const int group = t / DV, j = t % DV;
@@ -121,7 +134,6 @@ __device__ __forceinline__ void decode(const half* __restrict__ mixed, int mixed
   for (int p = 0; p < positions; ++p) {
     const int token = b * positions + p;
     const half* row = mixed + (size_t)token * mixed_stride;
-    const half* gates = ba + (size_t)token * ba_stride;
     // 1. q and k of this head, l2-normalised over the 128 rows (one element per thread t < 128)
     float q = 0.f, k = 0.f, qq = 0.f, kk = 0.f;
     if (loads_qk) {
@@ -130,11 +142,27 @@ __device__ __forceinline__ void decode(const half* __restrict__ mixed, int mixed
       qq = warp_sum(q * q);
       kk = warp_sum(k * k);
     }
-    __syncthreads();  // the previous token is done with norms, q_rows, k_rows, partial and sums
+    // b and a of this head: in_proj_ba's rows h and Hv + h against the layer input, when given
+    float2 dots = make_float2(0.f, 0.f);
+    if (ba_w != nullptr) {
+      const half2* xr = reinterpret_cast<const half2*>(hidden_x + (size_t)token * x_stride);
+      const half2* wb = reinterpret_cast<const half2*>(ba_w + (size_t)h * hidden);
+      const half2* wa = reinterpret_cast<const half2*>(ba_w + (size_t)(num_v_heads + h) * hidden);
+#pragma unroll 1
+      for (int i = t; i < hidden / 2; i += kGroups * DV) {
+        const float2 xv = __half22float2(xr[i]), bv = __half22float2(wb[i]), av = __half22float2(wa[i]);
+        dots.x += xv.x * bv.x + xv.y * bv.y;
+        dots.y += xv.x * av.x + xv.y * av.y;
+      }
+      dots.x = warp_sum(dots.x);
+      dots.y = warp_sum(dots.y);
+    }
+    __syncthreads();  // the previous token is done with norms, projected, q_rows, k_rows, partial, sums
     if (loads_qk && lane == 0) {
       norms[0][warp] = qq;
       norms[1][warp] = kk;
     }
+    if (ba_w != nullptr && lane == 0) projected[warp] = dots;
     __syncthreads();
     if (loads_qk) {
       float q_sq = 0.f, k_sq = 0.f;
@@ -148,10 +176,22 @@ __device__ __forceinline__ void decode(const half* __restrict__ mixed, int mixed
     }
 
     // decay and learning rate of this head (fp32; softplus as torch's, threshold 20)
-    const float x = __half2float(gates[num_v_heads + h]) + dt_bias[h];
+    float b_in, a_in;
+    if (ba_w != nullptr) {
+      b_in = a_in = 0.f;
+      for (int w = 0; w < kGroups * DV / 32; ++w) {
+        b_in += projected[w].x;
+        a_in += projected[w].y;
+      }
+    } else {
+      const half* gates = ba + (size_t)token * ba_stride;
+      b_in = __half2float(gates[h]);
+      a_in = __half2float(gates[num_v_heads + h]);
+    }
+    const float x = a_in + dt_bias[h];
     const float softplus = x > 20.f ? x : log1pf(expf(x));
     const float decay = expf(-expf(A_log[h]) * softplus);
-    const float beta = 1.f / (1.f + expf(-__half2float(gates[h])));
+    const float beta = 1.f / (1.f + expf(-b_in));
     __syncthreads();
 
     // 2. forget, and this row group's share of S^T k
@@ -200,13 +240,15 @@ __device__ __forceinline__ void decode(const half* __restrict__ mixed, int mixed
 // immediate offsets): gdn_decode_d128 (Qwen3.5), _d64, _d32; 8*DV threads each.
 #define ONECAT_GDN_DECODE_ARGS                                                                   \
   const half *__restrict__ mixed, int mixed_stride, const half *__restrict__ ba, int ba_stride, \
+      const half *__restrict__ hidden_x, int x_stride, const half *__restrict__ ba_w, int hidden, \
       const half *__restrict__ z, int z_stride, const float *__restrict__ A_log,                \
       const float *__restrict__ dt_bias, const float *__restrict__ norm_w, float norm_eps,      \
       float *__restrict__ state, const long long *__restrict__ slots,                           \
       const long long *__restrict__ dst, half *__restrict__ out, int num_k_heads,               \
       int num_v_heads, int positions
 #define ONECAT_GDN_DECODE_CALL(DV)                                                               \
-  onecat_gdn::decode<DV>(mixed, mixed_stride, ba, ba_stride, z, z_stride, A_log, dt_bias, norm_w, \
+  onecat_gdn::decode<DV>(mixed, mixed_stride, ba, ba_stride, hidden_x, x_stride, ba_w, hidden, z, \
+                         z_stride, A_log, dt_bias, norm_w,                                       \
                          norm_eps, state, slots, dst, out, num_k_heads, num_v_heads, positions)
 
 extern "C" __global__ void __launch_bounds__(1024, 1)

@@ -247,15 +247,17 @@ class GatedDeltaNet(nn.Module):
         positions: int = 1,
     ) -> torch.Tensor:
         """Decode tokens on the GPU (``positions`` consecutive rows per sequence): the sm_70
-        conv-update kernel, then the delta-rule kernel, which also applies the gated norm; both
-        read the states from rows ``src`` and write them to rows ``dst`` (no gather and
-        scatter)."""
+        conv-update kernel, then the delta-rule kernel, which also applies the gated norm (and
+        projects b and a when ``ba`` is the layer input, see :meth:`project`); both read the
+        states from rows ``src`` and write them to rows ``dst`` (no gather and scatter)."""
         conv_out = gdn_kernel.causal_conv1d_update_(
             mixed, self.conv_state, self.conv1d.weight, src, dst, positions=positions
         )
+        hidden, weight = (ba, self.in_proj_ba.weight) if self._is_layer_input(ba) else (None, None)
         return gdn_kernel.gated_delta_rule_decode_(
-            conv_out, ba, z, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps, self.recurrent_state,
-            src, self.num_k_heads, dst_slots=dst, positions=positions,
+            conv_out, None if hidden is not None else ba, z, self.A_log, self.dt_bias, self.norm.weight,
+            self.norm.eps, self.recurrent_state, src, self.num_k_heads, dst_slots=dst, positions=positions,
+            hidden_states=hidden, ba_weight=weight,
         )
 
     def _uses_decode_kernel(self, mixed: torch.Tensor) -> bool:
@@ -272,6 +274,8 @@ class GatedDeltaNet(nn.Module):
         the gated norm's output ``[B, Hv, dv]``."""
         if self._uses_decode_kernel(mixed):
             return self._decode_in_place(mixed, ba, z, src, dst)
+        if self._is_layer_input(ba):
+            ba = self.in_proj_ba(ba)
         b, a = ba.split(self.num_v_heads, dim=-1)
         dims = (self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim)
         out, conv_state, rec_state = gated_deltanet_decode(
@@ -299,16 +303,34 @@ class GatedDeltaNet(nn.Module):
         ]
         return torch.stack(outputs, dim=1).reshape(n, *outputs[0].shape[1:])
 
+    def _kernel_projects_ba(self, x: torch.Tensor) -> bool:
+        """True when this pass's rows are all decode rows the decode kernel runs and
+        in_proj_ba is a plain fp16 weight: the kernel then computes b and a from ``x`` itself
+        (two dot products per value head and row) and in_proj_ba's launches are skipped. Its
+        width must differ from ``x``'s, which tells :meth:`core` which one it got."""
+        ba = self.in_proj_ba
+        if ba.is_packed or ba.bias is not None or ba.weight.dtype != torch.float16 or ba.in_features == ba.out_features:
+            return False
+        ctx = get_context()
+        return ctx.num_decodes == x.shape[0] and not ctx.prefills and self._uses_decode_kernel(x)
+
+    def _is_layer_input(self, ba: torch.Tensor) -> bool:
+        """Whether ``project`` handed the layer input in ``ba``'s place (see :meth:`_kernel_projects_ba`)."""
+        return ba.shape[-1] != self.in_proj_ba.out_features
+
     def project(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """Token-wise part before the core: ((mixed, ba, z), ()) of ``x [T, hidden]``
-        (positions unused: the state carries order)."""
+        (positions unused: the state carries order). In a pass of decode rows only on the
+        decode kernel, ``ba`` is ``x`` itself and the kernel projects b and a (a prompt pass,
+        whose graphs are captured without decode rows, always gets in_proj_ba's output)."""
         mixed, z = self.in_proj_qkvz(x).split(self.in_proj_qkvz.output_sizes, dim=-1)
-        return (mixed, self.in_proj_ba(x), z), ()
+        return (mixed, x if self._kernel_projects_ba(x) else self.in_proj_ba(x), z), ()
 
     def core(self, mixed: torch.Tensor, ba: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Conv, delta rule and gated norm over the batch's sequences, states read and written
         in their slots: ``[T, Hv, dv]``, ready for ``out_proj``. Decode rows come first, then
-        the prompt chunks, one after another."""
+        the prompt chunks, one after another. ``ba`` is in_proj_ba's output or, in a pass of
+        decode rows only, the layer input (see :meth:`project`)."""
         ctx = get_context()
         outputs = []
         if ctx.num_decodes:
