@@ -182,13 +182,18 @@ w4a16_moe_route_decode(const half* __restrict__ x, int x_stride, int T, int H,
       }
     }
   }
+  // Ticket: the block's writes (ordered before thread 0 by the barrier) are released at GPU
+  // scope by thread 0's fence before its atomic; the last block acquires them the same way.
+  // One acq_rel fence per block, not a sequentially consistent __threadfence per thread.
   __shared__ bool last;
-  __threadfence();  // this thread's logits are visible device-wide before the ticket
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == gridDim.x - 1;
+  if (threadIdx.x == 0) {
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    if (last) asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  }
   __syncthreads();
   if (!last) return;
-  __threadfence();
   for (int t = warp; t < T; t += kRouterWarps) {
     float v[kSlots];
 #pragma unroll
