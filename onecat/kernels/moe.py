@@ -75,9 +75,11 @@ _ALIGN_THREADS = 1024  # kAlignThreads
 _ROUTE_WARPS = 4  # w4a16_moe_route.cu kRouteWarps
 _ROUTER_WARPS = 16  # kRouterWarps
 _ROUTER_STAGE_HALFS = 16384  # kRouterStageHalfs: the widest hidden size the kernel stages
-ROUTER_MAX_TOKENS = 64
-"""Most tokens :func:`moe_router` takes on the GPU (decode batches); prompts run the fp16
-projection and :func:`moe_route`."""
+ROUTER_MAX_TOKENS = 8
+"""Most tokens :func:`moe_router` takes on the GPU; more run the fp16 projections (cuBLAS) and
+:func:`moe_route`. Measured on the H200 (``bench/router.py``, 35B-A3B router, 2026-12-01): the
+one launch takes 10.3 / 15.2 / 49.3 us at 1 / 8 / 32 tokens against 13.2 / 14.6 / 14.6 us for
+the two linears and the routing kernel (its last block selects for every token in turn)."""
 _MAX_TOP_K = 32  # one lane per choice
 _GRID_Y_MAX = 65535
 
