@@ -250,7 +250,7 @@ def test_router_kernel_matches_fp64_projection_and_route(tokens, shared):
     h = 2048
     wide = torch.randn(tokens, h + 64, device="cuda", generator=gen).half()
     x = wide[:, :h]  # strided rows, as the normed hidden states may be
-    router = (torch.randn(E, h, device="cuda", generator=gen) / 16).half()
+    router = (torch.randn(E, h, device="cuda", generator=gen) / 4).half()  # logits ~ N(0, 11^2): clear gaps
     gate_w = (torch.randn(1, h, device="cuda", generator=gen) / 16).half() if shared else None
     assert router_fits(x, router, gate_w)
     poison_allocator()
@@ -260,10 +260,10 @@ def test_router_kernel_matches_fp64_projection_and_route(tokens, shared):
     rounded = logits64.half()
     ref_w, ref_ids = reference_route(rounded.cpu(), TOP_K)
     top = torch.sort(logits64, dim=-1, descending=True).values
-    clear = ((top[:, : TOP_K] - top[:, 1 : TOP_K + 1]).abs().min(-1).values > 0.02).cpu()
-    assert clear.sum() >= tokens // 2, "test data: most tokens must have clear top-k margins"
+    clear = ((top[:, : TOP_K] - top[:, 1 : TOP_K + 1]).abs().min(-1).values > 0.05).cpu()
+    assert clear.sum() >= (tokens + 1) // 2, f"test data: most tokens must have clear top-k margins ({clear.tolist()})"
     assert torch.equal(ids.cpu()[clear], ref_ids[clear]), "expert ids differ where the fp64 margins are clear"
-    assert (weights.cpu()[clear] - ref_w[clear]).abs().max() <= 2e-3
+    assert (weights.cpu()[clear] - ref_w[clear]).abs().max() <= 1e-2  # a logit may round to the next fp16
     assert torch.allclose(weights.sum(-1), torch.ones(tokens, device="cuda"), atol=1e-5)
     if shared:
         assert gate.shape == (tokens, 1)
