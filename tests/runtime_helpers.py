@@ -199,6 +199,9 @@ class _Replay:
     def pool(self) -> None:
         return None
 
+    def reset(self) -> None:
+        pass
+
 
 class _FakeStream:
     def wait_stream(self, other) -> None:
@@ -228,7 +231,7 @@ def emulate_graphs(monkeypatch, engine) -> None:
             finally:
                 model_runner.set_context(None)
 
-        graph.graph = _Replay(replay)
+        graph.pieces = [_Replay(replay)]  # the whole step in one emulated piece
         if graph.draft is not None:
             draft = graph.draft
             draft.graph = _Replay(lambda: draft.drafts.copy_(draft.forward()))
