@@ -199,9 +199,6 @@ class _Replay:
     def pool(self) -> None:
         return None
 
-    def reset(self) -> None:
-        pass
-
 
 class _FakeStream:
     def wait_stream(self, other) -> None:
@@ -231,7 +228,7 @@ def emulate_graphs(monkeypatch, engine) -> None:
             finally:
                 model_runner.set_context(None)
 
-        graph.pieces = [_Replay(replay)]  # the whole step in one emulated piece
+        graph.graph = _Replay(replay)
         if graph.draft is not None:
             draft = graph.draft
             draft.graph = _Replay(lambda: draft.drafts.copy_(draft.forward()))

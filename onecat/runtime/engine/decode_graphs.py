@@ -62,26 +62,10 @@ class DecodeGraph:
         self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.state_src, self.state_dst = self.inputs
         self.block_tables = torch.full((rows, width), scratch_block, dtype=torch.int64, device=device)
         self.rows: list[list[int]] = [[scratch_block] for _ in range(rows)]
-        self.pieces: list[torch.cuda.CUDAGraph] = []  # the step, captured as consecutive pieces
+        self.graph = torch.cuda.CUDAGraph()
         self.hidden: torch.Tensor | None = None
         self.logits: torch.Tensor | None = None
         self.draft: DraftGraph | None = None  # speculative decoding: the MTP drafting after this graph
-
-    def replay(self) -> None:
-        """Launch the step's pieces in order. A graph's launch costs host time in proportion to
-        its kernels (about 0.75 us each on the H200's host, measured as the gap before a
-        step's first kernel), and the GPU starts a graph only once it is launched: with a
-        small first piece the GPU starts almost at once and the later launches overlap the
-        earlier pieces' execution."""
-        for piece in self.pieces:
-            piece.replay()
-
-    def reset(self) -> None:
-        """Free the captured pieces (and the MTP drafting graph)."""
-        for piece in self.pieces:
-            piece.reset()
-        if self.draft is not None:
-            self.draft.graph.reset()
 
     def context(self) -> ForwardContext:
         return ForwardContext(

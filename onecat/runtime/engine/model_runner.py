@@ -69,9 +69,6 @@ GRAPH_RESERVE_BYTES = 512 << 20
 MIN_GRAPH_BLOCKS = 16
 MAX_STATE_CHECKPOINTS = 16
 """Most GDN state checkpoints kept for prefix caching (each is a whole slot: ~151 MB on the 27B)."""
-DECODE_GRAPH_PIECES = (2, 8)
-"""Layer boundaries at which a decode step is cut into separately launched CUDA graphs
-(``DecodeGraph.replay``): the GPU starts after the first 2 layers are launched, not after all."""
 OVERFLOW_CHECK_STEPS = 64
 """The fp16-overflow check of the logits (a host sync and four small kernels) runs on every
 eager pass (every prompt) and on one decode-graph step in this many."""
@@ -566,7 +563,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         for graph in self.graphs.values():
-            graph.reset()
+            graph.graph.reset()
+            if graph.draft is not None:
+                graph.draft.graph.reset()
         self.graphs.clear()
         if self.prompt_graphs is not None:
             self.prompt_graphs.release()
@@ -593,20 +592,10 @@ class ModelRunner:
                     self.model.compute_logits(self.model(graph.input_ids, graph.positions))
             torch.cuda.current_stream(self.device).wait_stream(side)
             set_context(graph.context())  # fresh: nothing computed in the warm-up is reused
-            model, layers = self.model.model, len(self.model.model.layers)
-            bounds = [b for b in DECODE_GRAPH_PIECES if b < layers] + [layers]
-            state = (None, None)
-            for start, end in zip([0, *bounds[:-1]], bounds, strict=True):
-                piece = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(piece, pool=self.graph_pool), fusion.compiling():
-                    if start == 0:
-                        state = (model.embed_tokens(graph.input_ids), None)
-                    state = model.run_layers(graph.positions, state, start, end)
-                    if end == layers:
-                        graph.hidden = model.final_norm(state)
-                        graph.logits = self.model.compute_logits(graph.hidden)
-                self.graph_pool = piece.pool()
-                graph.pieces.append(piece)
+            with torch.cuda.graph(graph.graph, pool=self.graph_pool), fusion.compiling():
+                graph.hidden = self.model(graph.input_ids, graph.positions)
+                graph.logits = self.model.compute_logits(graph.hidden)
+            self.graph_pool = graph.graph.pool()
         finally:
             set_context(None)
         if positions > 1 and self.model.mtp is not None:
@@ -629,5 +618,5 @@ class ModelRunner:
         host[4:] = [position_major(column, positions) for column in host[4:]]  # GDN state rows
         graph.inputs.copy_(to_device(host, torch.int64, graph.inputs.device))
         update_tables(graph, rows.tables + [[self.num_blocks]] * pad)
-        graph.replay()
+        graph.graph.replay()
         return graph

@@ -619,23 +619,9 @@ class Qwen3_5Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Token ids ``[T]`` -> final hidden states ``[T, hidden]``."""
-        state = self.run_layers(positions, (self.embed_tokens(input_ids), None), 0, len(self.layers))
-        return self.final_norm(state)
-
-    def run_layers(
-        self, positions: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor | None], start: int, end: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layers ``start .. end - 1`` on ``state`` = (output of the layer before, before its
-        residual add; the residual, None before the first layer) -> the same after them
-        (decode graphs capture the model in such pieces)."""
-        x, residual = state
-        for layer in self.layers[start:end]:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
             x, residual = layer(positions, x, residual)
-        return x, residual
-
-    def final_norm(self, state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The last layer's residual add and the final norm: hidden states ``[T, hidden]``."""
-        x, residual = state
         return add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
 
