@@ -503,6 +503,11 @@ def test_decode_step_projects_b_and_a_in_the_kernel(monkeypatch, width):
         finally:
             set_context(None)
 
+    from onecat.runtime.models import qwen3_5
+
+    monkeypatch.setattr(qwen3_5, "KERNEL_BA_MAX_ROWS", rows - 1)
+    assert run()[0].shape == (rows, 8), "above KERNEL_BA_MAX_ROWS rows project runs in_proj_ba"
+    monkeypatch.setattr(qwen3_5, "KERNEL_BA_MAX_ROWS", rows)
     handed, got, got_rec = run()
     assert handed.data_ptr() == x.data_ptr(), "project computed in_proj_ba in a pass of decode rows only"
     monkeypatch.setattr(GatedDeltaNet, "_uses_decode_kernel", lambda self, mixed: False)

@@ -39,6 +39,11 @@ from onecat.runtime.layers.rotary import PartialRotaryEmbedding, apply_partial_r
 from onecat.runtime.models.config import ModelConfig
 from onecat.runtime.quant_plan import QuantPlan
 
+KERNEL_BA_MAX_ROWS = 8
+"""Decode passes of at most this many rows project GDN's b and a inside the decode kernel;
+larger batches run in_proj_ba (cuBLAS), whose cost does not grow with the rows as the
+kernel's per-(head, row) dot products over the hidden size do."""
+
 
 def merged_linear(
     plan: QuantPlan,
@@ -312,7 +317,9 @@ class GatedDeltaNet(nn.Module):
         if ba.is_packed or ba.bias is not None or ba.weight.dtype != torch.float16 or ba.in_features == ba.out_features:
             return False
         ctx = get_context()
-        return ctx.num_decodes == x.shape[0] and not ctx.prefills and self._uses_decode_kernel(x)
+        return (
+            ctx.num_decodes == x.shape[0] <= KERNEL_BA_MAX_ROWS and not ctx.prefills and self._uses_decode_kernel(x)
+        )
 
     def _is_layer_input(self, ba: torch.Tensor) -> bool:
         """Whether ``project`` handed the layer input in ``ba``'s place (see :meth:`_kernel_projects_ba`)."""
