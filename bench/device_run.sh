@@ -33,11 +33,14 @@ for section in ${@:-tests e2e}; do
   case $section in
     tests) run 600 gpu-tests python3 -m pytest -q -p no:cacheprovider -m gpu tests --ignore=tests/test_runtime_tp.py ;;
     tp-tests) NCCL_NVLS_ENABLE=0 TORCHDYNAMO_DISABLE=1 run 600 tp-tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_runtime_tp.py ;;
-    profile) (cd bench && run 300 profile python3 profile_step.py --model 27b --batches 1,8,32 --out "$out/profile_27b.json") ;;
+    profile) (cd bench && run 300 profile python3 profile_step.py --model 27b --batches 1,8,32 --out "$out/profile_27b.json"
+              run 200 profile-35b python3 profile_step.py --model 35b-a3b --batches 1,8,32 --prefill-len 0 \
+                --out "$out/profile_35b.json") ;;
+    router) (cd bench && run 120 router python3 router.py) ;;
     e2e) (cd bench && run 600 e2e python3 e2e.py --models 27b,35b-a3b --batches 1,8,32 --hf-layers 8 --out "$out/e2e.json") ;;
     serve) (cd bench && run 600 serve python3 serve_h200.py --models 35b-a3b,27b --concurrency 1,8,32,64 --out "$out/serve.json") ;;
     serve-decode) (cd bench && run 400 serve-decode python3 serve_h200.py --models 35b-a3b,27b --concurrency 32 \
                      --input-len 128 --range-ratio 0 --output-len 256 --out "$out/serve_decode.json") ;;
-    *) echo "unknown section $section (tests, tp-tests, profile, e2e, serve, serve-decode)" >&2; exit 2 ;;
+    *) echo "unknown section $section (tests, tp-tests, profile, router, e2e, serve, serve-decode)" >&2; exit 2 ;;
   esac
 done
