@@ -99,3 +99,19 @@ def error_report(name, got, ref):
 def chunk_count(lengths, chunk=64):
     """Chunks of 64 tokens over these sequences."""
     return sum(math.ceil(n / chunk) for n in lengths)
+
+
+def mixed_step_context(decode_slots: list[int], lengths: list[int], prefill_slots: list[int], device):
+    """The ``ForwardContext`` of one step of decode rows (state slots ``decode_slots``) then
+    prompt chunks of ``lengths`` (fresh sequences in ``prefill_slots``), laid out one after
+    another, as the runner builds it (KV slots unused: GDN layers only)."""
+    from onecat.runtime.context import ForwardContext, PrefillChunk
+
+    prefills, start = [], len(decode_slots)
+    for length, slot in zip(lengths, prefill_slots, strict=True):
+        prefills.append(PrefillChunk(start, length, 0, torch.zeros(1, dtype=torch.int64, device=device), slot))
+        start += length
+    return ForwardContext(
+        slot_mapping=torch.zeros(start, dtype=torch.int64, device=device), prefills=prefills,
+        num_decodes=len(decode_slots), decode_state_slots=torch.tensor(decode_slots, device=device),
+    )

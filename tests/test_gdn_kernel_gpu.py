@@ -435,8 +435,10 @@ def test_mixed_step_layer_output_matches_the_torch_norm_paths(monkeypatch):
     finish): decode rows through the fused kernel, prompt rows through the prefill kernels
     and the gated-norm kernel, against the same step with the torch decode step and the
     torch gated norm (prefill kernels in both). Outputs after out_proj and the state pools."""
+    from gdn_prefill_reference import mixed_step_context
+
     from onecat.kernels import gdn as gdn_kernel
-    from onecat.runtime.context import ForwardContext, PrefillChunk, set_context
+    from onecat.runtime.context import set_context
     from onecat.runtime.models.qwen3_5 import GatedDeltaNet
 
     layer = small_layer(8)
@@ -447,13 +449,7 @@ def test_mixed_step_layer_output_matches_the_torch_norm_paths(monkeypatch):
 
     def run():
         layer.conv_state, layer.recurrent_state = conv0.clone(), rec0.clone()
-        prefills, start = [], len(decode_slots)
-        for length, slot in zip(lengths, prefill_slots, strict=True):
-            prefills.append(PrefillChunk(start, length, 0, torch.zeros(1, dtype=torch.int64, device="cuda"), slot))
-            start += length
-        ctx = ForwardContext(slot_mapping=torch.zeros(tokens, dtype=torch.int64, device="cuda"), prefills=prefills,
-                             num_decodes=len(decode_slots), decode_state_slots=torch.tensor(decode_slots, device="cuda"))
-        set_context(ctx)
+        set_context(mixed_step_context(decode_slots, lengths, prefill_slots, "cuda"))
         try:
             with torch.inference_mode():
                 return layer(torch.zeros(tokens, dtype=torch.int64, device="cuda"), x), layer.recurrent_state

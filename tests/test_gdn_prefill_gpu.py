@@ -19,7 +19,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gdn_prefill_reference import DK, conv_fp64, error_report, random_prefill, recurrence_fp64
+from gdn_prefill_reference import (
+    DK,
+    conv_fp64,
+    error_report,
+    mixed_step_context,
+    random_prefill,
+    recurrence_fp64,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -160,7 +167,7 @@ def test_gated_deltanet_layer_kernel_path_matches_torch_path(monkeypatch):
     three prompt chunks in one batch: kernel prefill path vs the torch path, outputs and the
     conv and recurrent state pools."""
     from onecat.kernels import gdn_prefill
-    from onecat.runtime.context import ForwardContext, PrefillChunk, set_context
+    from onecat.runtime.context import set_context
     from onecat.runtime.models.config import ModelConfig
     from onecat.runtime.models.qwen3_5 import GatedDeltaNet
     from onecat.runtime.quant_plan import QuantPlan
@@ -191,14 +198,7 @@ def test_gated_deltanet_layer_kernel_path_matches_torch_path(monkeypatch):
 
     def run():
         layer.conv_state, layer.recurrent_state = conv0.clone(), rec0.clone()
-        prefills, start = [], len(decode_slots)
-        for length, slot in zip(lengths, prefill_slots, strict=True):
-            prefills.append(PrefillChunk(start, length, 0, torch.zeros(1, dtype=torch.int64, device="cuda"), slot))
-            start += length
-        ctx = ForwardContext(slot_mapping=torch.zeros(tokens, dtype=torch.int64, device="cuda"), prefills=prefills)
-        ctx.num_decodes = len(decode_slots)
-        ctx.decode_state_slots = torch.tensor(decode_slots, device="cuda")
-        set_context(ctx)
+        set_context(mixed_step_context(decode_slots, lengths, prefill_slots, "cuda"))
         try:
             with torch.inference_mode():
                 out = layer(torch.zeros(tokens, dtype=torch.int64, device="cuda"), x)
