@@ -1,12 +1,14 @@
 """The MoE router of one Qwen3.5-35B-A3B layer at decode batch sizes (GPU).
 
-    ONECAT_KERNEL_DIR=.ptx ONECAT_KERNEL_ARCH=70 python bench/router.py [--tokens 1,8,32,64]
+    ONECAT_KERNEL_DIR=.ptx ONECAT_KERNEL_ARCH=70 python bench/router.py [--tokens 1,8,32,64] [--warps 16,8,4]
 
 Times, in the same run (median of CUDA-graph replays, ``onecat.kernels.timing``): onecat's
 one-launch router (``moe_router``: the router's projection [256, 2048], softmax / top-8 /
 renormalisation and the shared expert's gate, with the shared expert appended as a 9th
 choice), against the unfused path it replaces: two fp16 ``F.linear`` calls (cuBLAS) and the
-routing kernel (``moe_route``).
+routing kernel (``moe_route``). ``--warps`` times the router kernel at other block sizes
+(weight rows per block, ``onecat.kernels.moe._ROUTER_WARPS``; the kernel takes any up to 16),
+one ``moe_router_us_w<N>`` column each.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import torch
 import torch.nn.functional as F
 
+from onecat.kernels import moe
 from onecat.kernels.moe import moe_route, moe_router
 from onecat.kernels.timing import graph_time_us
 
@@ -27,7 +30,9 @@ def main() -> None:
     """Print one JSON row per token count."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1,8,32,64")
+    parser.add_argument("--warps", default="", help="other block sizes (rows per block) to time, e.g. 8,4")
     args = parser.parse_args()
+    block_sizes = [int(w) for w in args.warps.split(",") if w]
     gen = torch.Generator(device="cuda").manual_seed(0)
     router = (torch.randn(EXPERTS, HIDDEN, device="cuda", generator=gen) / 32).half()
     shared = (torch.randn(1, HIDDEN, device="cuda", generator=gen) / 32).half()
@@ -42,6 +47,13 @@ def main() -> None:
 
         row = {"tokens": tokens, "moe_router_us": graph_time_us([fused]), "linear_route_linear_us": graph_time_us([unfused])}
         row["speedup"] = row["linear_route_linear_us"] / row["moe_router_us"]
+        default_warps = moe._ROUTER_WARPS
+        for warps in block_sizes:
+            moe._ROUTER_WARPS = warps
+            try:
+                row[f"moe_router_us_w{warps}"] = graph_time_us([fused])
+            finally:
+                moe._ROUTER_WARPS = default_warps
         print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
 
 

@@ -21,25 +21,42 @@
 //   every token instead: ids/weights are [T, k+1] and column k holds (shared_id, sigmoid(g)),
 //   so that the grouped MoE op adds sigmoid(g) * shared(x) to the routed sum.
 //   Data layout: x [T, H] fp16 (row stride x_stride elements, rows 16-byte aligned, H % 8 ==
-//   0); router_w [E, H] and shared_w [H] fp16 contiguous; scratch fp32 [T, E]; counter one
-//   u32 that is zero on entry and left zero; weights fp32 / ids int32 [T, k] or [T, k+1].
-//   Thread mapping: block b, warp w computes weight row r = 16 b + w (rows 0..E-1 the
-//   experts, row E the shared gate) for every token.  The block first stages up to 8
-//   tokens of x in shared memory (all threads, 128-bit loads: one round trip to L2 instead of
-//   one per token and column chunk); then lane l reads 8 consecutive weights (one 128-bit
-//   load) per 256 columns and the same 8 columns of each staged token from shared memory,
-//   fp32 products, a warp shuffle sum per token.  Each block then fences and takes a ticket;
-//   the last block to finish (all logits are in the scratch) runs the selection, one warp
-//   per token, reading the logits through L2, and zeroes the counter again.  No block waits
-//   for another, so the kernel is safe whatever the residency.
+//   0); router_w [E, H] and shared_w [H] fp16 contiguous; scratch 32-bit [T, E] (selection
+//   keys, below); counter one u32 that is zero on entry and left zero; weights fp32 / ids
+//   int32 [T, k] or [T, k+1].
+//   Thread mapping: any block size up to kRouterMaxWarps warps (the launch chooses rows per
+//   block); warp w of block b computes weight row r = b * warps + w (rows 0..E-1 the experts,
+//   row E the shared gate) for every token.  Latency, not bandwidth, is the cost (1 MiB of
+//   weights), so every memory round trip is issued as early as possible:
+//   1. each lane loads its first 2048 columns of the row (8 x 128-bit loads, all in flight)
+//      BEFORE the block stages x, so the weight and x round trips overlap;
+//   2. the block stages up to 8 tokens of x in shared memory (128-bit loads by all threads);
+//   3. lane l multiplies 8 consecutive weights per 256 columns with the same 8 columns of
+//      each staged token (fp32 products and sums);
+//   4. one transposing butterfly reduces the 8 tokens' sums in 9 shuffles (not 8 x 5): after
+//      halving the live values at offsets 16, 8 and 4, lane l holds token (l >> 2) & 7;
+//   5. the rounded logit is written as a 32-bit selection key (below) to the scratch; each
+//      block fences and takes a ticket; the last block to finish (all keys are in the
+//      scratch) selects, one warp per token, reading the keys through L2, and zeroes the
+//      counter again.  No block waits for another, so the kernel is safe whatever the
+//      residency.
+//   Selection keys: the logits are fp16 numbers, so (order-preserving fp16 bits << 16) |
+//   (0xFFFF - expert) is one u32 whose unsigned order is "larger logit, then lower expert
+//   index" (-0 is taken as +0, as the float comparison does).  A warp then finds the top
+//   L = 8 (16, 32) keys of 32 x 8 without serial argmax rounds: each lane sorts its 8 keys
+//   (bitonic network in registers) and the lanes merge their sorted lists in 5 butterfly
+//   steps (each: the partner's list reversed by shuffles, an elementwise max, which keeps the
+//   top L of both as a bitonic sequence, and a bitonic merge); every lane ends with the same
+//   sorted top L, and computes the softmax over the first k itself (no shuffles).
 #include "w4a16_common.cuh"
 
 namespace onecat {
 constexpr int kRouteWarps = 4;
 constexpr int kSlots = 32;  // logits per lane: E <= 1024
-constexpr int kRouterWarps = 16;
+constexpr int kRouterMaxWarps = 16;        // largest block the decode router takes
 constexpr int kRouterTokens = 8;           // most tokens staged in shared memory at a time
 constexpr int kRouterStageHalfs = 16384;   // 32 KB of staged x: 8 tokens of H = 2048
+constexpr int kRowVecs = 8;                // 128-bit weight loads a lane holds: 2048 columns
 
 __device__ __forceinline__ bool route_better(float v, int i, float bv, int bi) {
   return bi < 0 || v > bv || (v == bv && i < bi);
@@ -92,6 +109,150 @@ __device__ __forceinline__ void select_top_k(const float (&v)[kSlots], int E, in
     ids[lane] = mine_index;
   }
 }
+
+// --- key selection (decode router) ---------------------------------------------------------
+
+// u32 key of an fp16 logit and its expert: larger key = larger logit, then lower index.
+__device__ __forceinline__ unsigned route_key(half logit, int expert) {
+  unsigned bits = __half_as_ushort(logit);
+  if (bits == 0x8000u) bits = 0u;  // -0 == +0
+  const unsigned ordered = (bits & 0x8000u) ? (~bits & 0xFFFFu) : (bits | 0x8000u);
+  return (ordered << 16) | (0xFFFFu - (unsigned)expert);
+}
+
+__device__ __forceinline__ float key_logit(unsigned key) {
+  const unsigned ordered = key >> 16;
+  const unsigned bits = (ordered & 0x8000u) ? (ordered & 0x7FFFu) : (~ordered & 0xFFFFu);
+  return __half2float(__ushort_as_half((unsigned short)bits));
+}
+
+__device__ __forceinline__ int key_expert(unsigned key) { return (int)(0xFFFFu - (key & 0xFFFFu)); }
+
+// Sort N keys descending in registers (bitonic network; N a power of two).
+template <int N>
+__device__ __forceinline__ void sort_keys(unsigned (&a)[N]) {
+#pragma unroll
+  for (int size = 2; size <= N; size <<= 1) {
+#pragma unroll
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        const int j = i ^ stride;
+        if (j > i) {
+          const bool descending = (i & size) == 0 || size == N;
+          const unsigned hi = max(a[i], a[j]), lo = min(a[i], a[j]);
+          a[i] = descending ? hi : lo;
+          a[j] = descending ? lo : hi;
+        }
+      }
+    }
+  }
+}
+
+// Sort a bitonic sequence of N keys descending (the merge half of the network).
+template <int N>
+__device__ __forceinline__ void merge_keys(unsigned (&a)[N]) {
+#pragma unroll
+  for (int stride = N >> 1; stride > 0; stride >>= 1) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const int j = i ^ stride;
+      if (j > i) {
+        const unsigned hi = max(a[i], a[j]);
+        a[j] = min(a[i], a[j]);
+        a[i] = hi;
+      }
+    }
+  }
+}
+
+// The top_k (<= L) of one token's E keys (global, read through L2), the softmax over them,
+// weights[0..k) and ids[0..k) written by lanes 0..k-1.  Padding keys are 0, below any real
+// key (whose index part is at least 0xFFFF - 1023).
+template <int L>
+__device__ __forceinline__ void select_keys(const unsigned* __restrict__ keys, int E, int top_k,
+                                            float* __restrict__ weights, int* __restrict__ ids) {
+  const int lane = threadIdx.x & 31;
+  unsigned best[L];
+#pragma unroll
+  for (int i = 0; i < L; ++i) best[i] = 0u;
+  for (int e0 = 0; e0 < E; e0 += 256) {  // 8 keys per lane at a time: E = 256 is one round
+    unsigned group[8];
+#pragma unroll
+    for (int p = 0; p < 8; ++p) {
+      const int e = e0 + 32 * p + lane;
+      group[p] = e < E ? __ldcg(keys + e) : 0u;
+    }
+    sort_keys<8>(group);
+#pragma unroll
+    for (int i = 0; i < L; ++i) best[i] = max(best[i], L - 1 - i < 8 ? group[L - 1 - i] : 0u);
+    merge_keys<L>(best);
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    unsigned other[L];
+#pragma unroll
+    for (int i = 0; i < L; ++i) other[i] = __shfl_xor_sync(0xffffffffu, best[L - 1 - i], offset);
+#pragma unroll
+    for (int i = 0; i < L; ++i) best[i] = max(best[i], other[i]);
+    merge_keys<L>(best);
+  }
+  const float top = key_logit(best[0]);
+  float sum = 0.0f, mine = 0.0f;
+  unsigned mine_key = 0u;
+#pragma unroll
+  for (int i = 0; i < L; ++i) {
+    if (i < top_k) {
+      const float ex = expf(key_logit(best[i]) - top);
+      sum += ex;
+      if (i == lane) {
+        mine = ex;
+        mine_key = best[i];
+      }
+    }
+  }
+  if (lane < top_k) {
+    weights[lane] = mine / sum;
+    ids[lane] = key_expert(mine_key);
+  }
+}
+
+// Sum acc[j] (token j's partial sum in every lane) over the warp in 9 shuffles: halving the
+// live values at offsets 16, 8, 4 (a lane keeps the half its offset bit selects and adds the
+// partner's copy of it), then two plain steps.  Returns token (lane >> 2) & 7's total.
+__device__ __forceinline__ float warp_sum_tokens(const float (&acc)[8]) {
+  const int lane = threadIdx.x & 31;
+  float four[4], two[2];
+  bool up = (lane & 16) != 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float send = up ? acc[i] : acc[i + 4];
+    four[i] = (up ? acc[i + 4] : acc[i]) + __shfl_xor_sync(0xffffffffu, send, 16);
+  }
+  up = (lane & 8) != 0;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float send = up ? four[i] : four[i + 2];
+    two[i] = (up ? four[i + 2] : four[i]) + __shfl_xor_sync(0xffffffffu, send, 8);
+  }
+  up = (lane & 4) != 0;
+  float one = (up ? two[1] : two[0]) + __shfl_xor_sync(0xffffffffu, up ? two[0] : two[1], 4);
+  one += __shfl_xor_sync(0xffffffffu, one, 2);
+  one += __shfl_xor_sync(0xffffffffu, one, 1);
+  return one;
+}
+
+// This lane's 128-bit weight vectors of row w for columns [k0, k0 + 2048): column k0 + 256 v
+// + 8 lane .. +8 in vector v (zeros past H).
+__device__ __forceinline__ void load_row(uint4 (&wv)[kRowVecs], const half* __restrict__ w, int k0,
+                                         int H) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int v = 0; v < kRowVecs; ++v) {
+    const int k = k0 + 256 * v + 8 * lane;
+    wv[v] = k < H ? load_weights_streaming(reinterpret_cast<const uint4*>(w + k)) : make_uint4(0, 0, 0, 0);
+  }
+}
 }  // namespace onecat
 
 extern "C" __global__ void __launch_bounds__(32 * onecat::kRouteWarps)
@@ -115,7 +276,7 @@ w4a16_moe_route_topk(const void* logits, int logits32, int row_stride, int T, in
   select_top_k(v, E, top_k, weights + (size_t)t * top_k, ids + (size_t)t * top_k);
 }
 
-extern "C" __global__ void __launch_bounds__(32 * onecat::kRouterWarps)
+extern "C" __global__ void __launch_bounds__(32 * onecat::kRouterMaxWarps)
 w4a16_moe_route_decode(const half* __restrict__ x, int x_stride, int T, int H,
                        const half* __restrict__ router_w, int E, const half* __restrict__ shared_w,
                        int top_k, int shared_id, float* __restrict__ scratch,
@@ -123,16 +284,20 @@ w4a16_moe_route_decode(const half* __restrict__ x, int x_stride, int T, int H,
                        int* __restrict__ ids, half* __restrict__ shared_gate) {
   using namespace onecat;
   __shared__ __align__(16) half xs[kRouterStageHalfs];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int stride = top_k + (shared_id >= 0 ? 1 : 0);  // choices per token in weights / ids
-  const int row = blockIdx.x * kRouterWarps + warp;
+  unsigned* keys = reinterpret_cast<unsigned*>(scratch);
+  const int row = blockIdx.x * warps + warp;
   const bool has_row = row < E + (shared_w != nullptr ? 1 : 0);
   const half* w = row < E ? router_w + (size_t)row * H : shared_w;
+  const bool one_pass = H <= 256 * kRowVecs;  // the whole row stays in registers
+  uint4 wv[kRowVecs];
+  if (has_row) load_row(wv, w, 0, H);  // in flight while x is staged
   const int chunk = min(kRouterTokens, kRouterStageHalfs / H);  // tokens staged at a time
   const int vecs = H / 8;                                        // 16-byte vectors per x row
   for (int t0 = 0; t0 < T; t0 += chunk) {
     const int n = min(chunk, T - t0);
-    __syncthreads();  // the previous chunk's readers are done
+    if (t0 > 0) __syncthreads();  // the previous chunk's readers are done
     for (int v = threadIdx.x; v < n * vecs; v += blockDim.x) {
       const int j = v / vecs;
       reinterpret_cast<uint4*>(xs)[v] =
@@ -143,42 +308,42 @@ w4a16_moe_route_decode(const half* __restrict__ x, int x_stride, int T, int H,
     float acc[kRouterTokens];
 #pragma unroll
     for (int j = 0; j < kRouterTokens; ++j) acc[j] = 0.0f;
-#pragma unroll 4
-    for (int k = 8 * lane; k < H; k += 256) {
-      const uint4 wv = __ldg(reinterpret_cast<const uint4*>(w + k));
-      const half2* wh = reinterpret_cast<const half2*>(&wv);
-      float2 wf[4];
+    for (int k0 = 0; k0 < H; k0 += 256 * kRowVecs) {
+      if (!one_pass && (k0 > 0 || t0 > 0)) load_row(wv, w, k0, H);
 #pragma unroll
-      for (int p = 0; p < 4; ++p) wf[p] = __half22float2(wh[p]);
+      for (int v = 0; v < kRowVecs; ++v) {
+        const int k = k0 + 256 * v + 8 * lane;
+        if (k >= H) break;
+        const half2* wh = reinterpret_cast<const half2*>(&wv[v]);
+        float2 wf[4];
 #pragma unroll
-      for (int j = 0; j < kRouterTokens; ++j) {
-        if (j < n) {
-          const uint4 xv = *reinterpret_cast<const uint4*>(xs + j * H + k);
-          const half2* xh = reinterpret_cast<const half2*>(&xv);
+        for (int p = 0; p < 4; ++p) wf[p] = __half22float2(wh[p]);
 #pragma unroll
-          for (int p = 0; p < 4; ++p) {
-            const float2 b = __half22float2(xh[p]);
-            acc[j] = fmaf(wf[p].x, b.x, fmaf(wf[p].y, b.y, acc[j]));
+        for (int j = 0; j < kRouterTokens; ++j) {
+          if (j < n) {
+            const uint4 xv = *reinterpret_cast<const uint4*>(xs + j * H + k);
+            const half2* xh = reinterpret_cast<const half2*>(&xv);
+#pragma unroll
+            for (int p = 0; p < 4; ++p) {
+              const float2 b = __half22float2(xh[p]);
+              acc[j] = fmaf(wf[p].x, b.x, fmaf(wf[p].y, b.y, acc[j]));
+            }
           }
         }
       }
     }
-#pragma unroll
-    for (int j = 0; j < kRouterTokens; ++j) {
-      float sum = acc[j];
-#pragma unroll
-      for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-      if (lane == 0 && j < n) {
-        const int t = t0 + j;
-        const half rounded = __float2half_rn(sum);
-        if (row < E) {
-          scratch[(size_t)t * E + row] = __half2float(rounded);
-        } else if (shared_id >= 0) {
-          weights[(size_t)t * stride + top_k] = 1.0f / (1.0f + expf(-__half2float(rounded)));
-          ids[(size_t)t * stride + top_k] = shared_id;
-        } else {
-          shared_gate[t] = rounded;
-        }
+    const float sum = warp_sum_tokens(acc);
+    const int j = lane >> 2;
+    if ((lane & 3) == 0 && j < n) {
+      const int t = t0 + j;
+      const half rounded = __float2half_rn(sum);
+      if (row < E) {
+        keys[(size_t)t * E + row] = route_key(rounded, row);
+      } else if (shared_id >= 0) {
+        weights[(size_t)t * stride + top_k] = 1.0f / (1.0f + expf(-__half2float(rounded)));
+        ids[(size_t)t * stride + top_k] = shared_id;
+      } else {
+        shared_gate[t] = rounded;
       }
     }
   }
@@ -194,14 +359,17 @@ w4a16_moe_route_decode(const half* __restrict__ x, int x_stride, int T, int H,
   }
   __syncthreads();
   if (!last) return;
-  for (int t = warp; t < T; t += kRouterWarps) {
-    float v[kSlots];
-#pragma unroll
-    for (int s = 0; s < kSlots; ++s) {
-      const int i = s * 32 + lane;
-      v[s] = i < E ? __ldcg(scratch + (size_t)t * E + i) : 0.0f;
+  for (int t = warp; t < T; t += warps) {
+    const unsigned* token_keys = keys + (size_t)t * E;
+    float* tw = weights + (size_t)t * stride;
+    int* ti = ids + (size_t)t * stride;
+    if (top_k <= 8) {
+      select_keys<8>(token_keys, E, top_k, tw, ti);
+    } else if (top_k <= 16) {
+      select_keys<16>(token_keys, E, top_k, tw, ti);
+    } else {
+      select_keys<32>(token_keys, E, top_k, tw, ti);
     }
-    select_top_k(v, E, top_k, weights + (size_t)t * stride, ids + (size_t)t * stride);
   }
   if (threadIdx.x == 0) *counter = 0u;
 }
