@@ -226,8 +226,8 @@ def graph_matches_eager(engine: LLMEngine, prompt_len: int, tokens: int = 8) -> 
         logits = []
         run = engine.runner.run
 
-        def spy(scheduled, run=run, logits=logits):
-            seqs, out = run(scheduled)
+        def spy(scheduled, *args, run=run, logits=logits):
+            seqs, out = run(scheduled, *args)
             if len(out):  # a prompt chunk cut at a prefix-cache checkpoint samples nothing
                 logits.append(out[0].float().clone())
             return seqs, out

@@ -107,17 +107,27 @@ def graph_only_ms(engine: LLMEngine, batch: int, steps: int) -> float:
     return (time.perf_counter() - start) * 1e3 / steps
 
 
-def profile_decode(engine: LLMEngine, batch: int, steps: int, prompt_len: int, top: int) -> dict:
-    """Wall and kernel time of ``steps`` decode steps of ``batch`` sequences."""
-    ids = start_decoding(engine, batch, prompt_len, 3 * steps + 8, 77 * batch, tag="prof")
-    for _ in range(3):
-        engine.step()
+def timed_steps_ms(engine: LLMEngine, steps: int) -> float:
+    """Wall milliseconds per engine step over ``steps`` steps."""
     sync()
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
     sync()
-    wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    return (time.perf_counter() - start) * 1e3 / steps
+
+
+def profile_decode(engine: LLMEngine, batch: int, steps: int, prompt_len: int, top: int) -> dict:
+    """Wall and kernel time of ``steps`` decode steps of ``batch`` sequences, with and without
+    overlapped steps (``async_scheduling``)."""
+    ids = start_decoding(engine, batch, prompt_len, 5 * steps + 8, 77 * batch, tag="prof")
+    for _ in range(3):
+        engine.step()
+    engine.config.async_scheduling = False
+    sync_ms = timed_steps_ms(engine, steps)
+    engine.config.async_scheduling = True
+    engine.step()
+    wall_ms = timed_steps_ms(engine, steps)
     graph_ms = graph_only_ms(engine, batch, steps)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -125,8 +135,8 @@ def profile_decode(engine: LLMEngine, batch: int, steps: int, prompt_len: int, t
         sync()
     for rid in ids:
         engine.abort_request(rid)
-    result = {"batch": batch, "wall_ms": wall_ms, "graph_only_ms": graph_ms, "tok_s": batch / wall_ms * 1e3,
-              **kernel_summary(prof, steps, top)}
+    result = {"batch": batch, "wall_ms": wall_ms, "wall_ms_not_overlapped": sync_ms, "graph_only_ms": graph_ms,
+              "tok_s": batch / wall_ms * 1e3, **kernel_summary(prof, steps, top)}
     result["host_gap_ms"] = wall_ms - result["kernel_ms"]
     result["last_step"] = step_timeline(prof, steps)
     return result

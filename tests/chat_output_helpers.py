@@ -103,14 +103,23 @@ class ScriptedSampler:
         self.eos = engine.tokenizer.eos_token_id
         self.then_free = then_free
 
-    def __call__(self, logits: torch.Tensor, rows: Any) -> Any:
+    def runs_on_device(self, row: Any) -> bool:
+        return self.sampler.runs_on_device(row)
+
+    def _script(self, logits: torch.Tensor, rows: Any) -> torch.Tensor:
         scripted = logits.clone() if self.then_free else torch.full(logits.shape, float("-inf"), device=logits.device)
         for i, row in enumerate(rows):
             n = len(row.token_ids) - row.num_prompt_tokens
             if n < len(self.script) or not self.then_free:
                 scripted[i] = float("-inf")
                 scripted[i, self.script[n] if n < len(self.script) else self.eos] = 0.0
-        return self.sampler(scripted, rows)
+        return scripted
+
+    def __call__(self, logits: torch.Tensor, rows: Any) -> Any:
+        return self.sampler(self._script(logits, rows), rows)
+
+    def sample_on_device(self, logits: torch.Tensor, rows: Any) -> torch.Tensor:  # overlapped decode steps
+        return self.sampler.sample_on_device(self._script(logits, rows), rows)
 
 
 def sse_deltas(chunks: list[Any]) -> tuple[list[dict[str, Any]], list[str | None]]:

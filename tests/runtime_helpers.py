@@ -115,12 +115,14 @@ def reference_logits(model, token_ids: list[int]) -> torch.Tensor:
 
 
 def record_logits(engine) -> dict[str, list[torch.Tensor]]:
-    """Make ``engine`` record, per request id, the logits row of every token it samples."""
+    """Make ``engine`` record, per request id, the logits row of every token it samples.
+    With overlapped decode steps a request that stops on a token (EOS, a stop id or string)
+    has one row more than it has tokens, last: the step in flight when it stopped."""
     records: dict[str, list[torch.Tensor]] = defaultdict(list)
     run = engine.runner.run
 
-    def spy(scheduled):
-        seqs, logits = run(scheduled)
+    def spy(scheduled, *args):
+        seqs, logits = run(scheduled, *args)
         for seq, row in zip(seqs, logits, strict=True):
             records[seq.request_id].append(row.float().clone())
         return seqs, logits

@@ -197,7 +197,7 @@ def test_checkpoints_inside_a_prompt_chunk_do_not_cut_it(dense, monkeypatch):
     engine = engine_for(dense, caching=True, max_num_batched_tokens=256)
     counts = []
     run = engine.runner.run
-    monkeypatch.setattr(engine.runner, "run", lambda scheduled: counts.append([n for _, n in scheduled]) or run(scheduled))
+    monkeypatch.setattr(engine.runner, "run", lambda scheduled, *args: counts.append([n for _, n in scheduled]) or run(scheduled, *args))
     got = run_waves(engine, waves)
     assert counts[0] == [140]
     assert_same_greedy_runs(reference, got, ATOL, label="checkpoints inside a chunk")

@@ -177,13 +177,24 @@ def faulty_server(tiny_model):
 
             detok.append = append
 
-    def sampler(logits, rows):
-        if any(row.params.top_p == POISON_SAMPLER for row in rows):
-            raise RuntimeError("injected sampler fault")
-        return real_sampler(logits, rows)
+    class FaultySampler:
+        runs_on_device = staticmethod(real_sampler.runs_on_device)
+
+        @staticmethod
+        def check(rows):
+            if any(row.params.top_p == POISON_SAMPLER for row in rows):
+                raise RuntimeError("injected sampler fault")
+
+        def __call__(self, logits, rows):
+            self.check(rows)
+            return real_sampler(logits, rows)
+
+        def sample_on_device(self, logits, rows):  # overlapped decode steps sample here
+            self.check(rows)
+            return real_sampler.sample_on_device(logits, rows)
 
     engine.add_request = add_request
-    engine.sampler = sampler
+    engine.sampler = FaultySampler()
     with BackgroundServer(engine) as srv:
         yield srv
 
@@ -244,11 +255,11 @@ def test_forward_failure_fails_its_batch_and_the_engine_carries_on(tiny_model):
     engine = make_engine(tiny_model)
     real_run, failures = engine.runner.run, []
 
-    def run(scheduled):
+    def run(scheduled, *args):
         if any(seq.params.max_tokens == POISON_DETOKENIZER for seq, _ in scheduled) and not failures:
             failures.append(1)
             raise RuntimeError("injected forward fault")
-        return real_run(scheduled)
+        return real_run(scheduled, *args)
 
     engine.runner.run = run
     with BackgroundServer(engine) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
@@ -270,9 +281,9 @@ def slow_prefill_server(tiny_model):
     engine = make_engine(tiny_model, max_num_batched_tokens=16)
     real_run = engine.runner.run
 
-    def slow_run(scheduled):
+    def slow_run(scheduled, *args):
         time.sleep(0.05)
-        return real_run(scheduled)
+        return real_run(scheduled, *args)
 
     engine.runner.run = slow_run
     with BackgroundServer(engine) as srv:

@@ -21,7 +21,9 @@ class EngineConfig:
     down to whole KV blocks) is how often a long prompt's GDN states are checkpointed for it.
     ``speculative_config`` (vLLM's ``--speculative-config``), e.g. ``{"method": "mtp",
     "num_speculative_tokens": 3}``, turns on speculative decoding with the checkpoint's MTP
-    head (``onecat.runtime.engine.speculative``).
+    head (``onecat.runtime.engine.speculative``). ``async_scheduling`` (vLLM's name) overlaps
+    decode steps: the next step is queued on the device before the host reads the tokens of
+    the one before (``LLMEngine.step``); turn it off only to compare.
     """
 
     model: str
@@ -38,3 +40,4 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     state_checkpoint_interval: int = 1024
     speculative_config: dict | str | None = None
+    async_scheduling: bool = True

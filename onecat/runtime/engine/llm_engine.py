@@ -20,6 +20,7 @@ from onecat.kernels.workspace import to_device
 from onecat.runtime.config import EngineConfig
 from onecat.runtime.engine.block_manager import BlockManager, StateCheckpoints, StateSlotPool
 from onecat.runtime.engine.detokenizer import IncrementalDetokenizer
+from onecat.runtime.engine.in_flight import InFlightStep
 from onecat.runtime.engine.model_runner import ModelRunner
 from onecat.runtime.engine.scheduler import Scheduler
 from onecat.runtime.engine.sequence import Sequence, SequenceStatus
@@ -155,6 +156,7 @@ class LLMEngine:
         self.speculation_stats = SpeculationStats()
         runner.warmup()  # decode graphs of every batch size, before any request waits on them
         self._sequences: dict[str, Sequence] = {}
+        self._in_flight: InFlightStep | None = None  # a decode step whose tokens are not read yet
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
 
@@ -248,12 +250,30 @@ class LLMEngine:
         ``finish_reason`` "error" (its blocks and slot freed) and the others carry on; so are
         the requests of a batch whose forward pass raised, when the engine can go on
         (``_forward_failed``). Any other exception means the engine's state is unknown.
+
+        Overlapped decoding (``async_scheduling``, one device, no speculation): a step of
+        decode entries whose rows sample on the device is launched, then the step after it
+        is queued behind it where the scheduler allows (``Scheduler.schedule_ahead``: same
+        sequences, nothing waiting) with its input tokens taken on the device, and only then
+        does the host wait for the first step's tokens and emit them. A sequence that
+        finishes with those tokens has computed one token too many, which is dropped; its
+        blocks and slot are only reused by work queued later, so nothing it writes is read.
         """
         if self.speculation is not None:
             return self._step_speculative()
+        if self._in_flight is not None:
+            outputs = self._step_in_flight()
+            if outputs or self._in_flight is not None:
+                return outputs
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
+        if self._overlaps(scheduled):
+            try:
+                self._in_flight = self._launch(scheduled, None)
+            except Exception as exc:
+                return self._forward_failed(scheduled, exc)
+            return self._step_in_flight()
         try:
             sampled, logits = self.runner.run(scheduled)
         except Exception as exc:
@@ -272,6 +292,92 @@ class LLMEngine:
         for seq, pick in zip(sampled, picks, strict=True):
             try:  # free while nothing raises (Python 3.11+): no per-token cost
                 outputs.append(self._fail(seq, pick) if isinstance(pick, Exception) else self._append(seq, *pick))
+            except Exception as exc:
+                outputs.append(self._fail(seq, exc))
+        return outputs
+
+    # --- overlapped decode steps -------------------------------------------------------------
+
+    def _overlaps(self, scheduled: list[tuple[Sequence, int]]) -> bool:
+        """True when ``scheduled`` can run as an overlapped step: decode entries only, rows
+        that sample on the device, one device."""
+        return (
+            self.config.async_scheduling and isinstance(self.runner, ModelRunner)
+            and all(count == 1 and seq.num_computed_tokens == seq.num_tokens - 1 for seq, count in scheduled)
+            and all(self.sampler.runs_on_device(seq) for seq, _ in scheduled)
+        )  # fmt: skip
+
+    def _launch(self, scheduled: list[tuple[Sequence, int]], source: InFlightStep | None) -> InFlightStep:
+        """Queue the forward pass and the sampling of decode step ``scheduled``; its input
+        tokens come from ``source``'s sampled tokens on the device when given."""
+        inputs = None
+        if source is not None:
+            rows = source.rows_of([seq for seq, _ in scheduled])
+            same = rows == list(range(len(source.scheduled)))
+            inputs = source.tokens if same else source.tokens[to_device(rows, torch.int64, source.tokens.device)]
+        sampled, logits = self.runner.run(scheduled, inputs)
+        for seq, count in scheduled:
+            seq.num_computed_tokens += count
+        self.scheduler.commit(scheduled, register=False)  # blocks: once the tokens are known
+        failures: dict[int, Exception] = {}
+        try:
+            tokens = self.sampler.sample_on_device(logits, sampled)
+        except Exception:  # one request's settings broke the batch: sample row by row, fail that one
+            rows = []
+            for row, seq in enumerate(sampled):
+                try:
+                    rows.append(self.sampler.sample_on_device(logits[row : row + 1], [seq]))
+                except Exception as exc:
+                    failures[row] = exc
+                    rows.append(torch.zeros(1, dtype=torch.int64, device=logits.device))
+            tokens = torch.cat(rows)
+        return InFlightStep(scheduled, tokens, failures)
+
+    def _step_in_flight(self) -> list[RequestOutput]:
+        """Queue the step after the one in flight where the scheduler allows, then emit the
+        in-flight step's tokens."""
+        current, self._in_flight = self._in_flight, None
+        running = [seq for seq, _ in current.scheduled if seq.status == SequenceStatus.RUNNING]
+        failed = {id(current.scheduled[row][0]) for row in current.failures}
+        ahead = [seq for seq in running if not self._last_token_pending(seq) and id(seq) not in failed]
+        scheduled = self.scheduler.schedule_ahead(running, ahead) if ahead else None
+        if scheduled is None:
+            return self._collect(current)
+        for seq in ahead:
+            seq.token_ids.append(0)  # holds the place of the token in flight (the device has it)
+        try:
+            self._in_flight = self._launch(scheduled, current)
+        except Exception as exc:
+            for seq in ahead:
+                seq.token_ids.pop()
+            outputs = self._collect(current)
+            return outputs + self._forward_failed(
+                [(seq, count) for seq, count in scheduled if seq.status == SequenceStatus.RUNNING], exc
+            )
+        return self._collect(current)
+
+    def _last_token_pending(self, seq: Sequence) -> bool:
+        """True when the token in flight for ``seq`` will be its last (its length limits)."""
+        return seq.num_completion_tokens + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= self.max_model_len
+
+    def _collect(self, step: InFlightStep) -> list[RequestOutput]:
+        """Read ``step``'s tokens and emit them (sequences that finished or were aborted
+        while it ran are skipped: their token is the one too many)."""
+        tokens = step.token_ids()
+        outputs = []
+        for row, ((seq, _), token, position) in enumerate(zip(step.scheduled, tokens, step.positions, strict=True)):
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            if row in step.failures:
+                outputs.append(self._fail(seq, step.failures[row]))
+                continue
+            if position < seq.num_tokens:
+                seq.token_ids[position] = token
+            else:
+                seq.token_ids.append(token)
+            self.block_manager.register(seq)
+            try:
+                outputs.append(self._emit(seq, token))
             except Exception as exc:
                 outputs.append(self._fail(seq, exc))
         return outputs
@@ -454,8 +560,13 @@ class LLMEngine:
         )
 
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None) -> RequestOutput:
-        params = seq.params
         seq.token_ids.append(token)
+        return self._emit(seq, token, logprobs)
+
+    def _emit(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None) -> RequestOutput:
+        """The output of ``seq``'s newest token ``token`` (already in its token ids); finishes
+        the request where it stops."""
+        params = seq.params
         self._generation_tokens_total += 1
         reason = None
         is_stop_token = token in params.stop_token_ids or (

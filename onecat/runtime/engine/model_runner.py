@@ -260,23 +260,28 @@ class ModelRunner:
         return batch <= self.graph_batch_sizes[-1]
 
     @torch.inference_mode()
-    def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
+    def run(
+        self, scheduled: list[tuple[Sequence, int]], input_tokens: torch.Tensor | None = None
+    ) -> tuple[list[Sequence], torch.Tensor]:
         """Compute the scheduled tokens; returns the sequences that completed their pending
         tokens (and now need a sample) and their logits ``[n, vocab]``.
 
         A step of decode tokens only replays a whole-model decode graph; a step with prompt
-        tokens runs one pass over all of them (piecewise graphs where a bucket fits)."""
+        tokens runs one pass over all of them (piecewise graphs where a bucket fits).
+        ``input_tokens`` (a step of decode entries only): their input tokens as a device
+        tensor, one per entry, in place of the sequences' newest token ids (the engine's
+        overlapped steps: those are still being sampled)."""
         seqs = [seq for seq, _ in scheduled]
         self._prepare_states(seqs)
         logits = None
         if self.use_graphs and all(count == 1 for _, count in scheduled) and self._graph_fits(len(seqs)):
-            graph = self._run_graph(scheduled, 1)
+            graph = self._run_graph(scheduled, 1, input_tokens)
             if graph is not None:
                 logits, sampled = graph.logits[: len(seqs)], seqs
                 self._graph_steps += 1
         checked = logits is None or self._graph_steps % OVERFLOW_CHECK_STEPS == 1  # a sync: not every step
         if logits is None:
-            sampled, logits = self._run_eager(scheduled)
+            sampled, logits = self._run_eager(scheduled, input_tokens)
         if checked and self.dtype == torch.float16 and not self._overflow_warned and not bool(torch.isfinite(logits).all()):
             self._overflow_warned = True
             logger.warning(
@@ -299,8 +304,10 @@ class ModelRunner:
             if save.boundary == seq.num_computed_tokens + count
         ])  # fmt: skip
 
-    def _run_eager(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
-        hidden, firsts = self._forward(scheduled)
+    def _run_eager(
+        self, scheduled: list[tuple[Sequence, int]], input_tokens: torch.Tensor | None = None
+    ) -> tuple[list[Sequence], torch.Tensor]:
+        hidden, firsts = self._forward(scheduled, input_tokens)
         done = [(seq, first + count - 1) for (seq, count), first in zip(scheduled, firsts, strict=True)
                 if seq.num_computed_tokens + count == seq.num_tokens]
         rows = to_device([row for _, row in done], torch.int64, self.device)
@@ -344,12 +351,14 @@ class ModelRunner:
                 src = dst
         return rows
 
-    def _forward(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[int]]:
+    def _forward(
+        self, scheduled: list[tuple[Sequence, int]], input_tokens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
         """Final hidden states ``[T, hidden]`` of every scheduled token (piecewise graphs when
         a bucket fits, else eager) and each entry's first row. Decode entries come first, each
         padded to the widest (speculative decoding: 1 + drafts rows); their rows follow each
         other. On a GPU with prompt graphs the tensor is a view of their buffer: valid until
-        the next pass."""
+        the next pass. ``input_tokens``: see :meth:`run` (one-token decode entries only)."""
         as_tensor = lambda values: to_device(values, torch.int64, self.device)  # noqa: E731
         decoding = [i for i, (seq, count) in enumerate(scheduled) if self._is_decode(seq, count)]
         positions_per_seq = max((scheduled[i][1] for i in decoding), default=1)
@@ -379,12 +388,15 @@ class ModelRunner:
             ctx.decode_state_slots = as_tensor(position_major(rows.state_src, positions_per_seq))
             if positions_per_seq > 1:
                 ctx.decode_state_dst = as_tensor(position_major(rows.state_dst, positions_per_seq))
+        ids = as_tensor(ids)
+        if input_tokens is not None:
+            ids[: input_tokens.shape[0]] = input_tokens
         graphs = self.prompt_graphs
         if graphs is not None and graphs.bucket(len(ids)) is not None:
-            return graphs.run(as_tensor(ids), as_tensor(positions), ctx), firsts
+            return graphs.run(ids, as_tensor(positions), ctx), firsts
         set_context(ctx)
         try:
-            return self.model(as_tensor(ids), as_tensor(positions)), firsts
+            return self.model(ids, as_tensor(positions)), firsts
         finally:
             set_context(None)
 
@@ -604,10 +616,12 @@ class ModelRunner:
             graph.draft.capture(self.graph_pool)
         return graph
 
-    def _run_graph(self, entries: list[tuple[Sequence, int]], positions: int) -> DecodeGraph | None:
+    def _run_graph(
+        self, entries: list[tuple[Sequence, int]], positions: int, input_tokens: torch.Tensor | None = None
+    ) -> DecodeGraph | None:
         """Replay the decode graph of ``positions`` rows per sequence for ``entries`` (decode
         entries); returns it (its ``hidden`` and ``logits`` rows follow the entries), or None
-        when no graph could be captured."""
+        when no graph could be captured. ``input_tokens``: see :meth:`run` (``positions`` 1)."""
         batch = len(entries)
         graph = self._graph_for(batch, positions, max(len(s.block_table) for s, _ in entries))
         if graph is None:
@@ -617,6 +631,8 @@ class ModelRunner:
         host = [column + [value] * pad for column, value in zip(rows.columns(), graph.scratch, strict=True)]
         host[4:] = [position_major(column, positions) for column in host[4:]]  # GDN state rows
         graph.inputs.copy_(to_device(host, torch.int64, graph.inputs.device))
+        if input_tokens is not None:
+            graph.input_ids[:batch].copy_(input_tokens)
         update_tables(graph, rows.tables + [[self.num_blocks]] * pad)
         graph.graph.replay()
         return graph

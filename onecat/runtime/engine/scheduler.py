@@ -157,10 +157,11 @@ class Scheduler:
             if row is not None:
                 seq.saves.append(StateSave(boundary, row, key, transient))
 
-    def commit(self, scheduled: list[tuple[Sequence, int]]) -> None:
+    def commit(self, scheduled: list[tuple[Sequence, int]], register: bool = True) -> None:
         """After a step computed ``scheduled`` (and their ``num_computed_tokens`` advanced):
-        their completed full blocks enter the prefix cache and their new state checkpoints
-        become visible."""
+        their completed full blocks enter the prefix cache (unless ``register`` is False: an
+        overlapped step's tokens are not known yet, the engine registers them later) and
+        their new state checkpoints become visible."""
         for seq, _ in scheduled:
             seq.restore_from = None
             for save in seq.saves:
@@ -170,9 +171,28 @@ class Scheduler:
                         self.checkpoints.discard(seq.transient_key)
                     seq.transient_key = save.key
             seq.saves = []
-            self.block_manager.register(seq)
+            if register:
+                self.block_manager.register(seq)
 
     # --- scheduling --------------------------------------------------------------------
+
+    def schedule_ahead(self, seqs: list[Sequence], ahead: list[Sequence]) -> list[tuple[Sequence, int]] | None:
+        """A decode step for ``ahead`` (a subset of ``seqs``, in order), scheduled while the
+        step that computes their newest tokens is still on the device: one token each, at the
+        position after their computed ones. ``seqs`` must be every running sequence (the
+        others finish with the step in flight). None where the regular :meth:`schedule` has
+        to decide instead: requests are waiting, other sequences run, a sequence would need a
+        KV block that is not free (no preemption here) or reaches a state checkpoint."""
+        if self.waiting or len(seqs) != len(self.running) or set(map(id, seqs)) != set(map(id, self.running)):
+            return None
+        if any(seq.checkpoint_at and seq.checkpoint_at[0][0] <= seq.num_computed_tokens + 1 for seq in ahead):
+            return None
+        needed = sum(self.block_manager.blocks_needed(seq, seq.num_computed_tokens + 1) for seq in ahead)
+        if needed > self.block_manager.num_free:
+            return None
+        for seq in ahead:
+            self.block_manager.grow(seq, seq.num_computed_tokens + 1)
+        return [(seq, 1) for seq in ahead]
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         """The next step's work: ``(sequence, number of tokens to compute)`` pairs, single-token

@@ -35,7 +35,11 @@ order:
    tokens whatever else is in the batch; rows without a seed share the sampler's generator.
 
 Everything per token stays a batched tensor operation; the host receives the B chosen ids
-(and, for rows that asked, their logprobs) in one transfer.
+(and, for rows that asked, their logprobs) in one transfer. Rows that need nothing from the
+host after the forward pass (no processors, penalties or logprobs: :meth:`Sampler.runs_on_device`)
+can also be sampled with :meth:`Sampler.sample_on_device`, which queues the same work and
+returns the tokens as a device tensor without waiting for the GPU (the engine's overlapped
+decode steps feed them straight into the next step).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from typing import Protocol
 
 import torch
 
+from onecat.kernels.workspace import to_device
 from onecat.runtime.sampling_params import SamplingParams
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
@@ -186,11 +191,7 @@ class Sampler:
                 torch.tensor([params[i].repetition_penalty for i in penalized], device=device),
             )
 
-        tokens = logits.argmax(dim=-1)
-        sampled = [i for i, p in enumerate(params) if not is_greedy(p)]
-        if sampled:
-            tokens[sampled] = self._sample(logits[sampled], [rows[i] for i in sampled])
-
+        tokens = self._choose(logits, rows)
         if not want_logprobs:
             return SamplerOutput(tokens.tolist(), [None] * len(rows))
         chosen = tokens[want_logprobs]
@@ -205,6 +206,34 @@ class Sampler:
             pairs = list(zip(top_ids[j][:k], top_values[j][:k], strict=True)) if k else []
             out[i] = TokenLogprobs(token_list[i], lp, pairs)
         return SamplerOutput(token_list, out)
+
+    @staticmethod
+    def runs_on_device(row: SamplingRow) -> bool:
+        """True when the row's token can be drawn without the host reading anything first: no
+        logits processors (they run in Python on the tokens so far), no penalties (they count
+        the tokens so far on the host) and no logprobs (read back with the token)."""
+        p = row.params
+        return not p.logits_processors and not p.has_penalties and p.logprobs is None
+
+    def sample_on_device(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """The tokens ``[B]`` (int64, on the logits' device) of rows that :meth:`runs_on_device`,
+        queued without waiting for the device: the tokens :meth:`__call__` returns (bias,
+        ``min_tokens`` mask, greedy or random draw), left for the caller to read later."""
+        if all(self._plain_greedy(row) for row in rows):
+            return logits.argmax(dim=-1)
+        logits = logits.to(torch.float32, copy=True)
+        self._add_logit_bias(logits, rows)
+        self._mask_stop_tokens(logits, rows)
+        return self._choose(logits, rows)
+
+    def _choose(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Greedy rows' argmax and random rows' draws (steps 5 and 6), as one device tensor."""
+        tokens = logits.argmax(dim=-1)
+        sampled = [i for i, row in enumerate(rows) if not is_greedy(row.params)]
+        if sampled:
+            index = to_device(sampled, torch.int64, logits.device)
+            tokens[index] = self._sample(logits[index], [rows[i] for i in sampled])
+        return tokens
 
     def _plain_greedy(self, row: SamplingRow) -> bool:
         """True when the row's token is the plain argmax of its logits: greedy, and nothing
@@ -244,8 +273,8 @@ class Sampler:
                     token_index.append(token)
                     values.append(bias)
         if row_index:
-            index = (torch.tensor(row_index, device=logits.device), torch.tensor(token_index, device=logits.device))
-            logits.index_put_(index, torch.tensor(values, device=logits.device), accumulate=True)
+            index = to_device([row_index, token_index], torch.int64, logits.device)
+            logits.index_put_(tuple(index), to_device(values, logits.dtype, logits.device), accumulate=True)
 
     def _mask_stop_tokens(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         """``min_tokens``: -inf on the stop ids of rows that may not stop yet."""
@@ -259,8 +288,8 @@ class Sampler:
                 row_index += [i] * len(stops)
                 token_index += stops
         if row_index:
-            index = (torch.tensor(row_index), torch.tensor(token_index))
-            logits.index_put_(tuple(t.to(logits.device) for t in index), torch.tensor(float("-inf"), device=logits.device))
+            index = to_device([row_index, token_index], torch.int64, logits.device)
+            logits.index_put_(tuple(index), torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
 
     def shared_generator(self, device: torch.device) -> torch.Generator:
         """The generator of rows without a seed on ``device``."""
@@ -271,13 +300,13 @@ class Sampler:
         """Each random row's sampling distribution ``[R, V]``: temperature, min_p, top-k and
         top-p applied to ``logits`` (fp32), then softmax (step 6 of the module docstring)."""
         device = logits.device
-        logits = logits / torch.tensor([p.temperature for p in params], device=device)[:, None]
+        logits = logits / to_device([p.temperature for p in params], torch.float32, device)[:, None]
         if any(p.min_p > 0 for p in params):
-            logits = _min_p(logits, torch.tensor([p.min_p for p in params], device=device))
+            logits = _min_p(logits, to_device([p.min_p for p in params], torch.float32, device))
         vocab = logits.shape[-1]
         if any(0 < p.top_k < vocab or p.top_p < 1 for p in params):
-            top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
-            logits = _filter(logits, top_k, torch.tensor([p.top_p for p in params], device=device))
+            top_k = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.int64, device)
+            logits = _filter(logits, top_k, to_device([p.top_p for p in params], torch.float32, device))
         return logits.softmax(dim=-1)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
