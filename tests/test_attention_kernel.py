@@ -11,8 +11,8 @@ import torch
 
 from onecat.errors import OnecatError
 from onecat.kernels import attention, build
-from onecat.runtime.context import ForwardContext
-from onecat.runtime.layers.attention import PagedAttention
+from onecat.runtime.context import ForwardContext, PrefillChunk, set_context
+from onecat.runtime.layers.attention import PagedAttention, sigmoid_gate
 
 BLOCK = 16
 
@@ -49,6 +49,101 @@ def test_reference_matches_the_runtime_sdpa_path(num_heads, kv_heads, dim):
     sdpa = layer._decode(q, ctx)
     ref = attention.paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, dim**-0.5)
     torch.testing.assert_close(ref, sdpa, rtol=1e-5, atol=1e-5)
+
+
+def test_output_gate_in_the_reference_and_the_runtime_decode_path():
+    """The kernel contract's output gate (fp32 attention times sigmoid(gate), one rounding)
+    and the runtime's torch decode path with a gate (``[B, H, D]`` or ``[B, H*D]``) agree."""
+    lengths = [1, 15, 16, 17, 40]
+    num_heads, kv_heads, dim = 24, 4, 64
+    q, k_cache, v_cache, tables, lens = paged_inputs(lengths, num_heads, kv_heads, dim, seed=5)
+    gate = torch.randn(len(lengths), num_heads, dim, generator=torch.Generator().manual_seed(6)) * 3
+    plain = attention.paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, dim**-0.5)
+    ref = attention.paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, dim**-0.5, gate=gate)
+    torch.testing.assert_close(ref, plain * torch.sigmoid(gate), rtol=1e-6, atol=1e-7)
+    fp16 = attention.paged_decode_attention_reference(
+        q.half(), k_cache.half(), v_cache.half(), tables, lens, dim**-0.5, gate=gate.half()
+    )  # fmt: skip
+    assert fp16.dtype == torch.float16
+    torch.testing.assert_close(fp16.float(), ref, rtol=5e-3, atol=5e-3)
+    layer = PagedAttention(num_heads, kv_heads, dim, dim**-0.5)
+    layer.k_cache, layer.v_cache = k_cache, v_cache
+    ctx = ForwardContext(
+        slot_mapping=torch.zeros(len(lengths), dtype=torch.int64), num_decodes=len(lengths),
+        decode_block_tables=tables, decode_context_lens=lens,
+    )  # fmt: skip
+    for shaped in (gate, gate.reshape(len(lengths), -1)):
+        torch.testing.assert_close(layer._decode(q, ctx, shaped), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_forward_gates_decode_rows_and_prompt_chunks_alike():
+    """``PagedAttention.forward`` with a gate equals the ungated output times sigmoid(gate)
+    on a step of decode rows and two prompt chunks (one after cached tokens)."""
+    torch.manual_seed(2)
+    heads, kv_heads, dim, block = 4, 2, 16, 4
+    layer = PagedAttention(heads, kv_heads, dim, dim**-0.5)
+    layer.k_cache = torch.randn(16, block, kv_heads, dim)
+    layer.v_cache = torch.randn(16, block, kv_heads, dim)
+    decodes, first, second = 2, 5, 3  # rows: 2 decode rows, a fresh 5-token chunk, 3 tokens after 6 cached
+    tokens = decodes + first + second
+    q, k, v = torch.randn(tokens, heads, dim), torch.randn(tokens, kv_heads, dim), torch.randn(tokens, kv_heads, dim)
+    gate = torch.randn(tokens, heads * dim) * 2
+    ctx = ForwardContext(
+        slot_mapping=torch.tensor([3, 9, 16, 17, 18, 19, 20, 30, 31, 32]), num_decodes=decodes,
+        decode_block_tables=torch.tensor([[0, 15], [1, 2]]), decode_context_lens=torch.tensor([4, 6]),
+        prefills=[PrefillChunk(decodes, first, 0, torch.tensor([4, 5]), 0),
+                  PrefillChunk(decodes + first, second, 6, torch.tensor([6, 7, 8]), 1)],
+    )  # fmt: skip
+    set_context(ctx)
+    try:
+        plain = layer(q, k, v)
+        got = layer(q, k, v, gate=gate)  # writes the same keys and values again
+    finally:
+        set_context(None)
+    assert torch.equal(got, sigmoid_gate(plain, gate))
+
+
+def test_gated_attention_gates_in_the_core_on_decode_only_passes():
+    """A pass of decode rows only hands the gate to the core (``project`` carries nothing to
+    ``finish``), and the layer's output is what gating in ``finish`` gives; a pass with a
+    prompt chunk keeps the gate for ``finish``."""
+    from onecat.runtime.models.config import ModelConfig
+    from onecat.runtime.models.qwen3_5 import GatedAttention
+    from onecat.runtime.quant_plan import QuantPlan
+    from onecat.tiny import _text_kwargs
+
+    cfg = ModelConfig.from_dict({"model_type": "qwen3_5", **_text_kwargs("qwen3_5", 64, 4)})
+    layer = GatedAttention(cfg, "model.layers.3.self_attn", QuantPlan(), torch.float32)
+    gen = torch.Generator().manual_seed(4)
+    for param in layer.parameters():
+        param.data.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    shape = (6, BLOCK, layer.num_kv_heads, layer.head_dim)
+    layer.attn.k_cache, layer.attn.v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    x = torch.randn(2, cfg.hidden_size, generator=gen)
+    positions = torch.tensor([20, 4])
+    ctx = ForwardContext(
+        slot_mapping=torch.tensor([36, 84]), num_decodes=2,
+        decode_block_tables=torch.tensor([[0, 2], [5, 1]]), decode_context_lens=torch.tensor([21, 5]),
+    )  # fmt: skip
+    set_context(ctx)
+    try:
+        inputs, carry = layer.project(positions, x)
+        assert len(inputs) == 4 and carry == ()
+        q, k, v, gate = inputs
+        in_core = layer.finish(layer.core(q, k, v, gate))
+        in_finish = layer.finish(layer.core(q, k, v), gate)
+        assert torch.equal(layer(positions, x), in_core)
+    finally:
+        set_context(None)
+    assert torch.equal(in_core, in_finish)
+    set_context(ForwardContext(slot_mapping=torch.tensor([36, 84]), num_decodes=1, decode_block_tables=ctx.decode_block_tables[:1],
+                               decode_context_lens=ctx.decode_context_lens[:1],
+                               prefills=[PrefillChunk(1, 1, 4, torch.tensor([5, 1]), 0)]))
+    try:
+        inputs, carry = layer.project(positions, x)
+    finally:
+        set_context(None)
+    assert len(inputs) == 3 and len(carry) == 1
 
 
 def test_reference_reads_no_table_entry_past_a_context():

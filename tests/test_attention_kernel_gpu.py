@@ -5,7 +5,10 @@ Every test poisons what the kernel must not read: cache slots past a sequence's 
 the scratch block that pads the block tables hold NaN, and so does the output before the
 call, so a read past a context or an unwritten output shows up as a non-finite value.
 Outputs must agree with fp64 within fp16 rounding: ``|o - ref| <= 2e-3 * |ref| +
-2e-3 * rms(ref of that sequence)``.
+2e-3 * rms(ref of that sequence)``. With Qwen3.5's output gate the reference is the fp64
+attention times ``sigmoid(gate)`` (the kernels apply it before their one rounding to fp16);
+the gate is a strided view of a wider tensor, as the runtime hands it (the second half of
+each head's q_proj rows).
 """
 
 from __future__ import annotations
@@ -38,6 +41,20 @@ def reference(q, k_cache, v_cache, tables, lens, scale):
         p = (torch.einsum("kgd,tkd->kgt", qb, k) * scale).softmax(-1)
         out[b] = torch.einsum("kgt,tkd->kgd", p, v).reshape(num_heads, dim)
     return out
+
+
+def gated(ref, gate):
+    """The fp64 reference times ``sigmoid(gate)``."""
+    return ref * torch.sigmoid(gate.double())
+
+
+def gate_view(batch, num_heads, dim, seed):
+    """A gate ``[B, H, D]`` viewed from ``[B, H, 2D]`` (the runtime's layout: strides
+    (2HD, 2D, 1)), values ~ N(0, 3^2) so sigmoid spans (0, 1); the other half is NaN."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    wide = torch.full((batch, num_heads, 2 * dim), float("nan"), dtype=torch.float16, device="cuda")
+    wide[..., dim:] = (torch.randn(batch, num_heads, dim, generator=gen, device="cuda") * 3).half()
+    return wide[..., dim:]
 
 
 def make_inputs(lengths, num_heads, kv_heads, dim, seed, extra_width=3, q_scale=1.0, width=None):
@@ -128,6 +145,43 @@ def test_any_split_count_matches_fp64(splits):
     check(out, ref, lens, f"splits={splits}")
 
 
+@pytest.mark.parametrize("splits", [1, 7, None])
+@pytest.mark.parametrize(
+    "batch, num_heads, kv_heads, dim",
+    [(8, 24, 4, 256), (3, 16, 2, 256), (8, 4, 2, 32)],  # 27B, 35B-A3B, the tiny models
+)
+def test_output_gate_matches_fp64(splits, batch, num_heads, kv_heads, dim):
+    """``attention * sigmoid(gate)`` from the split kernel (one split: it writes the output)
+    and from the reduce kernel (several), a zero-length context included (zeros)."""
+    from onecat.kernels.attention import paged_decode_attention
+
+    lengths = lengths_for(batch, 1)
+    q, k_cache, v_cache, tables, lens = make_inputs(lengths, num_heads, kv_heads, dim, seed=batch + dim)
+    lens[-1] = 0
+    gate = gate_view(batch, num_heads, dim, seed=dim)
+    ref = gated(reference(q, k_cache, v_cache, tables, lens, dim**-0.5), gate)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5, out=out, splits=splits, gate=gate)
+    torch.cuda.synchronize()
+    assert torch.equal(out[-1], torch.zeros_like(out[-1])), "context 0 must give a zero output"
+    check(out, ref, lens, f"gated, splits={splits} B={batch} H={num_heads} KVH={kv_heads} D={dim}")
+
+
+def test_output_gate_unaligned_and_contiguous():
+    """A gate whose rows are not 16-byte aligned (copied by the wrapper) and a contiguous one."""
+    from onecat.kernels.attention import paged_decode_attention
+
+    lengths = [300, 1, 4097]
+    q, k_cache, v_cache, tables, lens = make_inputs(lengths, 24, 4, 256, seed=21)
+    flat = (torch.randn(3 * 24 * 256 + 1, device="cuda") * 3).half()
+    unaligned = flat[1:].view(3, 24, 256)
+    ref = reference(q, k_cache, v_cache, tables, lens, 256**-0.5)
+    for what, gate in (("unaligned", unaligned), ("contiguous", unaligned.clone())):
+        out = paged_decode_attention(q, k_cache, v_cache, tables, lens, 256**-0.5, gate=gate)
+        torch.cuda.synchronize()
+        check(out, gated(ref, gate), lens, f"{what} gate")
+
+
 def test_sharp_scores_and_strided_queries():
     """Large scores (a peaked softmax: the running max matters) and q a strided view."""
     from onecat.kernels.attention import paged_decode_attention
@@ -155,9 +209,11 @@ def test_zero_length_context_gives_zeros():
     check(out, reference(q, k_cache, v_cache, tables, lens, 128**-0.5), lens, "with a zero-length row")
 
 
+@pytest.mark.parametrize("with_gate", [False, True])
 @pytest.mark.parametrize("batch", [1, 8, 32])
-def test_cuda_graph_replay_follows_changed_lengths(batch):
-    """Captured once at a fixed table width, replayed with new context lengths and tables."""
+def test_cuda_graph_replay_follows_changed_lengths(batch, with_gate):
+    """Captured once at a fixed table width, replayed with new context lengths and tables
+    (and a new output gate)."""
     from onecat.kernels.attention import paged_decode_attention
 
     num_heads, kv_heads, dim = 24, 4, 256
@@ -171,9 +227,11 @@ def test_cuda_graph_replay_follows_changed_lengths(batch):
     static_tables = torch.zeros(batch, width, dtype=torch.int64, device="cuda")
     static_lens = torch.ones(batch, dtype=torch.int64, device="cuda")
     static_out = torch.full_like(static_q, float("nan"))
+    static_gate = gate_view(batch, num_heads, dim, seed=0) if with_gate else None
 
     def step():
-        paged_decode_attention(static_q, static_k, static_v, static_tables, static_lens, dim**-0.5, out=static_out)
+        paged_decode_attention(static_q, static_k, static_v, static_tables, static_lens, dim**-0.5, out=static_out,
+                               gate=static_gate)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -190,14 +248,17 @@ def test_cuda_graph_replay_follows_changed_lengths(batch):
         static_tables.copy_(tables)
         static_lens.copy_(lens)
         static_out.fill_(float("nan"))
+        if with_gate:
+            static_gate.copy_(gate_view(batch, num_heads, dim, seed=r + 1))
         graph.replay()
         torch.cuda.synchronize()
         ref = reference(q, k_cache, v_cache, tables, lens, dim**-0.5)
+        ref = gated(ref, static_gate) if with_gate else ref
         check(static_out, ref, lens, f"graph replay {r} (B={batch}, lengths {rounds[r]})")
 
 
 def test_runtime_decode_uses_the_kernel_and_matches_the_sdpa_path():
-    from onecat.runtime.context import ForwardContext
+    from onecat.runtime.context import ForwardContext, set_context
     from onecat.runtime.layers.attention import PagedAttention
 
     lengths = [1, 17, 300, 4097, 16, 15]
@@ -217,6 +278,15 @@ def test_runtime_decode_uses_the_kernel_and_matches_the_sdpa_path():
     ref = reference(q, k_cache, v_cache, tables, lens, 256**-0.5)
     check(out, ref, lens, "runtime kernel path")
     check(sdpa, ref, lens, "runtime SDPA path (the old decode)", tol=1e-2)
+    gate = gate_view(len(lengths), 24, 256, seed=8)  # the layer's [T, H, D] view of q_proj's output
+    check(layer._decode(q, ctx, gate), gated(ref, gate), lens, "runtime kernel path, gated")
+    flat_gate = gate.reshape(len(lengths), -1)  # the torch input path's [T, H*D]
+    set_context(ctx)
+    try:
+        forward = layer(q, None, None, stored=True, gate=flat_gate)
+    finally:
+        set_context(None)
+    check(forward, gated(ref, gate), lens, "PagedAttention.forward, gated")
 
 
 @pytest.mark.parametrize("past, length", [(0, 300), (1000, 300), (31, 1)])

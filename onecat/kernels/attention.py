@@ -6,6 +6,9 @@ The launch depends on the batch size, the head configuration and the block-table
 never on the context lengths (they stay on the device), so a decode step that calls it can be
 captured once per batch size and replayed at any context length up to the table's width.
 Block-table entries at or past ``ceil(context_len / block_size)`` are never read.
+With a ``gate`` (Qwen3.5's gated attention) the kernel that writes a sequence's output
+multiplies it by ``sigmoid(gate)`` first (one rounding to fp16), so no separate elementwise
+kernel runs before the output projection.
 
 :func:`paged_decode_attention_reference` is the same computation in torch (fp32), for CPUs
 and tests.
@@ -75,10 +78,10 @@ class _Plan:
         p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
         self.split = PreparedLaunch(
             split_kernel, (self.splits, num_kv_heads * chunks, batch), _THREADS,
-            [p, ll, ll, p, p, p, i, p, p, p, p, i, i, i, i, ctypes.c_float],
+            [p, ll, ll, p, p, p, i, p, p, p, p, i, i, i, i, ctypes.c_float, p, ll, ll],
         )  # fmt: skip
         self.reduce = (
-            PreparedLaunch(reduce_kernel, (num_heads, batch, 1), head_dim, [p, i, p, p, p, i, i, i])
+            PreparedLaunch(reduce_kernel, (num_heads, batch, 1), head_dim, [p, i, p, p, p, i, i, i, p, ll, ll])
             if self.splits > 1
             else None
         )
@@ -97,6 +100,7 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     splits: int | None = None,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged keys and values.
 
@@ -107,7 +111,9 @@ def paged_decode_attention(
     ``W * block_size``). ``H`` must be a multiple of ``KVH``; query head ``h`` reads KV head
     ``h // (H // KVH)``. Returns ``softmax(q k^T * scale) v`` as fp16 ``[B, H, D]`` (fp32
     softmax and sums), written into ``out`` (contiguous) when given. ``splits`` overrides the
-    number of context ranges per sequence (tests); by default it fills the GPU.
+    number of context ranges per sequence (tests); by default it fills the GPU. With ``gate``
+    (fp16 ``[B, H, D]``, any strides; Qwen3.5's output gate) the result is
+    ``attention * sigmoid(gate)``, computed in fp32 and rounded to fp16 once.
     """
     where = "onecat.kernels.attention.paged_decode_attention"
     batch, num_heads, head_dim = q.shape
@@ -131,10 +137,15 @@ def paged_decode_attention(
          and context_lens.numel() == batch),
         ("out", out is None or (out.dtype == torch.float16 and out.is_contiguous()
          and tuple(out.shape) == (batch, num_heads, head_dim) and out.data_ptr() % 16 == 0)),
+        ("gate", gate is None or (gate.dtype == torch.float16 and gate.device == q.device
+         and tuple(gate.shape) == (batch, num_heads, head_dim))),
     ]  # fmt: skip
     for name, ok in checks:
         if not ok:
             raise OnecatError(f"{where}: {name} has the wrong dtype, shape or layout (see the docstring)")
+    if gate is not None and (gate.stride(2) != 1 or gate.stride(0) % 8 or gate.stride(1) % 8 or gate.data_ptr() % 16):
+        gate = gate.clone(memory_format=torch.contiguous_format)  # the kernel reads 8 values per 16-byte load
+    gate_ptr, gate_sb, gate_sh = (gate.data_ptr(), gate.stride(0), gate.stride(1)) if gate is not None else (0, 0, 0)
     if out is None:
         out = torch.empty(batch, num_heads, head_dim, dtype=torch.float16, device=q.device)
     if batch == 0:
@@ -158,12 +169,12 @@ def paged_decode_attention(
     plan.split(
         stream, q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), width, context_lens.data_ptr(), out.data_ptr(), ws_acc, ws_ml,
-        num_heads, num_kv_heads, log2_block, plan.splits, scale * math.log2(math.e),
+        num_heads, num_kv_heads, log2_block, plan.splits, scale * math.log2(math.e), gate_ptr, gate_sb, gate_sh,
     )  # fmt: skip
     if plan.reduce is not None:
         plan.reduce(
             stream, context_lens.data_ptr(), width, out.data_ptr(), ws_acc, ws_ml, num_heads,
-            log2_block, plan.splits,
+            log2_block, plan.splits, gate_ptr, gate_sb, gate_sh,
         )  # fmt: skip
     return out
 
@@ -175,9 +186,12 @@ def paged_decode_attention_reference(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`paged_decode_attention` in torch, one sequence at a time in fp32 (reads the
-    context lengths on the host): the reference of the kernel's contract, any device."""
+    context lengths on the host): the reference of the kernel's contract, any device. With
+    ``gate`` ``[B, H, D]`` the fp32 result is multiplied by ``sigmoid(gate)`` before the one
+    rounding to ``q.dtype``."""
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -192,4 +206,6 @@ def paged_decode_attention_reference(
         qb = q[b].float().view(num_kv_heads, group, head_dim)
         scores = torch.einsum("kgd,tkd->kgt", qb, k) * scale
         out[b] = torch.einsum("kgt,tkd->kgd", scores.softmax(-1), v).reshape(num_heads, head_dim)
+    if gate is not None:
+        out = out * torch.sigmoid(gate.float())
     return out.to(q.dtype)

@@ -16,6 +16,9 @@
 //   context_lens  int64 [B]          ctx: tokens of the sequence, the new one included
 //                                    (clamped to W * bs; 0 writes a zero output)
 //   out           fp16 [B][H][D]     contiguous
+//   gate          fp16 [B][H][D]     optional (null: none): out = attention * sigmoid(gate),
+//                                    Qwen3.5's gated attention; strides g_sb and g_sh in
+//                                    elements, rows of 8 halfs 16-byte aligned
 //   ws_acc        fp32 [B][H][S][D]  per split: sum_t p_t v_t with p_t = 2^(s_t - m)
 //   ws_ml         fp32 [B][H][S][2]  per split: (m, l = sum_t p_t), scores s_t in log2 units
 // Query head h reads KV head h / (H / KVH) (grouped-query attention).
@@ -47,6 +50,9 @@
 //
 // Thread mapping of `reduce`: block (query head, sequence), D threads, thread d owns column d:
 // out = sum_s 2^(m_s - M) acc_s[d] / sum_s 2^(m_s - M) l_s with M = max_s m_s.
+//
+// The output gate (when given) is applied by whichever kernel writes a sequence's output, in
+// fp32 before the one rounding to fp16: out = fp16(o * sigmoid(gate)), o the fp32 attention.
 #include <cuda_fp16.h>
 
 namespace onecat_attn {
@@ -105,6 +111,11 @@ __device__ __forceinline__ void spread_sum(float (&v)[NG], int lane, int& head) 
   }
 }
 
+// sigmoid of an fp16 gate value, fp32
+__device__ __forceinline__ float sigmoid_of(half g) {
+  return 1.f / (1.f + __expf(-__half2float(g)));  // 0 when exp overflows
+}
+
 __device__ __forceinline__ int context_of(const long long* context_lens, int b, int width,
                                           int log2_block) {
   long long ctx = context_lens[b];
@@ -127,7 +138,9 @@ __device__ __forceinline__ void split(const half* __restrict__ q, long long q_sb
                                       const long long* __restrict__ context_lens,
                                       half* __restrict__ out, float* __restrict__ ws_acc,
                                       float* __restrict__ ws_ml, int num_heads, int num_kv_heads,
-                                      int log2_block, int num_splits, float scale_log2) {
+                                      int log2_block, int num_splits, float scale_log2,
+                                      const half* __restrict__ gate, long long g_sb,
+                                      long long g_sh) {
   static_assert(D % 32 == 0 && D >= 32 && D <= 256, "head dim: a multiple of 32 up to 256");
   constexpr int kLanes1 = D / kVec;          // lanes per key row (phase 1)
   constexpr int kTokens1 = 32 / kLanes1;     // tokens per warp step (phase 1)
@@ -302,9 +315,18 @@ __device__ __forceinline__ void split(const half* __restrict__ q, long long q_sb
     const size_t head = (size_t)b * num_heads + h0 + g;
     if (single) {
       const float inv = __fdividef(1.f, l_run[g]);
-      *reinterpret_cast<uint4*>(out + head * D + col) =
-          make_uint4(pack2(acc[g][0] * inv, acc[g][1] * inv), pack2(acc[g][2] * inv, acc[g][3] * inv),
-                     pack2(acc[g][4] * inv, acc[g][5] * inv), pack2(acc[g][6] * inv, acc[g][7] * inv));
+      float scale[kVec];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) scale[e] = inv;
+      if (gate != nullptr) {
+        const uint4 raw = load8(gate + b * g_sb + (h0 + g) * g_sh + col);
+        const half* gh = reinterpret_cast<const half*>(&raw);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) scale[e] *= sigmoid_of(gh[e]);
+      }
+      *reinterpret_cast<uint4*>(out + head * D + col) = make_uint4(
+          pack2(acc[g][0] * scale[0], acc[g][1] * scale[1]), pack2(acc[g][2] * scale[2], acc[g][3] * scale[3]),
+          pack2(acc[g][4] * scale[4], acc[g][5] * scale[5]), pack2(acc[g][6] * scale[6], acc[g][7] * scale[7]));
     } else {
       float* dst = ws_acc + (head * num_splits + s) * D + col;
       reinterpret_cast<float4*>(dst)[0] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
@@ -319,7 +341,9 @@ template <int D>
 __device__ __forceinline__ void reduce(const long long* __restrict__ context_lens, int width,
                                        half* __restrict__ out, const float* __restrict__ ws_acc,
                                        const float* __restrict__ ws_ml, int num_heads,
-                                       int log2_block, int num_splits) {
+                                       int log2_block, int num_splits,
+                                       const half* __restrict__ gate, long long g_sb,
+                                       long long g_sh) {
   const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
   const int ctx = context_of(context_lens, b, width, log2_block);
   if (ctx == 0) return;
@@ -337,7 +361,9 @@ __device__ __forceinline__ void reduce(const long long* __restrict__ context_len
     den = fmaf(w, part.y, den);
     num = fmaf(w, ws_acc[(head * num_splits + s) * D + d], num);
   }
-  out[head * D + d] = __float2half(__fdividef(num, den));
+  float o = __fdividef(num, den);
+  if (gate != nullptr) o *= sigmoid_of(gate[b * g_sb + h * g_sh + d]);
+  out[head * D + d] = __float2half(o);
 }
 }  // namespace onecat_attn
 
@@ -345,14 +371,16 @@ __device__ __forceinline__ void reduce(const long long* __restrict__ context_len
   const half *q, long long q_sb, long long q_sh, const half *k_cache, const half *v_cache,   \
       const long long *block_tables, int width, const long long *context_lens, half *out,    \
       float *ws_acc, float *ws_ml, int num_heads, int num_kv_heads, int log2_block,          \
-      int num_splits, float scale_log2
+      int num_splits, float scale_log2, const half *gate, long long g_sb, long long g_sh
 #define ONECAT_SPLIT_ARGS                                                                    \
   q, q_sb, q_sh, k_cache, v_cache, block_tables, width, context_lens, out, ws_acc, ws_ml,    \
-      num_heads, num_kv_heads, log2_block, num_splits, scale_log2
+      num_heads, num_kv_heads, log2_block, num_splits, scale_log2, gate, g_sb, g_sh
 #define ONECAT_REDUCE_PARAMS                                                                 \
   const long long *context_lens, int width, half *out, const float *ws_acc,                 \
-      const float *ws_ml, int num_heads, int log2_block, int num_splits
-#define ONECAT_REDUCE_ARGS context_lens, width, out, ws_acc, ws_ml, num_heads, log2_block, num_splits
+      const float *ws_ml, int num_heads, int log2_block, int num_splits, const half *gate,      \
+      long long g_sb, long long g_sh
+#define ONECAT_REDUCE_ARGS                                                                   \
+  context_lens, width, out, ws_acc, ws_ml, num_heads, log2_block, num_splits, gate, g_sb, g_sh
 
 // One line per kernel (build.kernel_names reads these names): split for head dim D and NG
 // query heads per block, reduce for head dim D.

@@ -18,6 +18,10 @@ layer's token-wise ``project``), elsewhere by each call itself. Then:
   fused kernel on CUDA (flash attention, or the memory-efficient kernel, which also runs on
   sm_70); on CPU a chunk after cached tokens runs in query blocks that bound the
   memory of the scores, so that long prompts fit.
+
+With an output ``gate`` (Qwen3.5's gated attention) :meth:`PagedAttention.forward` returns
+``attention * sigmoid(gate)``: the decode kernel applies it where it writes its output (no
+separate elementwise kernel), the torch paths with :func:`sigmoid_gate`.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 from onecat.kernels import attention as attention_kernel
 from onecat.kernels import attention_prep
 from onecat.runtime.context import ForwardContext, get_context
+from onecat.runtime.layers.fusion import fused
 
 PREFILL_SCORE_ELEMENTS = 1 << 25
 """Most attention scores one call may hold for a prompt chunk after cached tokens (its query
@@ -50,6 +55,13 @@ PROMPT_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, S
 builds an execution plan for every new pair of lengths; with prompts of random lengths that
 halved the engine's serving throughput on the H200. On a V100 flash attention does not exist
 and the memory-efficient kernel runs."""
+
+
+@fused
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(gate)``: the gated attention's output gate (``gate`` of ``x``'s shape,
+    or any shape holding the same elements per row)."""
+    return x * torch.sigmoid(gate.reshape(x.shape))
 
 
 class PagedAttention(nn.Module):
@@ -111,13 +123,15 @@ class PagedAttention(nn.Module):
             self.k_cache.device, self.k_cache.dtype, self.head_dim, self.k_cache.shape[1]
         ) if self.k_cache.dim() == 4 else False
 
-    def _decode(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        if q.dtype == self.k_cache.dtype and self.uses_decode_kernel():
+    def _decode(self, q: torch.Tensor, ctx: ForwardContext, gate: torch.Tensor | None = None) -> torch.Tensor:
+        if q.dtype == self.k_cache.dtype and self.uses_decode_kernel() and (gate is None or gate.dtype == q.dtype):
             q = q if q.stride(-1) == 1 else q.contiguous()
             return attention_kernel.paged_decode_attention(
-                q, self.k_cache, self.v_cache, ctx.decode_block_tables, ctx.decode_context_lens, self.scale
+                q, self.k_cache, self.v_cache, ctx.decode_block_tables, ctx.decode_context_lens, self.scale,
+                gate=None if gate is None else gate.reshape(q.shape),
             )
-        return self._decode_torch(q, ctx)
+        out = self._decode_torch(q, ctx)
+        return out if gate is None else sigmoid_gate(out, gate)
 
     def _decode_torch(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Decode attention in torch: gather the table's blocks, mask, SDPA (CPU, fp32, tests)."""
@@ -189,20 +203,23 @@ class PagedAttention(nn.Module):
         return out[0].transpose(0, 1)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, stored: bool = False
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, stored: bool = False,
+        gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``q [T, H, D]``, ``k``/``v`` ``[T, KVH, D]`` of the flat batch -> ``[T, H, D]``.
         ``stored``: the keys and values are in the cache already (:meth:`prepare_inputs`);
-        k and v are then read only for prompt chunks and may be None in a decode-only pass."""
+        k and v are then read only for prompt chunks and may be None in a decode-only pass.
+        ``gate`` (``[T, H, D]`` or ``[T, H*D]``, optional): the output is multiplied by
+        ``sigmoid(gate)`` (on the decode kernel before its one rounding to fp16)."""
         ctx = get_context()
         if not stored:
             self._store(k, v, ctx.slot_mapping)
         outputs = []
         if ctx.num_decodes:
-            outputs.append(self._decode(q[: ctx.num_decodes], ctx))
+            decode_gate = None if gate is None else gate[: ctx.num_decodes]
+            outputs.append(self._decode(q[: ctx.num_decodes], ctx, decode_gate))
         for chunk in ctx.prefills:
             part = slice(chunk.start, chunk.start + chunk.length)
-            outputs.append(
-                self._prefill(q[part], k[part], v[part], chunk.num_past, chunk.block_table)
-            )
+            out = self._prefill(q[part], k[part], v[part], chunk.num_past, chunk.block_table)
+            outputs.append(out if gate is None else sigmoid_gate(out, gate[part]))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)

@@ -20,7 +20,7 @@ from onecat.kernels import gdn_prefill
 from onecat.kernels.moe import append_shared_expert, moe_route, moe_router, router_fits
 from onecat.runtime.context import ForwardContext, PrefillChunk, get_context
 from onecat.runtime.distributed.parallel_state import all_reduce
-from onecat.runtime.layers.attention import PagedAttention
+from onecat.runtime.layers.attention import PagedAttention, sigmoid_gate
 from onecat.runtime.layers.causal_conv import causal_conv1d_chunk, causal_conv1d_step
 from onecat.runtime.layers.delta_rule import gated_delta_rule_chunked, gated_delta_rule_step
 from onecat.runtime.layers.expert_parallel import routed_experts
@@ -69,7 +69,9 @@ class GatedAttention(nn.Module):
     """Softmax attention whose output is gated per feature by ``sigmoid(gate)``.
 
     ``q_proj`` yields, head by head, ``head_dim`` query rows then ``head_dim`` gate rows.
-    Queries and keys get a per-head RMSNorm, then partial RoPE.
+    Queries and keys get a per-head RMSNorm, then partial RoPE. In a pass of decode rows only
+    the gate goes to the core, whose decode-attention kernel applies it as it writes its
+    output; otherwise (prompt passes and their piecewise graphs) :meth:`finish` applies it.
     """
 
     def __init__(self, cfg: ModelConfig, prefix: str, plan: QuantPlan, dtype: torch.dtype) -> None:
@@ -95,7 +97,8 @@ class GatedAttention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d**-0.5)
 
     def project(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """Token-wise part before the core: ((q, k, v), (gate,)) of ``x [T, hidden]``.
+        """Token-wise part before the core: ((q, k, v, gate), ()) of ``x [T, hidden]`` in a
+        pass of decode rows only (the core gates its output), else ((q, k, v), (gate,)).
 
         On CUDA fp16 with a supported head shape one kernel prepares q and writes the step's
         keys and values into the KV cache (``PagedAttention.prepare_inputs``); k and v are
@@ -110,23 +113,30 @@ class GatedAttention(nn.Module):
             )
             d = self.head_dim
             gate = qkv[:, : 2 * self.num_heads * d].view(qkv.shape[0], self.num_heads, 2 * d)[..., d:]
-            return (q, k, v), (gate,)
-        q, k, v, gate = attention_inputs(
-            qkv, positions, self.q_norm.weight, self.k_norm.weight,
-            self.rotary.inv_freq, self.q_norm.eps, self.num_heads, self.num_kv_heads,
-            self.head_dim, self.rotary.rotary_dim,
-        )
+        else:
+            q, k, v, gate = attention_inputs(
+                qkv, positions, self.q_norm.weight, self.k_norm.weight,
+                self.rotary.inv_freq, self.q_norm.eps, self.num_heads, self.num_kv_heads,
+                self.head_dim, self.rotary.rotary_dim,
+            )
+        ctx = get_context()
+        if ctx.num_decodes == x.shape[0] and not ctx.prefills:
+            return (q, k, v, gate), ()
         return (q, k, v), (gate,)
 
-    def core(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
-        """The part that mixes tokens of a sequence (reads the batch context): ``[T, H, D]``."""
+    def core(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, gate: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The part that mixes tokens of a sequence (reads the batch context): ``[T, H, D]``,
+        times ``sigmoid(gate)`` when the gate is given."""
         stored = self.attn.fuses_inputs(q.device, q.dtype, self.rotary.rotary_dim)  # by project
-        return self.attn(q, k, v, stored=stored)
+        return self.attn(q, k, v, stored=stored, gate=gate)
 
-    def finish(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """Token-wise part after the core: gate and output projection -> ``[T, hidden]``
-        (``gate`` ``[T, H*D]``, or ``[T, H, D]`` from the fused path)."""
-        gated = sigmoid_gate(out.reshape(gate.shape), gate)
+    def finish(self, out: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """Token-wise part after the core: the gate (unless the core applied it) and the
+        output projection -> ``[T, hidden]`` (``gate`` ``[T, H*D]``, or ``[T, H, D]`` from
+        the fused path)."""
+        gated = out if gate is None else sigmoid_gate(out, gate)
         return self.o_proj(gated.reshape(gated.shape[0], -1))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -159,12 +169,6 @@ def attention_inputs(
     k = k.reshape(tokens, num_kv_heads, head_dim)
     k = apply_partial_rope(positions, rms_norm_math(k, k_norm, eps), inv_freq, rotary_dim)
     return q, k, v.reshape(tokens, num_kv_heads, head_dim), gate.reshape(tokens, -1)
-
-
-@fused
-def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """``x * sigmoid(gate)``."""
-    return x * torch.sigmoid(gate)
 
 
 class DepthwiseConv(nn.Module):
