@@ -9,6 +9,10 @@ output ``norm_w * rmsnorm(o) * silu(z)`` (poisoned with NaN first) within fp16 r
 compute_70 PTX before the norm moved into the kernel: the delta rule met the fp64 bounds at
 every shape; the torch step differs from it by about 2e-4 of the state's scale, from its fp16
 ``sigmoid(b)``.
+
+Decode passes above ``gdn.WIDE_ABOVE_ROWS`` rows (with b and a given) run the wide-batch
+kernel and then the gated-norm kernel; tests that name a ``path`` force one of the two
+(:func:`force_path`) and check which kernels ran, so both stay covered whatever the threshold.
 """
 
 from __future__ import annotations
@@ -109,6 +113,33 @@ def run_kernel(inputs, slots, num_k_heads, rows, num_v_heads, dv, dst=None, posi
     torch.cuda.synchronize()
     assert got.data_ptr() == out.data_ptr()
     return out
+
+
+def force_path(monkeypatch, path):
+    """Make every decode pass with b and a given run ``path``: ``"wide"`` (gdn_decode_wide_d*
+    then gdn_decode_gated_norm) or ``"fused"`` (gdn_decode_d*), whatever ``WIDE_ABOVE_ROWS``
+    says. Returns the list the names of the kernels launched from then on are appended to."""
+    from onecat.kernels import gdn
+
+    monkeypatch.setattr(gdn, "WIDE_ABOVE_ROWS", 0 if path == "wide" else 1 << 30)
+    launched = []
+    real_get_kernel = gdn.get_kernel
+
+    def recording(name, device_index):
+        launched.append(name)
+        return real_get_kernel(name, device_index)
+
+    monkeypatch.setattr(gdn, "get_kernel", recording)
+    return launched
+
+
+def assert_ran(launched, path):
+    wide = [name for name in launched if name.startswith("gdn_decode_wide")]
+    fused = [name for name in launched if name.startswith("gdn_decode_d")]
+    if path == "wide":
+        assert wide and not fused and "gdn_decode_gated_norm" in launched, launched
+    else:
+        assert fused and not wide, launched
 
 
 def assert_output_close(out, ref, what):
@@ -235,6 +266,109 @@ def test_gdn_decode_runs_positions_in_order(batch, positions):
         assert_state_close(inputs["state"][dst[p * batch : (p + 1) * batch]], ref_state, f"state after position {p}")
         assert_output_close(out[token], ref_out, f"output at position {p}")
     assert torch.equal(inputs["state"][slots], before[slots]), "the source slots changed"
+
+
+def padded_state_rows(perm, counts, batch, positions):
+    """Source slots ``[B]`` and destination rows ``[P][B]`` laid out as
+    ``ModelRunner._decode_rows`` and the decode graphs do: sequence ``b`` has ``counts[b]``
+    tokens (0: a padding sequence), its state after position ``p < counts[b] - 1`` goes to a
+    fresh row, after its last token to its slot; padding rows (positions past the count, and
+    padding sequences, which also read it) write one shared scratch row, ``perm[-1]``."""
+    scratch = int(perm[-1])
+    real = sum(1 for c in counts if c)
+    slots = perm[:real].tolist() + [scratch] * (batch - real)
+    fresh = iter(perm[real:-1].tolist())
+    dst = [[scratch] * batch for _ in range(positions)]
+    for b, count in enumerate(counts):
+        for p in range(count):
+            dst[p][b] = slots[b] if p == count - 1 else next(fresh)
+    return slots, dst, scratch
+
+
+WIDE_CASES = [
+    (shape, batch, positions, path)
+    for shape in SHAPES
+    for batch in (9, 33, 64)
+    for positions in (1, 4)
+    for path in ("wide", "fused")
+]
+
+
+@pytest.mark.parametrize("shape, batch, positions, path", WIDE_CASES)
+def test_gdn_decode_wide_batches_with_padding_rows(monkeypatch, shape, batch, positions, path):
+    """Wide batches at both real shapes on each path (forced, so both stay covered whatever the
+    threshold): 2 padding sequences sharing a scratch state row, as a decode graph's bucket
+    pads; with 4 positions (verify) one sequence has only 2 real tokens, its last 2 rows
+    padding. Every real row's output and state against fp64; every row that no real token
+    writes, the scratch row aside, bit-identical. Padding rows' outputs are not checked."""
+    launched = force_path(monkeypatch, path)
+    num_k_heads, num_v_heads, dv = SHAPES[shape]
+    rows, padding = batch * positions, 2
+    real = batch - padding
+    counts = [positions] * real + [0] * padding
+    if positions > 1:
+        counts[0] = 2
+    pool = real * positions + 2  # slots, fresh rows, the scratch row and one row nothing names
+    inputs = random_inputs(rows, num_k_heads, num_v_heads, dv, pool, seed=batch * 10 + positions)
+    slot_list, dst, scratch = padded_state_rows(inputs["perm"], counts, batch, positions)
+    slots = torch.tensor(slot_list, device="cuda")
+    dst_flat = None if positions == 1 else torch.tensor([r for pos in dst for r in pos], device="cuda")
+    before = inputs["state"].clone()
+    out = run_kernel(inputs, slots, num_k_heads, rows, num_v_heads, dv, dst_flat, positions)
+    assert_ran(launched, path)
+
+    written = [dst[p][b] for b in range(real) for p in range(counts[b])]
+    untouched = torch.ones(pool, dtype=torch.bool, device="cuda")
+    untouched[written + [scratch]] = False
+    assert untouched.any()
+    assert torch.equal(inputs["state"][untouched], before[untouched]), "rows outside the written ones changed"
+    ref_state = before[slots[:real]]
+    for p in range(positions):
+        token = torch.arange(real, device="cuda") * positions + p
+        ref_out, ref_state = reference(inputs, ref_state, token, num_k_heads, num_v_heads, dv)
+        live = [b for b in range(real) if p < counts[b]]
+        assert_output_close(out[token[live]], ref_out[live], f"output at position {p}")
+        got_state = inputs["state"][[dst[p][b] for b in live]]
+        assert_state_close(got_state, ref_state[live], f"state after position {p}")
+
+
+@pytest.mark.parametrize("path", ["wide", "fused"])
+def test_gdn_decode_replays_in_a_cuda_graph(monkeypatch, path):
+    """Captured once at 33 rows (27B shape), replayed after new inputs and new slots were
+    copied into its buffers: the replay matches fp64 on the new ones (the path is fixed at
+    capture by the row count alone)."""
+    from onecat.kernels.gdn import gated_delta_rule_decode_
+
+    launched = force_path(monkeypatch, path)
+    num_k_heads, num_v_heads, dv = SHAPES["27B"]
+    batch, pool = 33, 70
+    inputs = random_inputs(batch, num_k_heads, num_v_heads, dv, pool, seed=5)
+    fresh = random_inputs(batch, num_k_heads, num_v_heads, dv, pool, seed=6)
+    slots = inputs["perm"][:batch].contiguous()
+    out = torch.empty(batch, num_v_heads, dv, dtype=torch.float16, device="cuda")
+    state = inputs["state"]
+
+    def step():
+        gated_delta_rule_decode_(inputs["mixed"], inputs["ba"], inputs["z"], inputs["A_log"], inputs["dt_bias"],
+                                 inputs["norm_w"], EPS, state, slots, num_k_heads, out=out)
+
+    step()  # loads the kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    assert_ran(launched, path)
+    for name in ("mixed", "ba", "z"):
+        inputs[name].copy_(fresh[name])
+    slots.copy_(inputs["perm"][pool - batch :])
+    out.fill_(float("nan"))
+    before = state.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_out, ref_state = reference(inputs, before[slots], torch.arange(batch, device="cuda"), num_k_heads,
+                                   num_v_heads, dv)
+    assert_output_close(out, ref_out, "replayed output")
+    assert_state_close(state[slots], ref_state, "replayed state")
 
 
 def test_gdn_decode_rejects_what_it_cannot_run():
@@ -383,13 +517,17 @@ def test_decode_rows_use_the_conv_kernel_and_match_the_torch_step():
     assert torch.allclose(layer.recurrent_state[slots], ref_rec, atol=1e-2 * ref_rec.abs().max().item())
 
 
-def test_verify_rows_kernel_path_matches_the_torch_path(monkeypatch):
+@pytest.mark.parametrize("path", ["wide", "fused"])
+def test_verify_rows_kernel_path_matches_the_torch_path(monkeypatch, path):
     """A speculative verify pass through the layer's core (3 sequences x 4 positions, state
     rows position by position as ``ModelRunner._decode_rows`` lays them out: fresh rows, the
-    slot at the last position): one conv and one delta-rule-and-norm launch against the torch
-    step run position after position. Every position's output is normed."""
+    slot at the last position): one conv and one delta-rule-and-norm launch (or, on the wide
+    path, a delta-rule and a norm launch) against the torch step run position after position.
+    Every position's output is normed."""
     from onecat.runtime.context import ForwardContext, set_context
     from onecat.runtime.models.qwen3_5 import GatedDeltaNet
+
+    launched = force_path(monkeypatch, path)
 
     batch, width = 3, 4
     layer = small_layer(20)
@@ -417,6 +555,7 @@ def test_verify_rows_kernel_path_matches_the_torch_path(monkeypatch):
 
     assert layer._uses_decode_kernel(mixed)
     got, got_conv, got_rec = run()
+    assert_ran(launched, path)
     monkeypatch.setattr(GatedDeltaNet, "_uses_decode_kernel", lambda self, mixed: False)
     ref, ref_conv, ref_rec = run()
     assert got.shape == (rows, 4, 128)
@@ -470,9 +609,11 @@ def test_mixed_step_layer_output_matches_the_torch_norm_paths(monkeypatch):
 @pytest.mark.parametrize("width", [1, 4])
 def test_decode_step_projects_b_and_a_in_the_kernel(monkeypatch, width):
     """A pass of decode rows only through the whole layer (project, core, finish): project
-    hands the layer input in place of in_proj_ba's output and the kernel projects b and a;
-    against the torch step with in_proj_ba (outputs after out_proj, state pools). ``width``
-    4: a verify pass (state rows position by position, the slot last)."""
+    hands the layer input in place of in_proj_ba's output and the (fused) kernel projects b
+    and a; against the torch step with in_proj_ba (outputs after out_proj, state pools).
+    On the wide path project runs in_proj_ba even within ``KERNEL_BA_MAX_ROWS``, and the
+    layer's output matches too. ``width`` 4: a verify pass (state rows position by position,
+    the slot last)."""
     from onecat.runtime.context import ForwardContext, set_context
     from onecat.runtime.models.qwen3_5 import GatedDeltaNet
 
@@ -501,16 +642,23 @@ def test_decode_step_projects_b_and_a_in_the_kernel(monkeypatch, width):
 
     from onecat.runtime.models import qwen3_5
 
+    launched = force_path(monkeypatch, "fused")
     monkeypatch.setattr(qwen3_5, "KERNEL_BA_MAX_ROWS", rows - 1)
     assert run()[0].shape == (rows, 8), "above KERNEL_BA_MAX_ROWS rows project runs in_proj_ba"
     monkeypatch.setattr(qwen3_5, "KERNEL_BA_MAX_ROWS", rows)
     handed, got, got_rec = run()
     assert handed.data_ptr() == x.data_ptr(), "project computed in_proj_ba in a pass of decode rows only"
+    assert_ran(launched, "fused")
+    launched = force_path(monkeypatch, "wide")
+    handed, got_wide, got_wide_rec = run()
+    assert handed.shape == (rows, 8), "the wide path needs in_proj_ba's rows"
+    assert_ran(launched, "wide")
     monkeypatch.setattr(GatedDeltaNet, "_uses_decode_kernel", lambda self, mixed: False)
     handed, ref, ref_rec = run()
     assert handed.shape == (rows, 8)
-    for p in range(width):
-        assert_layer_close(got[p::width], ref[p::width], f"layer output at position {p}")
     written = dst.tolist() if width > 1 else slots
     scale = ref_rec[written].abs().max().item()
-    assert torch.allclose(got_rec[written], ref_rec[written], atol=1e-2 * scale)
+    for what, out, rec in (("fused", got, got_rec), ("wide", got_wide, got_wide_rec)):
+        for p in range(width):
+            assert_layer_close(out[p::width], ref[p::width], f"{what}: layer output at position {p}")
+        assert torch.allclose(rec[written], ref_rec[written], atol=1e-2 * scale), what

@@ -2,7 +2,8 @@
 speculative verify pass, a few consecutive tokens) of each sequence of a batch through the
 short conv (:func:`causal_conv1d_update_`) and the gated delta rule with the gated norm after
 it (:func:`gated_delta_rule_decode_`), their conv and recurrent states updated in place in the
-state pools (or written to one row per token): two launches per layer. The runtime calls them
+state pools (or written to one row per token): two launches per layer (three above
+:data:`WIDE_ABOVE_ROWS` decode rows, where the norm runs after the delta rule). The runtime calls them
 for CUDA decode batches the kernels support and keeps its torch step
 (``onecat.runtime.layers.delta_rule``) for everything else; :func:`gated_rms_norm_` is the
 gated norm alone, for the rows of prompt chunks.
@@ -21,6 +22,20 @@ HEAD_K_DIM = 128
 """The key head dimension the kernel is built for (Qwen3.5's)."""
 HEAD_V_DIMS = (32, 64, 128)
 """The value head dimensions it has a kernel for (``gdn_decode_d<dv>``, 8 * dv threads a block)."""
+WIDE_ABOVE_ROWS = 8
+"""Decode passes of more rows than this (sequences x positions) whose b and a come as rows run
+the wide-batch kernel ``gdn_decode_wide_d<dv>`` (blocks of 4 warps and 32 state columns, several
+per SM; no norm) and then ``gdn_decode_gated_norm`` over its rows; smaller passes, and passes
+whose b and a the kernel projects, run the fused ``gdn_decode_d<dv>`` (a block per value head,
+norm included). H200, compute_70 PTX, 27B shape (48 value heads), 32 rows: fused 77.9 us per
+layer, the two-kernel mapping 50.1 + 6.0 us; at up to 8 rows the fused kernel is faster. The
+choice depends on the row count only, so a CUDA graph captures one path per batch bucket."""
+
+
+def uses_wide_kernel(rows: int) -> bool:
+    """Whether a decode pass of ``rows`` rows with b and a given as rows runs the wide-batch
+    kernels (see :data:`WIDE_ABOVE_ROWS`)."""
+    return rows > WIDE_ABOVE_ROWS
 
 
 def supports(head_k_dim: int, head_v_dim: int, dtype: torch.dtype) -> bool:
@@ -94,7 +109,9 @@ def gated_delta_rule_decode_(
     ``slots`` int64 ``[B]``. Returns ``norm_weight * rmsnorm(o) * silu(z)`` per value head,
     ``[B*P, Hv, dv]`` fp16, written into ``out`` when given (tests poison it). The math is
     ``gated_delta_rule_step`` with ``decay_and_rate`` token after token, then
-    ``gated_rms_norm``, in fp32 with one rounding (see ``gdn_decode.cu``).
+    ``gated_rms_norm``, in fp32 with one rounding (see ``gdn_decode.cu``); above
+    :data:`WIDE_ABOVE_ROWS` rows with ``ba`` given, ``o`` is rounded to fp16 into ``out`` by
+    the wide-batch kernel and normed there in place by a second launch (two roundings).
     """
     where = "onecat.kernels.gdn.gated_delta_rule_decode_"
     rows = mixed.shape[0]
@@ -123,14 +140,29 @@ def gated_delta_rule_decode_(
     dst_slots = slots if dst_slots is None else dst_slots
     checks.append(("dst_slots", dst_slots.dtype == torch.int64 and dst_slots.is_contiguous()
                    and dst_slots.numel() == rows))
+    if out is None:
+        out = torch.empty(rows, num_v_heads, head_v_dim, dtype=torch.float16, device=mixed.device)
+    checks.append(("out", out.dtype == torch.float16 and out.is_contiguous()
+                   and tuple(out.shape) == (rows, num_v_heads, head_v_dim)))
     for name, ok in checks:
         if not ok:
             raise OnecatError(f"{where}: {name} has the wrong dtype, shape or layout (see the docstring)")
-    if out is None:
-        out = torch.empty(rows, num_v_heads, head_v_dim, dtype=torch.float16, device=mixed.device)
     if batch == 0:
         return out
     device_index = mixed.device.index if mixed.device.index is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(mixed.device).cuda_stream
+    if ba is not None and uses_wide_kernel(rows):  # the delta rule, then the norm in place
+        args = [
+            ctypes.c_void_p(mixed.data_ptr()), ctypes.c_int(mixed.stride(0)), ctypes.c_void_p(ba.data_ptr()),
+            ctypes.c_int(ba.stride(0)), ctypes.c_void_p(A_log.data_ptr()), ctypes.c_void_p(dt_bias.data_ptr()),
+            ctypes.c_void_p(state.data_ptr()), ctypes.c_void_p(slots.data_ptr()),
+            ctypes.c_void_p(dst_slots.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+            ctypes.c_int(num_k_heads), ctypes.c_int(num_v_heads), ctypes.c_int(positions),
+        ]  # fmt: skip
+        wide = get_kernel(f"gdn_decode_wide_d{head_v_dim}", device_index)
+        wide.launch((head_v_dim // 32, num_v_heads, batch), 128, stream, args)
+        _launch_gated_norm(out, z, norm_weight, norm_eps, out)
+        return out
     kernel = get_kernel(f"gdn_decode_d{head_v_dim}", device_index)
     if ba is None:  # the kernel projects b and a: no ba rows
         ba_args = [ctypes.c_void_p(0), ctypes.c_int(0), ctypes.c_void_p(hidden_states.data_ptr()),
@@ -148,7 +180,6 @@ def gated_delta_rule_decode_(
         ctypes.c_void_p(dst_slots.data_ptr()), ctypes.c_void_p(out.data_ptr()),
         ctypes.c_int(num_k_heads), ctypes.c_int(num_v_heads), ctypes.c_int(positions),
     ]  # fmt: skip
-    stream = torch.cuda.current_stream(mixed.device).cuda_stream
     kernel.launch((num_v_heads, batch, 1), 8 * head_v_dim, stream, args)
     return out
 
@@ -175,6 +206,14 @@ def gated_rms_norm_(
             raise OnecatError(f"{where}: {name} has the wrong dtype, shape or layout (see the docstring)")
     if rows == 0:
         return out
+    _launch_gated_norm(x, z, norm_weight, eps, out)
+    return out
+
+
+def _launch_gated_norm(x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       out: torch.Tensor) -> None:
+    """``gdn_decode_gated_norm`` over checked, non-empty rows (see :func:`gated_rms_norm_`)."""
+    rows, num_v_heads, head_v_dim = x.shape
     device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     args = [
         ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(z.data_ptr()), ctypes.c_int(z.stride(0)),
@@ -183,7 +222,6 @@ def gated_rms_norm_(
     ]  # fmt: skip
     stream = torch.cuda.current_stream(x.device).cuda_stream
     get_kernel("gdn_decode_gated_norm", device_index).launch((rows, num_v_heads, 1), head_v_dim, stream, args)
-    return out
 
 
 CONV_KERNEL = 4

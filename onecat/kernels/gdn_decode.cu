@@ -55,13 +55,17 @@
 // its 16 row loads at once, a block has its whole 64 KB head in flight, and one block per SM
 // exceeds what Little's law asks for the full bandwidth of a V100 (~900 GB/s x ~0.5 us = 0.45
 // MB against 80 x 64 KB) and about meets an H200's (~4.8 TB/s x ~0.6 us = 2.9 MB against 132 x
-// 64 KB).  At B=1 only Hv SMs work (48 or 32; the former mapping, 4 blocks of 4 warps per head,
-// spread over all of them), still 3 MB (27B) / 2 MB (35B-A3B) in flight: enough for a V100
-// and about enough for an H200; 27B at TP=2 (24 blocks) is the thinnest case.  The price of a
-// head per block is 6 barriers of 32 warps per token; the gain is the gated-norm launch and a
-// [B*P, Hv*DV] fp16 round trip through memory per layer.  The b/a projection adds 2 weight
-// rows and an x row per (head, token) (30 KB at hidden 5120, all of in_proj_ba's weight is
-// 1 MB and stays in L2) to 128 KB of state traffic, and saves in_proj_ba's 2 launches.
+// 64 KB).  At B=1 only Hv SMs work (48 or 32; gdn_decode_wide's mapping, 4 blocks of 4 warps
+// per head, spreads over all of them), still 3 MB (27B) / 2 MB (35B-A3B) in flight: enough
+// for a V100 and about enough for an H200; 27B at TP=2 (24 blocks) is the thinnest case.
+// The price of a head per block is 6 barriers of 32 warps per token; the gain is the
+// gated-norm launch and a [B*P, Hv*DV] fp16 round trip through memory per layer.  The b/a
+// projection adds 2 weight rows and an x row per (head, token) (30 KB at hidden 5120, all of
+// in_proj_ba's weight is 1 MB and stays in L2) to 128 KB of state traffic, and saves
+// in_proj_ba's 2 launches.
+// Wide batches lose more at the barriers than the fused norm saves (27B, B=32 on an H200:
+// ~60% of the copy bandwidth against ~84% for 4 blocks of 4 warps per head): above a row
+// threshold the host runs gdn_decode_wide_d* and then gdn_decode_gated_norm instead (below).
 #include <cuda_fp16.h>
 
 namespace onecat_gdn {
@@ -264,6 +268,157 @@ extern "C" __global__ void __launch_bounds__(512, 2)
 extern "C" __global__ void __launch_bounds__(256, 4)
     gdn_decode_d32(ONECAT_GDN_DECODE_ARGS) {
   ONECAT_GDN_DECODE_CALL(32);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The same delta rule for wide batches, WITHOUT the norm: gdn_decode_wide_d{128,64,32} write
+// the raw o = S^T q (fp16) to `out`, and gdn_decode_gated_norm then norms and gates those rows
+// in place (two launches).  Same arguments, layout, rows, dst rows, int64 slots and in-place
+// state rule as gdn_decode_d*, except that b and a always come as `ba` rows (in_proj_ba's
+// output) and there is no z / norm weight.
+//
+// Why it exists beside the fused kernel: with a whole head per block (1024 threads, one block
+// an SM) the grid of Hv x B blocks runs in waves of one block per SM, and each block's state
+// traffic stalls at its 6 barriers of 32 warps per token with no other block on the SM to fill
+// the gap.  At batch 32 on the 27B shape (Hv 48) that reached ~60% of the copy bandwidth
+// (77.9 us a layer on an H200, compute_70 PTX), while this mapping, with several small blocks
+// per SM, reached ~84% (50.1 us, + 6.0 us for the separate norm).  At a few sequences the fused
+// kernel wins (one launch, and a head per block spreads a thin batch over Hv SMs), so the host
+// picks this one above a row threshold (onecat/kernels/gdn.py: WIDE_ABOVE_ROWS).
+//
+// Thread mapping: block (column chunk c, value head h, sequence b), 128 threads = 4 warps, so
+// a head is DV/32 blocks.  Per token, thread t loads q[t] and k[t] (the 128 rows) and the block
+// normalises them into shared memory.  Lane l of warp w owns column j = 32c + l of S and rows
+// 32w .. 32w+31, and holds those 32 fp32 values in registers for all P tokens: for each row a
+// warp reads and writes 128 contiguous bytes.  S^T k and S^T q are sums over rows: each warp
+// sums its 32 rows in registers, the 4 warps' partials meet in shared memory, and warp 0
+// writes the block's 32 values of o.  Blocks of a head share nothing but q, k, b and a (each
+// loads them itself), so no block waits for another.  ptxas: 72 registers, 0 spills (64, what
+// 8 blocks an SM would need, spills), so 7 blocks = 28 warps an SM, 7 x 16 KB of state in
+// flight per SM (the fused kernel: one block, 64 KB, but all of it behind the same barriers).
+namespace onecat_gdn {
+constexpr int kWideWarps = 4;                  // warps per block
+constexpr int kWideRows = kDk / kWideWarps;    // rows of S per thread
+
+template <int DV>
+__device__ __forceinline__ void decode_wide(const half* __restrict__ mixed, int mixed_stride,
+                                            const half* __restrict__ ba, int ba_stride,
+                                            const float* __restrict__ A_log,
+                                            const float* __restrict__ dt_bias,
+                                            float* __restrict__ state,
+                                            const long long* __restrict__ slots,
+                                            const long long* __restrict__ dst,
+                                            half* __restrict__ out, int num_k_heads,
+                                            int num_v_heads, int positions) {
+  __shared__ float q_rows[kDk], k_rows[kDk];
+  __shared__ float norms[2][kWideWarps];
+  __shared__ float partial[kWideWarps][32];
+  const int chunk = blockIdx.x, h = blockIdx.y, b = blockIdx.z, num_seqs = gridDim.z;
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const int key_head = h / (num_v_heads / num_k_heads);
+  const int key_dim = num_k_heads * kDk;
+  const int j = chunk * 32 + lane;
+  const int head_offset = (h * kDk + warp * kWideRows) * DV + j;  // < 2^31: Hv * 128 * DV
+  const float* k_mine = k_rows + warp * kWideRows;
+  const float* q_mine = q_rows + warp * kWideRows;
+  const float A = expf(A_log[h]);
+
+  // this thread's 32 entries of S, read once
+  float s[kWideRows];
+  const float* S = state + slots[b] * num_v_heads * (kDk * DV) + head_offset;
+#pragma unroll
+  for (int r = 0; r < kWideRows; ++r) s[r] = S[r * DV];
+
+#pragma unroll 1
+  for (int p = 0; p < positions; ++p) {
+    const int token = b * positions + p;
+    const half* row = mixed + (size_t)token * mixed_stride;
+    // 1. q and k of this head, l2-normalised over the 128 rows (one element per thread)
+    const float q = __half2float(row[key_head * kDk + t]);
+    const float k = __half2float(row[key_dim + key_head * kDk + t]);
+    const float qq = warp_sum(q * q), kk = warp_sum(k * k);
+    __syncthreads();  // the previous token is done with norms, q_rows, k_rows and partial
+    if (lane == 0) {
+      norms[0][warp] = qq;
+      norms[1][warp] = kk;
+    }
+    __syncthreads();
+    float q_sq = 0.f, k_sq = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWideWarps; ++w) {
+      q_sq += norms[0][w];
+      k_sq += norms[1][w];
+    }
+    q_rows[t] = q * rsqrtf(q_sq + 1e-6f) * rsqrtf((float)kDk);
+    k_rows[t] = k * rsqrtf(k_sq + 1e-6f);
+
+    // decay and learning rate of this head (fp32; softplus as torch's, threshold 20)
+    const half* gates = ba + (size_t)token * ba_stride;
+    const float x = __half2float(gates[num_v_heads + h]) + dt_bias[h];
+    const float softplus = x > 20.f ? x : log1pf(expf(x));
+    const float decay = expf(-A * softplus);
+    const float beta = 1.f / (1.f + expf(-__half2float(gates[h])));
+    __syncthreads();
+
+    // 2. forget, and this warp's share of S^T k
+    float predicted = 0.f;
+#pragma unroll
+    for (int r = 0; r < kWideRows; ++r) {
+      s[r] *= decay;
+      predicted += s[r] * k_mine[r];
+    }
+    partial[warp][lane] = predicted;
+    __syncthreads();
+    predicted = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWideWarps; ++w) predicted += partial[w][lane];
+
+    // 3. the delta, the write, and this warp's share of S^T q
+    const float delta = beta * (__half2float(row[2 * key_dim + h * DV + j]) - predicted);
+    float* S_out = state + dst[p * num_seqs + b] * num_v_heads * (kDk * DV) + head_offset;
+    float o = 0.f;
+#pragma unroll
+    for (int r = 0; r < kWideRows; ++r) {
+      s[r] += k_mine[r] * delta;
+      S_out[r * DV] = s[r];
+      o += s[r] * q_mine[r];
+    }
+    __syncthreads();  // every thread has read `partial` above
+    partial[warp][lane] = o;
+    __syncthreads();
+    if (warp == 0) {
+      o = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWideWarps; ++w) o += partial[w][lane];
+      out[((size_t)token * num_v_heads + h) * DV + j] = __float2half_rn(o);
+    }
+  }
+}
+}  // namespace onecat_gdn
+
+#define ONECAT_GDN_DECODE_WIDE_ARGS                                                              \
+  const half *__restrict__ mixed, int mixed_stride, const half *__restrict__ ba, int ba_stride, \
+      const float *__restrict__ A_log, const float *__restrict__ dt_bias,                       \
+      float *__restrict__ state, const long long *__restrict__ slots,                           \
+      const long long *__restrict__ dst, half *__restrict__ out, int num_k_heads,               \
+      int num_v_heads, int positions
+#define ONECAT_GDN_DECODE_WIDE_CALL(DV)                                                          \
+  onecat_gdn::decode_wide<DV>(mixed, mixed_stride, ba, ba_stride, A_log, dt_bias, state, slots, \
+                              dst, out, num_k_heads, num_v_heads, positions)
+
+extern "C" __global__ void __launch_bounds__(128)
+    gdn_decode_wide_d128(ONECAT_GDN_DECODE_WIDE_ARGS) {
+  ONECAT_GDN_DECODE_WIDE_CALL(128);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    gdn_decode_wide_d64(ONECAT_GDN_DECODE_WIDE_ARGS) {
+  ONECAT_GDN_DECODE_WIDE_CALL(64);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    gdn_decode_wide_d32(ONECAT_GDN_DECODE_WIDE_ARGS) {
+  ONECAT_GDN_DECODE_WIDE_CALL(32);
 }
 
 // ---------------------------------------------------------------------------------------------

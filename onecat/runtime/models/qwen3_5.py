@@ -42,7 +42,9 @@ from onecat.runtime.quant_plan import QuantPlan
 KERNEL_BA_MAX_ROWS = 8
 """Decode passes of at most this many rows project GDN's b and a inside the decode kernel;
 larger batches run in_proj_ba (cuBLAS), whose cost does not grow with the rows as the
-kernel's per-(head, row) dot products over the hidden size do."""
+kernel's per-(head, row) dot products over the hidden size do. Only the fused decode kernel
+projects: passes the wide-batch kernels run (``gdn_kernel.WIDE_ABOVE_ROWS``) take in_proj_ba
+whatever this says."""
 
 
 def merged_linear(
@@ -321,8 +323,10 @@ class GatedDeltaNet(nn.Module):
         if ba.is_packed or ba.bias is not None or ba.weight.dtype != torch.float16 or ba.in_features == ba.out_features:
             return False
         ctx = get_context()
+        rows = x.shape[0]
         return (
-            ctx.num_decodes == x.shape[0] <= KERNEL_BA_MAX_ROWS and not ctx.prefills and self._uses_decode_kernel(x)
+            ctx.num_decodes == rows <= KERNEL_BA_MAX_ROWS and not gdn_kernel.uses_wide_kernel(rows)
+            and not ctx.prefills and self._uses_decode_kernel(x)
         )
 
     def _is_layer_input(self, ba: torch.Tensor) -> bool:
