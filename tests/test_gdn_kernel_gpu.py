@@ -344,7 +344,7 @@ def test_gdn_decode_replays_in_a_cuda_graph(monkeypatch, path):
     batch, pool = 33, 70
     inputs = random_inputs(batch, num_k_heads, num_v_heads, dv, pool, seed=5)
     fresh = random_inputs(batch, num_k_heads, num_v_heads, dv, pool, seed=6)
-    slots = inputs["perm"][:batch].contiguous()
+    slots = inputs["perm"][:batch].clone()
     out = torch.empty(batch, num_v_heads, dv, dtype=torch.float16, device="cuda")
     state = inputs["state"]
 
