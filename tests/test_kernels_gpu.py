@@ -178,3 +178,72 @@ def test_tuner_picks_a_correct_variant(tmp_path, monkeypatch):
     assert tuning.table_path(0).is_file()
     x = torch.randn(3, k, dtype=torch.float16, device="cuda")
     check_close(w4a16_linear(x, qweight, scales_zeros, g), x.double() @ w.t(), "tuned op")
+
+
+GATED_M_VALUES = (1, 2, 8, 16, 32)
+
+
+def gated_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """fp64 product of the gated activation fp16(silu(gate) * up) (one rounding) with ``w``."""
+    gate, up = x.double().chunk(2, dim=-1)
+    ref = (gate * torch.sigmoid(gate) * up).half().double() @ w.t()
+    return ref if bias is None else ref + bias.double()
+
+
+@pytest.mark.parametrize("n,k,g", [(5120, 17408, 128), (224, 352, 32)], ids=["27B-down", "odd"])
+def test_gated_variants_match_fp64(n, k, g):
+    """Gated mode (x = merged gate_up rows [M, 2K]) of every variant and some splits, M in the
+    decode batch sizes: the 27B down projection (K = 17408) and an odd shape (7 column tiles,
+    11 k tiles: GEMV ranges and wmma splits cut tiles)."""
+    from onecat.kernels.variants import Variant, all_variants, run_variant
+
+    qweight, scales_zeros, w = make_weight(n, k, g, seed=11)
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    cases = {}
+    for m in GATED_M_VALUES:
+        x = torch.randn(m, 2 * k, dtype=torch.float16, device="cuda", generator=gen) * 2
+        bias = torch.randn(n, dtype=torch.float16, device="cuda", generator=gen) if m % 2 else None
+        cases[m] = (x, bias, gated_reference(x, w, bias))
+    for base in all_variants():
+        if base.kind == "gemv":
+            split_options = [0, 5]
+        else:
+            split_options = [0] if base.kind == "dequant" else [0, 3]
+        for split in split_options:
+            variant = Variant(base.kind, base.rows, base.width, split, base.chunk)
+            for m, (x, bias, ref) in cases.items():
+                if not variant.supports(m):
+                    continue
+                out = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+                run_variant(variant, x, qweight, scales_zeros, g, bias, out=out, gated=True)
+                check_close(out, ref, f"gated {n}x{k} g{g} M={m} {variant.name}")
+
+
+def test_gated_op_default_dispatch_strided_x_and_graph_replay():
+    """The op in gated mode at the 27B down shape: default variants for M in the decode batch
+    sizes, a strided gate_up view (copied once), and CUDA-graph capture and replay."""
+    from onecat.kernels.ops import w4a16_linear
+
+    n, k, g = 5120, 17408, 128
+    qweight, scales_zeros, w = make_weight(n, k, g, seed=13)
+    wide = torch.randn(3, 2 * k + 64, dtype=torch.float16, device="cuda")
+    x = wide[:, 8 : 8 + 2 * k]  # not contiguous
+    check_close(w4a16_linear(x, qweight, scales_zeros, g, gated=True), gated_reference(x, w, None), "strided")
+    with pytest.raises(OnecatError, match="gated"):
+        w4a16_linear(x[:, :k], qweight, scales_zeros, g, gated=True)
+    for m in GATED_M_VALUES:
+        static_x = torch.randn(m, 2 * k, dtype=torch.float16, device="cuda")
+        w4a16_linear(static_x, qweight, scales_zeros, g, gated=True)  # load the kernels before capture
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            with torch.cuda.graph(graph):
+                static_y = w4a16_linear(static_x, qweight, scales_zeros, g, gated=True)
+        torch.cuda.current_stream().wait_stream(stream)
+        for _ in range(2):
+            static_x.copy_(torch.randn(m, 2 * k, dtype=torch.float16, device="cuda") * 2)
+            static_y.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            check_close(static_y, gated_reference(static_x, w, None), f"gated graph replay M={m}")

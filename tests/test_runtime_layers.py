@@ -143,3 +143,98 @@ def test_folded_shared_expert_matches_the_separate_mlp(device, tokens):
     assert (folded.float() - separate.float()).abs().max() <= 5e-3 * scale, "folded vs separate shared expert"
     assert fold_shared_experts(layer) == 1, "folding again changes nothing"
     assert torch.equal(layer(x), folded)
+
+
+def _random_packed_mlp(device: str, hidden: int, intermediate: int, seed: int):
+    """A packed fp16 MLP (group 32) with random weights: any nibbles, zero point 8."""
+    from onecat.runtime.models.qwen3_5 import MLP
+    from onecat.runtime.quant_plan import QuantPlan
+
+    with torch.device(device):
+        mlp = MLP(hidden, intermediate, "model.layers.0.mlp", QuantPlan(default=32), torch.float16)
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in mlp.named_parameters():
+        if param.dtype == torch.int32:
+            param.data.copy_(torch.randint(-(2**31), 2**31 - 1, param.shape, generator=gen, dtype=torch.int32))
+        else:
+            assert "scales_zeros" in name
+            scale = torch.rand(param.shape[:-1], generator=gen) * 0.02 + 0.01
+            param.data.copy_(torch.stack([scale, -8 * scale], dim=-1).half())
+    assert mlp.gate_up_proj.is_packed and mlp.down_proj.is_packed
+    return mlp, gen
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 100])
+def test_mlp_on_cpu_is_unchanged_and_gated_linear_matches(tokens):
+    """On the CPU the MLP still runs silu_and_mul then the plain down projection (same output
+    as before); a layer's gated mode is silu_mul (fp32 math, one rounding) then the layer, for
+    packed fp16 and float fp32 weights."""
+    from onecat.kernels.ops import silu_mul
+    from onecat.runtime.layers.linear import Linear
+    from onecat.runtime.layers.moe import silu_and_mul
+
+    mlp, gen = _random_packed_mlp("cpu", 256, 352, seed=tokens)
+    x = torch.randn(tokens, 256, generator=gen).half()
+    h = mlp.gate_up_proj(x)
+    assert torch.equal(mlp(x), mlp.down_proj(silu_and_mul(h)))
+    gated = mlp.down_proj(h, gated=True)
+    assert torch.equal(gated, mlp.down_proj(silu_mul(h)))
+    unfused = mlp.down_proj(silu_and_mul(h)).float()  # fp16 eager: two roundings
+    assert (gated.float() - unfused).abs().max() <= 2e-2 * unfused.abs().max()
+    dense = Linear(352, 96, bias=True)
+    dense.weight.data.normal_(generator=gen)
+    dense.bias.data.normal_(generator=gen)
+    h32 = torch.randn(tokens, 704, generator=gen)
+    assert torch.equal(dense(h32, gated=True), dense(silu_mul(h32)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("hidden,intermediate", [(256, 352), (5120, 17408)])
+def test_mlp_gated_down_projection_on_gpu_and_in_cuda_graphs(monkeypatch, hidden, intermediate):
+    """On the GPU the MLP's down kernel applies silu(gate) * up itself (silu_and_mul never
+    runs), eagerly and under CUDA-graph capture and replay, for the batch sizes of decode
+    graphs and a prompt-sized pass: against the fp64 product of the fp16-rounded activation
+    of the gate_up output with the down weight, outputs poisoned before each replay."""
+    from onecat.pack.volta_layout import dequantize_volta
+    from onecat.runtime.models import qwen3_5
+
+    monkeypatch.setenv("ONECAT_AUTOTUNE", "0")
+
+    def not_expected(_):
+        raise AssertionError("silu_and_mul ran: the down projection should apply the activation")
+
+    monkeypatch.setattr(qwen3_5, "silu_and_mul", not_expected)
+    mlp, gen = _random_packed_mlp("cuda", hidden, intermediate, seed=hidden)
+    down = mlp.down_proj
+    w = dequantize_volta(down.qweight, down.scales_zeros, down.group_size, dtype=torch.float64)
+
+    def reference(x):
+        gate, up = mlp.gate_up_proj(x).double().chunk(2, dim=-1)
+        return (gate * torch.sigmoid(gate) * up).half().double() @ w.t()
+
+    def check(y, ref, what):
+        assert torch.isfinite(y).all(), f"{what}: unwritten or non-finite outputs"
+        err = (y.double() - ref).abs()
+        rms = ref.pow(2).mean().sqrt()
+        assert (err <= 4e-3 * ref.abs() + 4e-3 * rms).all(), f"{what}: max error {err.max():.3e}"
+        assert (y.double() - ref).norm() <= 1e-3 * ref.norm(), what
+
+    for tokens in (1, 2, 8, 16, 32, 100):
+        x = (torch.randn(tokens, hidden, generator=gen) * 0.5).half().cuda()
+        check(mlp(x), reference(x), f"eager T={tokens}")
+        static_x = x.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            mlp(static_x)  # plans and kernels resolved before capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_y = mlp(static_x)
+        torch.cuda.current_stream().wait_stream(stream)
+        for _ in range(2):
+            static_x.copy_((torch.randn(tokens, hidden, generator=gen) * 0.5).half())
+            static_y.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            check(static_y, reference(static_x), f"graph replay T={tokens}")
