@@ -77,9 +77,8 @@ def test_parse_ptxas_report_reads_registers_and_spills():
 def test_every_variant_names_a_built_kernel():
     names = {n for p in build.PROGRAMS for n in build.kernel_names(p)}
     for variant in all_variants():
-        assert variant.kernel_name() in names and variant.kernel_name(gated=True) in names
+        assert variant.kernel_name() in names
         assert Variant.parse(variant.name) == variant
-    assert "w4a16_dequant_silu_mul" in names  # the dequant variant's gated activation
     with pytest.raises(OnecatError):
         Variant.parse("gemv-m3-u2-p0")
 
@@ -101,46 +100,6 @@ def test_cpu_op_matches_fp64_contract(shape):
     assert y.shape == (*shape[:-1], n) and y.dtype == torch.float16
     err = (y.double() - ref).abs()
     assert (err <= 2e-3 * ref.abs() + 2e-3 * ref.pow(2).mean().sqrt()).all(), err.max()
-
-
-@pytest.mark.parametrize("shape", [(1, 256), (3, 5, 512)])
-def test_cpu_gated_op_is_silu_mul_then_the_plain_op(shape):
-    """Gated mode on the CPU: exactly silu_mul (fp32 math, one rounding) then the plain op,
-    for fp16 through the op and for fp32 through packed_linear; silu_mul itself is one
-    rounding of the fp64 value."""
-    n, g = 96, 64
-    k = shape[-1] // 2
-    qweight, scales_zeros = pack_volta(*random_layer(n, k, g, seed=k + 1))
-    gen = torch.Generator().manual_seed(len(shape))
-    x = (torch.randn(*shape, generator=gen) * 3).half()
-    bias = torch.randn(n, generator=gen).half()
-    act = ops.silu_mul(x)
-    assert act.shape == (*shape[:-1], k) and act.dtype == torch.float16
-    gate, up = x.double().chunk(2, dim=-1)
-    exact = gate * torch.sigmoid(gate) * up
-    assert ((act.double() - exact).abs() <= exact.abs() * 2**-11 + 2**-25).all()
-    y = ops.w4a16_linear(x, qweight, scales_zeros, g, bias, gated=True)
-    assert torch.equal(y, ops.w4a16_linear(act, qweight, scales_zeros, g, bias))
-    assert torch.equal(torch.ops.onecat.w4a16_linear(x, qweight, scales_zeros, g, bias, True), y)
-    assert torch.equal(ops.packed_linear(x, qweight, scales_zeros, g, bias, gated=True), y)
-    x32 = x.float()
-    assert torch.equal(
-        ops.packed_linear(x32, qweight, scales_zeros, g, gated=True),
-        ops.packed_linear(ops.silu_mul(x32), qweight, scales_zeros, g),
-    )
-    with pytest.raises(OnecatError, match=rf"x must be \[\.\.\., {2 * k}\] \(gated"):
-        ops.w4a16_linear(act, qweight, scales_zeros, g, gated=True)
-
-
-def test_gated_op_registration_and_fake_impl():
-    n, k, g = 64, 128, 32
-    qweight, scales_zeros = pack_volta(*random_layer(n, k, g, seed=2))
-    x = torch.randn(4, 2 * k, dtype=torch.float16)
-    torch.library.opcheck(torch.ops.onecat.w4a16_linear, (x, qweight, scales_zeros, g, None, True))
-    fake = torch.ops.onecat.w4a16_linear(
-        x.to("meta"), qweight.to("meta"), scales_zeros.to("meta"), g, None, True
-    )
-    assert fake.shape == (4, n) and fake.device.type == "meta"
 
 
 def test_op_registration_and_fake_impl():

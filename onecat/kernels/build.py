@@ -140,12 +140,10 @@ def kernel_names(program: str) -> list[str]:
     text = source_text(program)
     if program == "w4a16_gemv":
         found = re.findall(r"^ONECAT_GEMV\((\d+), (\d+), (\d+), \d+\)$", text, flags=re.M)
-        return [f"w4a16_gemv_m{m}_w{w}_u{u}{g}" for m, w, u in found for g in ("", "_gated")]
+        return [f"w4a16_gemv_m{m}_w{w}_u{u}" for m, w, u in found]
     if program == "w4a16_wmma":
         found = re.findall(r"^ONECAT_WMMA\((\d+), (\d+), (\d+)\)$", text, flags=re.M)
-        return [f"w4a16_wmma_mt{t}_w{w}_c{c}{g}" for t, w, c in found for g in ("", "_gated")]
-    if program == "w4a16_dequant":
-        return ["w4a16_dequant", "w4a16_dequant_silu_mul"]
+        return [f"w4a16_wmma_mt{t}_w{w}_c{c}" for t, w, c in found]
     if program.startswith(("w4a16_moe", "paged_attention", "gdn_prefill", "gdn_decode", "attention_prep")):  # plain extern "C" kernels
         return re.findall(r'^extern "C" __global__ void __launch_bounds__\([^)]*\)\n\s*(\w+)\(', text, flags=re.M)
     return [program]

@@ -6,37 +6,23 @@
   matmul in fp32.
 - Meta / fake tensors: shape ``[..., N]`` fp16, so torch.compile and CUDA-graph capture can
   trace through the op.
-
-``gated=True`` (the MLP's down projection): x is the merged gate_up projection ``[..., 2K]``
-and the linear's input is :func:`silu_mul` of it, formed by the kernels while they load x
-(the dequant + cuBLAS variant runs one activation kernel first), so no separate kernel writes
-and reads ``silu(gate) * up``.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from onecat.errors import OnecatError
 from onecat.pack.volta_layout import reference_linear
 
 _SCHEMA = (
     "w4a16_linear(Tensor x, Tensor qweight, Tensor scales_zeros, int group_size, "
-    "Tensor? bias=None, bool gated=False) -> Tensor"
+    "Tensor? bias=None) -> Tensor"
 )
 
 # The Library object must stay alive for the registration to last: module scope.
 _LIB = torch.library.Library("onecat", "FRAGMENT")
 _LIB.define(_SCHEMA)
-
-
-def silu_mul(x: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of merged gate_up rows ``x [..., 2K]`` (gate first) -> ``[..., K]``:
-    fp32 math, one rounding to ``x.dtype``. What the gated op feeds its matmul, on every
-    device (the values torch.compile's fused silu-mul kernel produces)."""
-    gate, up = x.chunk(2, dim=-1)
-    return (F.silu(gate.float()) * up.float()).to(x.dtype)
 
 
 def check_inputs(
@@ -45,7 +31,6 @@ def check_inputs(
     scales_zeros: torch.Tensor,
     group_size: int,
     bias: torch.Tensor | None,
-    gated: bool = False,
 ) -> tuple[int, int]:
     """Validate the op's inputs; returns ``(N, K)``.  Raises OnecatError naming the bad field."""
     where = "onecat.kernels.ops.w4a16_linear"
@@ -67,10 +52,8 @@ def check_inputs(
         )
     if x.dtype != torch.float16:
         raise OnecatError(f"{where}: x must be float16 (V100 has no bf16), got {x.dtype}")
-    width = 2 * k if gated else k
-    if x.dim() == 0 or x.shape[-1] != width:
-        what = f" (gated: gate | up of the {k}-wide input)" if gated else ""
-        raise OnecatError(f"{where}: x must be [..., {width}]{what}, got {tuple(x.shape)}")
+    if x.dim() == 0 or x.shape[-1] != k:
+        raise OnecatError(f"{where}: x must be [..., {k}], got {tuple(x.shape)}")
     if bias is not None and (bias.dtype != torch.float16 or tuple(bias.shape) != (n,)):
         raise OnecatError(
             f"{where}: bias must be float16 [{n}], got {bias.dtype} {tuple(bias.shape)}"
@@ -100,7 +83,6 @@ def _cuda_impl(
     scales_zeros: torch.Tensor,
     group_size: int,
     bias: torch.Tensor | None = None,
-    gated: bool = False,
 ) -> torch.Tensor:
     from onecat.kernels.variants import run_plan
 
@@ -110,15 +92,15 @@ def _cuda_impl(
     signature = (
         x.shape, x.dtype, x.device, qweight.shape, qweight.dtype, qweight.device,
         scales_zeros.shape, scales_zeros.dtype, scales_zeros.device, group_size,
-        None if bias is None else (bias.shape, bias.dtype, bias.device), gated,
+        None if bias is None else (bias.shape, bias.dtype, bias.device),
     )  # fmt: skip
     plan = _plans.get(signature)
     if plan is None:
-        plan = _resolve(x, qweight, scales_zeros, group_size, bias, signature, gated)
+        plan = _resolve(x, qweight, scales_zeros, group_size, bias, signature)
     if not (qweight.is_contiguous() and scales_zeros.is_contiguous()) or (
         qweight.data_ptr() % 16 or scales_zeros.data_ptr() % 16
     ) or (bias is not None and (not bias.is_contiguous() or bias.data_ptr() % 16)):
-        check_inputs(x, qweight, scales_zeros, group_size, bias, gated)  # raises with the details
+        check_inputs(x, qweight, scales_zeros, group_size, bias)  # raises with the details
     n = qweight.shape[0] * 32
     x2 = x.reshape(-1, x.shape[-1])
     if not x2.is_contiguous() or x2.data_ptr() % 16:
@@ -144,21 +126,19 @@ def _resolve(
     group_size: int,
     bias: torch.Tensor | None,
     signature: tuple,
-    gated: bool = False,
 ) -> object:
     """Validate a new signature and resolve its launch plan (remembered unless the variant
-    choice may still change: a default picked during graph capture or compilation).  A gated
-    call takes the variant chosen for its weight's shape (tuned on plain inputs)."""
+    choice may still change: a default picked during graph capture or compilation)."""
     from onecat.kernels import tuning
     from onecat.kernels.variants import launch_plan
 
-    n, k = check_inputs(x, qweight, scales_zeros, group_size, bias, gated)
-    m = x.numel() // x.shape[-1]
+    n, k = check_inputs(x, qweight, scales_zeros, group_size, bias)
+    m = x.numel() // k
     if m == 0:
         plan = _NO_ROWS
     else:
         variant = tuning.choose_variant(m, qweight, scales_zeros, group_size)
-        plan = launch_plan(variant, m, n, k, group_size, x.device.index, gated)
+        plan = launch_plan(variant, m, n, k, group_size, x.device.index)
         if not tuning.is_remembered(m, n, k, group_size, x.device.index):
             return plan
     if len(_plans) > 1 << 14:  # prefill chunks of every length: stay bounded
@@ -173,11 +153,9 @@ def _cpu_impl(
     scales_zeros: torch.Tensor,
     group_size: int,
     bias: torch.Tensor | None = None,
-    gated: bool = False,
 ) -> torch.Tensor:
-    n, _ = check_inputs(x, qweight, scales_zeros, group_size, bias, gated)
-    x_in = silu_mul(x) if gated else x
-    return reference_linear(x_in, qweight, scales_zeros, group_size, bias).reshape(*x.shape[:-1], n)
+    n, _ = check_inputs(x, qweight, scales_zeros, group_size, bias)
+    return reference_linear(x, qweight, scales_zeros, group_size, bias).reshape(*x.shape[:-1], n)
 
 
 _LIB.impl("w4a16_linear", _cuda_impl, "CUDA")
@@ -191,7 +169,6 @@ def _fake_impl(
     scales_zeros: torch.Tensor,
     group_size: int,
     bias: torch.Tensor | None = None,
-    gated: bool = False,
 ) -> torch.Tensor:
     n = qweight.shape[0] * 32
     return x.new_empty((*x.shape[:-1], n))
@@ -203,20 +180,17 @@ def w4a16_linear(
     scales_zeros: torch.Tensor,
     group_size: int,
     bias: torch.Tensor | None = None,
-    gated: bool = False,
 ) -> torch.Tensor:
     """``y = x @ W^T (+ bias)`` with a 4-bit weight ``W [N, K]`` in the Volta layout (v1).
 
     Args:
-        x: activations, float16 ``[..., K]`` (``gated``: ``[..., 2K]``), on the weight's
-            device.  Any strides; a non-contiguous or misaligned ``x`` is copied once.
+        x: activations, float16 ``[..., K]``, on the weight's device.  Any strides; a
+            non-contiguous or misaligned ``x`` is copied once.
         qweight: int32 ``[N/32, K/32, 32, 4]``, contiguous, 16-byte aligned (``pack_volta``).
         scales_zeros: float16 ``[N/32, K/g, 32, 2]``, the half2 ``(s, fp16(-z*s))`` per column
             and group, contiguous.
         group_size: quantization group ``g`` along K (a multiple of 32 dividing K).
         bias: optional float16 ``[N]``, added in fp32 before the final rounding.
-        gated: x is a merged gate_up projection (gate first) and the input of the product
-            is ``silu_mul(x)`` (fp32 math, one rounding to fp16), formed as x is loaded.
 
     Returns:
         float16 ``[..., N]``.  Weights are dequantised as ``fp16(q*s + nzs)`` (one rounding)
@@ -225,7 +199,7 @@ def w4a16_linear(
     Raises:
         OnecatError: on a wrong dtype, shape, device, or non-contiguous weights.
     """
-    return torch.ops.onecat.w4a16_linear(x, qweight, scales_zeros, group_size, bias, gated)
+    return torch.ops.onecat.w4a16_linear(x, qweight, scales_zeros, group_size, bias)
 
 
 def packed_linear(
@@ -234,19 +208,17 @@ def packed_linear(
     scales_zeros: torch.Tensor,
     group_size: int,
     bias: torch.Tensor | None = None,
-    gated: bool = False,
 ) -> torch.Tensor:
     """:func:`w4a16_linear` for any activation dtype; what the runtime and the vLLM plugin call.
 
     fp16 activations go to the op (the sm_70 kernels on a GPU, the reference on the CPU).
     Other dtypes exist only on the CPU (fp32 runs compared with transformers, bf16 for
     vLLM's CPU backend) and use the same reference, returning ``x.dtype``: the dequantised
-    weights are identical either way. A non-fp16 ``x`` on a GPU is an error. ``gated``: as in
-    :func:`w4a16_linear` (x ``[..., 2K]``, the product's input ``silu_mul(x)``).
+    weights are identical either way. A non-fp16 ``x`` on a GPU is an error.
     """
     if x.dtype != torch.float16 and x.device.type == "cpu":
-        return reference_linear(silu_mul(x) if gated else x, qweight, scales_zeros, group_size, bias)
+        return reference_linear(x, qweight, scales_zeros, group_size, bias)
     if x.is_cuda and not torch.compiler.is_compiling():
         # the op's CUDA implementation without the dispatcher's round trip (same code)
-        return _cuda_impl(x, qweight, scales_zeros, group_size, bias, gated)
-    return w4a16_linear(x, qweight, scales_zeros, group_size, bias, gated)
+        return _cuda_impl(x, qweight, scales_zeros, group_size, bias)
+    return w4a16_linear(x, qweight, scales_zeros, group_size, bias)

@@ -9,11 +9,6 @@ A variant is named by a short string, stored as is in the tuner's cache:
   {8, 16, 32, 64}, W warps (32*W columns) per block, chunks of C k tiles, S splits of K
   (0: chosen by a wave model from the GPU's occupancy);
 - ``dequant``: dequantise to an fp16 workspace (w4a16_dequant.cu), then cuBLAS.
-
-Every variant also runs in gated mode (``gated=True``: x is the merged gate_up projection
-``[M, 2K]`` and the matmul's input is ``fp16(silu(gate) * up)``): the GEMV and wmma kernels
-have ``_gated`` twins that form the activation while they load x, with the same launch
-parameters; ``dequant`` runs one ``w4a16_dequant_silu_mul`` launch before cuBLAS.
 """
 
 from __future__ import annotations
@@ -43,7 +38,6 @@ WMMA_BUILT = {
 
 _GEMV_WARPS = 4
 _DEQUANT_THREADS = 128
-_ACTIVATION_THREADS = 256  # w4a16_dequant_silu_mul's block
 
 
 @dataclass(frozen=True)
@@ -87,14 +81,12 @@ class Variant:
         """Whether this variant can run ``m`` rows (the GEMV has a fixed row limit)."""
         return self.kind != "gemv" or m <= self.rows
 
-    def kernel_name(self, gated: bool = False) -> str:
-        """The ``extern "C"`` name of the kernel this variant launches (its ``_gated`` twin
-        reads x as ``[M, 2K]`` gate | up; ``dequant`` dequantises the same way either way)."""
-        suffix = "_gated" if gated else ""
+    def kernel_name(self) -> str:
+        """The ``extern "C"`` name of the kernel this variant launches."""
         if self.kind == "gemv":
-            return f"w4a16_gemv_m{self.rows}_w{_GEMV_WARPS}_u{self.width}{suffix}"
+            return f"w4a16_gemv_m{self.rows}_w{_GEMV_WARPS}_u{self.width}"
         if self.kind == "wmma":
-            return f"w4a16_wmma_mt{self.rows}_w{self.width}_c{self.chunk}{suffix}"
+            return f"w4a16_wmma_mt{self.rows}_w{self.width}_c{self.chunk}"
         return "w4a16_dequant"
 
 
@@ -144,39 +136,27 @@ class LaunchPlan:
     workspace_floats: int  # fp32 partial sums [M, N]; 0 when the kernel needs no workspace
     counters: int  # int counters after the partial sums
     launch: PreparedLaunch  # the kernel with its grid, block and argument slots (built once)
-    gated: bool = False  # x is [M, 2K]: gate | up (see the module doc)
-    activation: PreparedLaunch | None = None  # dequant, gated: the silu-mul launch before cuBLAS
 
 
 _plans: dict[tuple, LaunchPlan] = {}
 _MAX_PLANS = 1 << 14  # prefill chunks of every length each make a plan: stay bounded
 
 
-def launch_plan(
-    variant: Variant, m: int, n: int, k: int, group_size: int, device_index: int, gated: bool = False
-) -> LaunchPlan:
-    """The cached :class:`LaunchPlan` of ``variant`` for ``m`` rows of an ``[n, k]`` weight
-    (``gated``: of the merged gate_up rows ``[m, 2k]``, see the module doc)."""
-    key = (variant, m, n, k, group_size, device_index, gated)
+def launch_plan(variant: Variant, m: int, n: int, k: int, group_size: int, device_index: int) -> LaunchPlan:
+    """The cached :class:`LaunchPlan` of ``variant`` for ``m`` rows of an ``[n, k]`` weight."""
+    key = (variant, m, n, k, group_size, device_index)
     plan = _plans.get(key)
     if plan is not None:
         return plan
     if not variant.supports(m):
         raise OnecatError(f"kernel variant {variant.name} cannot run {m} rows")
-    kernel = get_kernel(variant.kernel_name(gated), device_index)
-    activation = None
+    kernel = get_kernel(variant.kernel_name(), device_index)
     ktiles = k // 32
     workspace = counters = per = 0
     if variant.kind == "dequant":
         items = (n // 32) * math.ceil(ktiles / 4)
         slots = _sm_count(device_index) * kernel.max_active_blocks(_DEQUANT_THREADS)
         grid, block = (min(math.ceil(items / (_DEQUANT_THREADS // 32)), 4 * slots), 1, 1), _DEQUANT_THREADS
-        if gated:
-            act = get_kernel("w4a16_dequant_silu_mul", device_index)
-            act_slots = _sm_count(device_index) * act.max_active_blocks(_ACTIVATION_THREADS)
-            act_grid = (min(math.ceil(m * k // 8 / _ACTIVATION_THREADS), 4 * act_slots), 1, 1)
-            i = ctypes.c_int
-            activation = PreparedLaunch(act, act_grid, _ACTIVATION_THREADS, [ctypes.c_void_p] * 2 + [i, i])
     elif variant.kind == "gemv":
         per = variant.split or gemv_tiles_per_warp(kernel, n, k, device_index)
         warps = math.ceil((n // 32) * ktiles / per)
@@ -196,7 +176,7 @@ def launch_plan(
     p, i = ctypes.c_void_p, ctypes.c_int
     arg_types = [p, p, p, i, i, i] if variant.kind == "dequant" else [p] * 7 + [i] * 5
     launch = PreparedLaunch(kernel, grid, block, arg_types)
-    plan = _plans[key] = LaunchPlan(variant, per, workspace, counters, launch, gated, activation)
+    plan = _plans[key] = LaunchPlan(variant, per, workspace, counters, launch)
     return plan
 
 
@@ -208,23 +188,20 @@ def run_variant(
     group_size: int,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-    gated: bool = False,
 ) -> torch.Tensor:
-    """Run one variant on validated CUDA inputs: ``x [M, K]`` (``gated``: ``[M, 2K]``, gate |
-    up) fp16 contiguous and 16-byte aligned, packed weights as in docs/FORMAT.md, optional
-    fp16 ``bias [N]``.
+    """Run one variant on validated CUDA inputs: ``x [M, K]`` fp16 contiguous and 16-byte
+    aligned, packed weights as in docs/FORMAT.md, optional fp16 ``bias [N]``.
 
     Returns ``y [M, N]`` fp16, written into ``out`` when given (tests poison it first).
     """
-    m = x.shape[0]
-    n, k = qweight.shape[0] * 32, qweight.shape[1] * 32
+    m, k = x.shape
+    n = qweight.shape[0] * 32
     if out is None:
         out = torch.empty((m, n), dtype=torch.float16, device=x.device)
     if m == 0:
         return out
     device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    plan = launch_plan(variant, m, n, k, group_size, device_index, gated)
-    return run_plan(plan, x, qweight, scales_zeros, group_size, bias, out)
+    return run_plan(launch_plan(variant, m, n, k, group_size, device_index), x, qweight, scales_zeros, group_size, bias, out)
 
 
 def run_plan(
@@ -237,15 +214,10 @@ def run_plan(
     out: torch.Tensor,
 ) -> torch.Tensor:
     """Launch ``plan`` on torch's current stream (inputs as in :func:`run_variant`)."""
-    m = x.shape[0]
-    k = qweight.shape[1] * 32
+    m, k = x.shape
     n = out.shape[1]
     stream = torch._C._cuda_getCurrentRawStream(x.device.index)
     if plan.variant.kind == "dequant":
-        if plan.activation is not None:  # gated: x becomes silu(gate) * up first
-            act = torch.empty((m, k), dtype=torch.float16, device=x.device)
-            plan.activation(stream, x.data_ptr(), act.data_ptr(), m, k)
-            x = act
         weight = torch.empty((n, k), dtype=torch.float16, device=x.device)
         plan.launch(stream, qweight.data_ptr(), scales_zeros.data_ptr(), weight.data_ptr(), n, k, group_size)
         if bias is not None:

@@ -76,26 +76,6 @@ __device__ __forceinline__ void dequant_tile(uint4 v, half2 sz, half2 out[16]) {
   dequant_word(v.w, s2, nzs2, out + 12);
 }
 
-// Gated input (the MLP's down projection reading its merged gate_up projection [M, 2I]
-// directly): the activation fed to the matmul is fp16(silu(g) * u) with g = row[k] and
-// u = row[I + k], in fp32 with one rounding: the values torch.compile's fused silu-mul
-// kernel produces (and onecat.kernels.ops.silu_mul, the CPU reference).
-__device__ __forceinline__ half gated_activation(half g, half u) {
-  const float gf = __half2float(g);
-  return __float2half_rn(gf / (1.0f + expf(-gf)) * __half2float(u));
-}
-
-// The same for 8 consecutive k (one uint4 of the gate half, one of the up half).
-__device__ __forceinline__ uint4 gated_activation8(uint4 g, uint4 u) {
-  uint4 out;
-  const half* gh = reinterpret_cast<const half*>(&g);
-  const half* uh = reinterpret_cast<const half*>(&u);
-  half* oh = reinterpret_cast<half*>(&out);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) oh[j] = gated_activation(gh[j], uh[j]);
-  return out;
-}
-
 // Walks the (s, nzs) pairs of one lane along k tiles in increasing order without an integer
 // division per tile: `next()` returns the pair of the current k tile and advances.
 struct ScaleCursor {

@@ -69,22 +69,3 @@ extern "C" __global__ void __launch_bounds__(32 * onecat::kDequantWarps)
     __syncwarp();
   }
 }
-
-// Gated input on the dequantise + cuBLAS path: a[M, K] = fp16(silu(x[:, :K]) * x[:, K:]) of the
-// merged gate_up projection x [M, 2K] (fp32 math, one rounding; w4a16_common.cuh), the matmul's
-// input.  One thread per 8 consecutive k of a row (one uint4 of each half), grid-stride.
-extern "C" __global__ void __launch_bounds__(256)
-    w4a16_dequant_silu_mul(const half* __restrict__ x, half* __restrict__ out, int M, int K) {
-  using namespace onecat;
-  const int row_vecs = K / 8;
-  const size_t vecs = (size_t)M * row_vecs;
-  for (size_t v = (size_t)blockIdx.x * blockDim.x + threadIdx.x; v < vecs;
-       v += (size_t)gridDim.x * blockDim.x) {
-    const size_t row = v / row_vecs;
-    const int col = (int)(v - row * row_vecs) * 8;
-    const half* g = x + row * 2 * K + col;
-    const uint4 gv = __ldg(reinterpret_cast<const uint4*>(g));
-    const uint4 uv = __ldg(reinterpret_cast<const uint4*>(g + K));
-    *reinterpret_cast<uint4*>(out + row * K + col) = gated_activation8(gv, uv);
-  }
-}

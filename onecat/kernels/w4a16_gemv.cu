@@ -22,15 +22,6 @@
 // requested.  x values come from broadcast 128-bit loads (same address in all lanes; x is
 // small and stays in L1/L2).
 //
-// Gated input (the `_gated` kernels: the MLP's down projection reads the merged gate_up
-// projection): x is [rows, 2K], and the matmul's input is a[m, k] = fp16(silu(x[m, k]) *
-// x[m, K + k]) (fp32 math, one rounding; w4a16_common.cuh).  Before each register batch the
-// warp computes a for the batch's k range once, lane l taking UNROLL consecutive k per row
-// (coalesced loads of the gate and up halves), into its own staging rows in shared memory
-// [M][UNROLL * 32] halves; the tiles then read their x values from there with the same
-// broadcast 128-bit loads.  So every lane computes UNROLL activations per row and batch,
-// not 32 * UNROLL.
-//
 // Arithmetic: weights are dequantised in registers (lop3 magic number + one fma.rn.f16x2
 // each: the dequant contract).  The products of two packed words (16 k) are summed with two
 // mul.f16x2, six fma.f16x2 and one add.f16x2 into two fp16 partial sums of 8 products each, which are
@@ -42,21 +33,20 @@
 namespace onecat {
 
 // Dequantise one k tile (this lane's uint4 and scale pair) and accumulate x[m, k] * w[k] into
-// acc[m] in fp32; `xk` points at x[0, 32*kt] (row stride `ld`), in global memory or, with
-// STAGED, in the warp's shared staging rows.
-template <int M, bool STAGED>
+// acc[m] in fp32; `xk` points at x[0, 32*kt].
+template <int M>
 __device__ __forceinline__ void compute_tile(uint4 wv, half2 sz, float (&acc)[M],
-                                             const half* __restrict__ xk, int rows, int ld) {
+                                             const half* __restrict__ xk, int rows, int K) {
   half2 w[16];
   dequant_tile(wv, sz, w);
 #pragma unroll
   for (int m = 0; m < M; ++m) {
     // Rows past `rows` re-read row 0 (always valid memory); their sums are dropped.
-    const uint4* xp = reinterpret_cast<const uint4*>(xk + (m < rows ? (size_t)m * ld : 0));
+    const uint4* xp = reinterpret_cast<const uint4*>(xk + (m < rows ? (size_t)m * K : 0));
 #pragma unroll
     for (int pair = 0; pair < 2; ++pair) {  // words 2*pair and 2*pair+1 (16 k)
-      const uint4 xa = STAGED ? xp[2 * pair] : __ldg(xp + 2 * pair);
-      const uint4 xb = STAGED ? xp[2 * pair + 1] : __ldg(xp + 2 * pair + 1);
+      const uint4 xa = __ldg(xp + 2 * pair);
+      const uint4 xb = __ldg(xp + 2 * pair + 1);
       const half2* wp = w + 8 * pair;
       // Two independent 4-deep chains (shorter dependency chains), then one add.
       half2 p = __hmul2(wp[0], as_half2(xa.x));
@@ -71,43 +61,6 @@ __device__ __forceinline__ void compute_tile(uint4 wv, half2 sz, float (&acc)[M]
       acc[m] += f.x + f.y;
     }
   }
-}
-
-// Gated input: the activations of the T k tiles starting at `xk` (x[0, k0], rows of 2K: gate
-// then up) into the warp's staging rows `sx` [M][ld]; lane l computes k0 + T*l .. T*l + T-1.
-// Rows past `rows` are not staged (compute_tile reads row 0 for them).
-template <int M, int T>
-__device__ __forceinline__ void stage_gated(const half* __restrict__ xk, half* sx, int ld, int rows,
-                                            int K) {
-  const int lane = threadIdx.x & 31;
-  __syncwarp();  // every lane has finished reading the previous batch's rows
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-    if (m < rows) {
-      const half* g = xk + (size_t)m * 2 * K + T * lane;
-      half* dst = sx + m * ld + T * lane;
-      if constexpr (T == 1) {
-        dst[0] = gated_activation(__ldg(g), __ldg(g + K));
-      } else if constexpr (T == 2) {
-        const half2 gv = __ldg(reinterpret_cast<const half2*>(g));
-        const half2 uv = __ldg(reinterpret_cast<const half2*>(g + K));
-        *reinterpret_cast<half2*>(dst) = __halves2half2(gated_activation(__low2half(gv), __low2half(uv)),
-                                                        gated_activation(__high2half(gv), __high2half(uv)));
-      } else {
-        static_assert(T == 4, "UNROLL must be 1, 2 or 4");
-        const uint2 gv = __ldg(reinterpret_cast<const uint2*>(g));
-        const uint2 uv = __ldg(reinterpret_cast<const uint2*>(g + K));
-        const half* gh = reinterpret_cast<const half*>(&gv);
-        const half* uh = reinterpret_cast<const half*>(&uv);
-        uint2 out;
-        half* oh = reinterpret_cast<half*>(&out);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) oh[j] = gated_activation(gh[j], uh[j]);
-        *reinterpret_cast<uint2*>(dst) = out;
-      }
-    }
-  }
-  __syncwarp();  // the rows are visible to every lane
 }
 
 template <int UNROLL>
@@ -128,26 +81,19 @@ __device__ __forceinline__ void load_batch(WeightBatch<UNROLL>& b, const uint4* 
   }
 }
 
-template <int M, int UNROLL, bool GATED>
+template <int M, int UNROLL>
 __device__ __forceinline__ void compute_batch(const WeightBatch<UNROLL>& b, float (&acc)[M],
-                                              const half* __restrict__ xk, half* sx, int rows,
-                                              int K) {
-  if constexpr (GATED) stage_gated<M, UNROLL>(xk, sx, UNROLL * kTile, rows, K);
+                                              const half* __restrict__ xk, int rows, int K) {
 #pragma unroll
   for (int u = 0; u < UNROLL; ++u) {
-    if constexpr (GATED)
-      compute_tile<M, true>(b.w[u], b.sz[u], acc, sx + u * kTile, rows, UNROLL * kTile);
-    else
-      compute_tile<M, false>(b.w[u], b.sz[u], acc, xk + u * kTile, rows, K);
+    compute_tile<M>(b.w[u], b.sz[u], acc, xk + u * kTile, rows, K);
     // Keep the compiler from hoisting every x load of the batch (register pressure).
     asm volatile("" ::: "memory");
   }
 }
 
-// `sx`: the warp's staging rows [M][UNROLL * 32] in shared memory (GATED only).
-template <int M, int UNROLL, bool GATED>
-__device__ __forceinline__ void gemv_warp(const half* __restrict__ x, half* sx,
-                                          const uint4* __restrict__ qweight,
+template <int M, int UNROLL>
+__device__ __forceinline__ void gemv_warp(const half* __restrict__ x, const uint4* __restrict__ qweight,
                                           const half2* __restrict__ scales_zeros,
                                           const half* __restrict__ bias, half* __restrict__ y,
                                           float* __restrict__ workspace, int* __restrict__ counters,
@@ -188,13 +134,13 @@ __device__ __forceinline__ void gemv_warp(const half* __restrict__ x, half* sx,
       while (true) {
         const bool more_b = kt + 2 * UNROLL <= kt_end;
         if (more_b) load_batch(b, wp, scales), wp += UNROLL * 32;
-        compute_batch<M, UNROLL, GATED>(a, acc, xk, sx, rows, K);
+        compute_batch<M>(a, acc, xk, rows, K);
         kt += UNROLL;
         xk += UNROLL * kTile;
         if (!more_b) break;
         const bool more_a = kt + 2 * UNROLL <= kt_end;
         if (more_a) load_batch(a, wp, scales), wp += UNROLL * 32;
-        compute_batch<M, UNROLL, GATED>(b, acc, xk, sx, rows, K);
+        compute_batch<M>(b, acc, xk, rows, K);
         kt += UNROLL;
         xk += UNROLL * kTile;
         if (!more_a) break;
@@ -203,12 +149,7 @@ __device__ __forceinline__ void gemv_warp(const half* __restrict__ x, half* sx,
 #pragma unroll 1
     for (; kt < kt_end; ++kt, wp += 32, xk += kTile) {
       const uint4 wv = load_weights_streaming(wp);
-      if constexpr (GATED) {
-        stage_gated<M, 1>(xk, sx, UNROLL * kTile, rows, K);
-        compute_tile<M, true>(wv, scales.next(), acc, sx, rows, UNROLL * kTile);
-      } else {
-        compute_tile<M, false>(wv, scales.next(), acc, xk, rows, K);
-      }
+      compute_tile<M>(wv, scales.next(), acc, xk, rows, K);
     }
 
     const int n = tile * kTile + lane_column(lane);
@@ -246,27 +187,16 @@ __device__ __forceinline__ void gemv_warp(const half* __restrict__ x, half* sx,
 }  // namespace onecat
 
 // extern "C" entry points (plain names for the driver API), one per (M, WARPS per block,
-// UNROLL), each plain and `_gated` (x [rows, 2K], see the header); a kernel for M rows also
-// serves fewer rows (`rows` <= M).  MINB (resident blocks per SM asked of ptxas) caps the
-// registers: more resident warps hide more latency.
+// UNROLL); a kernel for M rows also serves fewer rows (`rows` <= M).  MINB (resident blocks
+// per SM asked of ptxas) caps the registers: more resident warps hide more latency.
 #define ONECAT_GEMV(M, WARPS, UNROLL, MINB)                                                         \
   extern "C" __global__ void __launch_bounds__(32 * WARPS, MINB) w4a16_gemv_m##M##_w##WARPS##_u##UNROLL( \
       const half* x, const uint4* qweight, const half2* scales_zeros, const half* bias,       \
       half* y, float* workspace, int* counters, int rows, int N, int K, int group_size,        \
       int per_warp) {                                                                          \
-    onecat::gemv_warp<M, UNROLL, false>(x, nullptr, qweight, scales_zeros, bias, y, workspace, \
-                                        counters, rows, N, K, group_size, per_warp,            \
-                                        blockIdx.x * WARPS + (threadIdx.x >> 5));              \
-  }                                                                                            \
-  extern "C" __global__ void __launch_bounds__(32 * WARPS, MINB)                               \
-      w4a16_gemv_m##M##_w##WARPS##_u##UNROLL##_gated(                                          \
-          const half* x, const uint4* qweight, const half2* scales_zeros, const half* bias,   \
-          half* y, float* workspace, int* counters, int rows, int N, int K, int group_size,    \
-          int per_warp) {                                                                      \
-    __shared__ __align__(16) half staged[WARPS][M * UNROLL * onecat::kTile];                   \
-    onecat::gemv_warp<M, UNROLL, true>(x, staged[threadIdx.x >> 5], qweight, scales_zeros,     \
-                                       bias, y, workspace, counters, rows, N, K, group_size,   \
-                                       per_warp, blockIdx.x * WARPS + (threadIdx.x >> 5));     \
+    onecat::gemv_warp<M, UNROLL>(x, qweight, scales_zeros, bias, y, workspace, counters, rows, \
+                                 N, K, group_size, per_warp,                                   \
+                                 blockIdx.x * WARPS + (threadIdx.x >> 5));                     \
   }
 
 ONECAT_GEMV(1, 4, 2, 5)

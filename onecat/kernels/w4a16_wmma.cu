@@ -30,13 +30,6 @@
 //   writes full 64-byte rows of y; with S > 1 they are added to a zeroed fp32 workspace (which the last block zeroes
 //   again after reading it, so one persistent workspace serves every launch) and
 //   the last block of the (column group, row tile) writes y (see arrive_last).
-//
-// Gated input (the `_gated` kernels: the MLP's down projection reads the merged gate_up
-// projection): x is [M, 2K] and the matmul's input is a[m, k] = fp16(silu(x[m, k]) *
-// x[m, K + k]) (fp32 math, one rounding; w4a16_common.cuh).  Each thread loads the gate and
-// the up uint4 of its x vectors one chunk ahead (twice the x registers) and stores their
-// activations into sA, so the MMAs are unchanged; every block computes the activations of
-// its own rows and k range once per chunk.
 #include "w4a16_common.cuh"
 
 namespace onecat {
@@ -52,7 +45,7 @@ struct WmmaSmem {
   static constexpr int kBytes = (kA + kB) > kC ? (kA + kB) : kC;
 };
 
-template <int MT, int WARPS, int CT, bool GATED>
+template <int MT, int WARPS, int CT>
 __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint4* __restrict__ qweight,
                                           const half2* __restrict__ scales_zeros,
                                           const half* __restrict__ bias, half* __restrict__ y,
@@ -93,9 +86,7 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
 
   uint4 wv[kChunkTiles];
   half2 sz[kChunkTiles];
-  const size_t x_ld = GATED ? 2 * (size_t)K : (size_t)K;  // row stride of x in halves
   uint4 xv[kXPerThread];
-  uint4 uv[GATED ? kXPerThread : 1];  // the up half of the same k (GATED)
 
   auto load_chunk = [&](int kc) {
 #pragma unroll
@@ -114,12 +105,8 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
       const int m = m0 + row;
       const int kt = kc + col / kTile;
       xv[i] = make_uint4(0u, 0u, 0u, 0u);
-      if constexpr (GATED) uv[i] = make_uint4(0u, 0u, 0u, 0u);  // silu(0) * 0 = 0
-      if (idx < kXVecs && m < M && kt < k_end) {
-        const half* src = x + (size_t)m * x_ld + (size_t)kc * kTile + col;
-        xv[i] = __ldg(reinterpret_cast<const uint4*>(src));
-        if constexpr (GATED) uv[i] = __ldg(reinterpret_cast<const uint4*>(src + K));
-      }
+      if (idx < kXVecs && m < M && kt < k_end)
+        xv[i] = __ldg(reinterpret_cast<const uint4*>(x + (size_t)m * K + (size_t)kc * kTile + col));
     }
   };
 
@@ -139,8 +126,7 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
     for (int i = 0; i < kXPerThread; ++i) {
       const int idx = threadIdx.x + i * kThreads;
       if (idx < kXVecs)
-        *reinterpret_cast<uint4*>(sA + (idx / (kChunk / 8)) * kLds + (idx % (kChunk / 8)) * 8) =
-            GATED ? gated_activation8(xv[i], uv[i]) : xv[i];
+        *reinterpret_cast<uint4*>(sA + (idx / (kChunk / 8)) * kLds + (idx % (kChunk / 8)) * 8) = xv[i];
     }
     if (tile_ok) {
       half* row = sB_warp + lane_column(lane) * kLds;
@@ -217,19 +203,14 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
 
 }  // namespace onecat
 
-// One plain and one `_gated` kernel (x [M, 2K], see the header) per (MT, WARPS, CT).
-#define ONECAT_WMMA_KERNEL(MT, WARPS, CT, GATED, SUFFIX)                                       \
-  extern "C" __global__ void __launch_bounds__(32 * WARPS)                                     \
-      w4a16_wmma_mt##MT##_w##WARPS##_c##CT##SUFFIX(                                            \
-          const half* x, const uint4* qweight, const half2* scales_zeros, const half* bias,   \
-          half* y, float* workspace, int* counters, int M, int N, int K, int group_size,      \
-          int ktiles_per_split) {                                                              \
-    onecat::wmma_body<MT, WARPS, CT, GATED>(x, qweight, scales_zeros, bias, y, workspace,      \
-                                            counters, M, N, K, group_size, ktiles_per_split);  \
+#define ONECAT_WMMA(MT, WARPS, CT)                                                             \
+  extern "C" __global__ void __launch_bounds__(32 * WARPS) w4a16_wmma_mt##MT##_w##WARPS##_c##CT( \
+      const half* x, const uint4* qweight, const half2* scales_zeros, const half* bias,       \
+      half* y, float* workspace, int* counters, int M, int N, int K, int group_size,          \
+      int ktiles_per_split) {                                                                  \
+    onecat::wmma_body<MT, WARPS, CT>(x, qweight, scales_zeros, bias, y, workspace, counters, M, N, \
+                                 K, group_size, ktiles_per_split);                             \
   }
-#define ONECAT_WMMA(MT, WARPS, CT)                  \
-  ONECAT_WMMA_KERNEL(MT, WARPS, CT, false, )        \
-  ONECAT_WMMA_KERNEL(MT, WARPS, CT, true, _gated)
 
 ONECAT_WMMA(8, 4, 2)
 ONECAT_WMMA(8, 4, 4)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from onecat.kernels.ops import packed_linear, silu_mul
+from onecat.kernels.ops import packed_linear
 from onecat.pack.volta_layout import TILE, dequantize_volta, fits_layout
 
 
@@ -133,9 +133,8 @@ class Linear(nn.Module):
                 raise ValueError("the checkpoint has a bias this layer does not expect")
             self.bias.weight_loader(self.bias, weights.bias, shard_id)
 
-    def forward(self, x: torch.Tensor, *, gated: bool = False) -> torch.Tensor:
-        """Apply the layer to ``x [..., K]``; ``gated``: to ``silu_mul(x)`` of merged gate_up
-        rows ``x [..., 2K]`` (a packed layer forms it inside the kernel as it loads x)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the layer to ``x [..., K]``."""
         if self.is_packed:
-            return packed_linear(x, self.qweight, self.scales_zeros, self.group_size, self.bias, gated)
-        return F.linear(silu_mul(x) if gated else x, self.weight, self.bias)
+            return packed_linear(x, self.qweight, self.scales_zeros, self.group_size, self.bias)
+        return F.linear(x, self.weight, self.bias)

@@ -476,12 +476,7 @@ def gated_deltanet_decode(
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up merged.
-
-    On the GPU with a packed ``down_proj`` the down kernel reads the gate_up output itself and
-    applies ``silu(gate) * up`` as it loads it (the op's gated mode): no separate activation
-    kernel and no intermediate tensor. Elsewhere (CPU, float weights) ``silu_and_mul`` runs first.
-    """
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up merged."""
 
     def __init__(self, hidden: int, intermediate: int, prefix: str, plan: QuantPlan, dtype: torch.dtype) -> None:
         super().__init__()
@@ -492,10 +487,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``."""
-        gate_up = self.gate_up_proj(x)
-        if gate_up.is_cuda and self.down_proj.is_packed:
-            return self.down_proj(gate_up, gated=True)
-        return self.down_proj(silu_and_mul(gate_up))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 @fused
