@@ -1,10 +1,6 @@
 // Routed experts of a MoE block for decode (few (token, expert) pairs), on CUDA cores:
 //   out[t] = sum_j w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),   e = ids[t, j]
-// reading the chosen experts' packed weights in place (no copies), by one of two paths:
-// the per-pair gather GEMV below (one token: its pairs are distinct experts), and the
-// expert-grouped kernels further down (decode batches: each touched expert read once).
-//
-// Per-pair gather GEMV, two launches:
+// in two launches, reading every chosen expert's packed weights in place (no copies):
 //
 //   1. w4a16_moe_gemv_gate_up: h[p, :] = silu(gate_e(x[t])) * up_e(x[t]) for each pair
 //      p = t*top_k + j, fp16 [P, I];
