@@ -1,7 +1,6 @@
 """Benchmark onecat's W4A16 op against fp16 cuBLAS and PyTorch's int4 weight-only kernel.
 
     python bench/kernels.py [--quick] [--m 1,2,4] [--out results.md] [--moe-tokens 1,8] [--moe-only]
-    python bench/kernels.py --moe-paths [--moe-tokens 1,2,4,8,16,32,64] [--out moe-paths.md]
 
 For each Qwen3.5 shape (onecat.kernels.shapes.BENCH_SHAPES) and M it reports, all measured in
 the same run on the same GPU: microseconds per call (median of CUDA-graph replays, weights
@@ -19,21 +18,11 @@ device copy bandwidth, and against an fp16 grouped matmul of the same routing
 else a per-expert ``torch.matmul`` loop over the routed experts, captured in a graph): both
 baselines leave out the routing and sorting that the op includes. Each call rotates over 8
 routings and 2 weight copies so that touched experts are mostly cold in L2.
-
-``--moe-paths`` (MoE only) times every CUDA path of the op side by side on the decode shape
-the runtime runs: Qwen3.5-35B-A3B with the shared expert folded into slot 256 (257 stacked
-experts, 9 pairs per token: top-8 routed plus the shared slot), at 1/2/4/8/16/32/64 tokens
-by default: the per-pair gather GEMV, the expert-grouped CUDA-core kernels and the grouped
-wmma GEMMs (each forced through ``moe``'s thresholds), each as us per call (CUDA graphs),
-GB/s over the touched experts' packed bytes (each touched expert once, + x and out) and %
-of the copy bandwidth; then the path the op's current thresholds pick, the fastest, and a
-per-kernel split (torch.profiler over eager calls) of the grouped path.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import functools
 import json
@@ -44,7 +33,7 @@ import sys
 import torch
 
 from onecat.kernels import moe
-from onecat.kernels.moe import moe_path, w4a16_moe
+from onecat.kernels.moe import GATHER_MAX_PAIRS, w4a16_moe
 from onecat.kernels.ops import w4a16_linear
 from onecat.kernels.shapes import BENCH_SHAPES
 from onecat.kernels.timing import copies_for, graph_time_us
@@ -242,10 +231,10 @@ def bench_moe(tokens_list: list[int], copy_gbs: float) -> list[dict]:
             torch.cuda.synchronize()
             t_fp16 = eager_time_us(baseline)
         pairs = tokens * MOE_TOP_K
-        path = moe_path(tokens, MOE_TOP_K, e)
-        small = path == "wmma16"
+        small = pairs <= moe.SMALL_TILE_PAIRS_PER_EXPERT * e
+        path = "gather-GEMV" if pairs <= GATHER_MAX_PAIRS else f"grouped r{16 if small else 64}"
         other = None
-        if path.startswith("wmma"):  # the other row-tile size, for the record
+        if pairs > GATHER_MAX_PAIRS:  # the other row-tile size, for the record
             chosen = moe.SMALL_TILE_PAIRS_PER_EXPERT
             moe.SMALL_TILE_PAIRS_PER_EXPERT = 0 if small else 1 << 30
             try:
@@ -262,119 +251,6 @@ def bench_moe(tokens_list: list[int], copy_gbs: float) -> list[dict]:
             flush=True,
         )
     return rows
-
-
-MOE_PATH_TOKENS = (1, 2, 4, 8, 16, 32, 64)
-_FORCE_PATH = {  # module constants of onecat.kernels.moe that make moe_path() pick each path
-    "gather": {"GATHER_MAX_TOKENS": 1 << 30},
-    "grouped": {"GATHER_MAX_TOKENS": 0, "GROUPED_MAX_PAIRS": 1 << 30},
-    "wmma": {"GATHER_MAX_TOKENS": 0, "GROUPED_MAX_PAIRS": 0},
-}
-
-
-@contextlib.contextmanager
-def forced_moe_path(path: str):
-    """Within the block, ``w4a16_moe`` runs ``path`` (gather / grouped / wmma) at any size."""
-    saved = {name: getattr(moe, name) for name in _FORCE_PATH[path]}
-    for name, value in _FORCE_PATH[path].items():
-        setattr(moe, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(moe, name, value)
-
-
-def folded_moe_routing(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-8 of 256 routed experts plus the shared expert's slot (256) for every token."""
-    ids, weights = moe_routing(tokens, seed)
-    shared = torch.full((tokens, 1), MOE_EXPERTS, dtype=ids.dtype, device="cuda")
-    gate = torch.sigmoid(torch.randn(tokens, 1, device="cuda"))
-    return torch.cat([ids, shared], 1).contiguous(), torch.cat([weights, gate], 1).contiguous()
-
-
-def kernel_split_us(calls: list, rounds: int = 5) -> dict[str, float]:
-    """Mean device microseconds per call of each onecat MoE kernel the calls launch
-    (torch.profiler over eager calls), or {} where the profiler sees no kernels."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for fn in calls:
-        fn()
-    torch.cuda.synchronize()
-    try:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(rounds):
-                for fn in calls:
-                    fn()
-            torch.cuda.synchronize()
-    except RuntimeError as exc:  # pragma: no cover - depends on CUPTI
-        print(f"profiler unavailable: {exc}", file=sys.stderr)
-        return {}
-    split = {}
-    for evt in prof.key_averages():
-        if "w4a16_moe" in evt.key:
-            total = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
-            split[evt.key] = total / (rounds * len(calls))
-    return split
-
-
-def bench_moe_paths(tokens_list: list[int], copy_gbs: float) -> list[dict]:
-    """Every CUDA path of the MoE op on the folded 35B-A3B decode shape (see the module doc)."""
-    e, h, i, top_k = MOE_EXPERTS + 1, MOE_HIDDEN, MOE_INTER, MOE_TOP_K + 1
-    packed = [(*random_experts(e, 2 * i, h), *random_experts(e, h, i)) for _ in range(2)]
-    per_expert = moe_expert_bytes(h, i)
-    rows = []
-    for tokens in tokens_list:
-        x = torch.randn(tokens, h, dtype=torch.float16, device="cuda")
-        routings = [folded_moe_routing(tokens, seed) for seed in range(8)]
-        calls = [
-            functools.partial(w4a16_moe, x, ids, w, *packed[n % 2], GROUP)
-            for n, (ids, w) in enumerate(routings)
-        ]
-        touched = sum(torch.unique(ids).numel() for ids, _ in routings) / len(routings)
-        moved = touched * per_expert + 2 * 2 * tokens * h
-        row = dict(tokens=tokens, pairs=tokens * top_k, experts=touched, mb=moved / 1e6,
-                   chosen=moe_path(tokens, top_k, e))  # fmt: skip
-        for path in _FORCE_PATH:
-            with forced_moe_path(path):
-                us = graph_time_us(calls)
-                if path == "grouped":
-                    row["grouped_split"] = kernel_split_us(calls)
-            gbs = moved / (us * 1e-6) / 1e9
-            row[path] = dict(us=us, gbs=gbs, pct_copy=100 * gbs / copy_gbs)
-        row["fastest"] = min(_FORCE_PATH, key=lambda p: row[p]["us"])
-        rows.append(row)
-        split = ", ".join(f"{k.removeprefix('w4a16_moe_gemv_grouped_')} {v:.1f}" for k, v in row["grouped_split"].items())
-        print(
-            f"moe-paths T={tokens:<3d} {touched:5.1f} experts {moved / 1e6:6.1f} MB  "
-            + "  ".join(f"{p} {row[p]['us']:7.1f} us {row[p]['pct_copy']:5.1f}%" for p in _FORCE_PATH)
-            + f"  picked {row['chosen']}, fastest {row['fastest']}  [grouped split us: {split}]",
-            flush=True,
-        )
-    return rows
-
-
-def moe_paths_markdown(rows: list[dict], copy_gbs: float) -> str:
-    """The side-by-side table of :func:`bench_moe_paths` and issue 11's op target."""
-    out = [
-        f"MoE op paths, Qwen3.5-35B-A3B layer with the shared expert folded (E={MOE_EXPERTS}+1 slots, "
-        f"H={MOE_HIDDEN}, I={MOE_INTER}, top-{MOE_TOP_K} + shared = {MOE_TOP_K + 1} pairs per token, g{GROUP}); "
-        f"us per call in CUDA graphs, GB/s over touched experts' packed bytes, % of copy BW ({copy_gbs:.0f} GB/s):",
-        "",
-        "| tokens | pairs | experts touched | MB | gather us (%) | grouped us (%) | wmma us (%) | fastest | op picks | grouped split (us) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]  # fmt: skip
-    for r in rows:
-        cells = [f"{r[p]['us']:.1f} ({r[p]['pct_copy']:.0f}%)" for p in _FORCE_PATH]
-        split = ", ".join(f"{k.removeprefix('w4a16_moe_gemv_grouped_')} {v:.1f}" for k, v in r["grouped_split"].items())
-        out.append(f"| {r['tokens']} | {r['pairs']} | {r['experts']:.1f} | {r['mb']:.1f} | {' | '.join(cells)} | "
-                   f"{r['fastest']} | {r['chosen']} | {split or '-'} |")  # fmt: skip
-    out += ["", "Targets (issue 11: the op >= 60% of copy BW at 1..32 tokens, fastest path):", ""]
-    for r in rows:
-        if r["tokens"] <= 32:
-            best = r[r["fastest"]]["pct_copy"]
-            out.append(f"- T={r['tokens']}: {best:.1f}% ({r['fastest']}) {'MET' if best >= 60 else 'NOT MET'}")
-    return "\n".join(out) + "\n"
 
 
 def moe_markdown(rows: list[dict]) -> str:
@@ -442,15 +318,10 @@ def main() -> None:
     parser.add_argument("--out", default="bench-kernels.md", help="markdown output file")
     parser.add_argument("--json", default=None, help="also write the raw rows as JSON")
     parser.add_argument(
-        "--moe-tokens", default=None,
-        help=f"comma-separated token counts for the MoE op (empty: skip it; default {','.join(map(str, MOE_TOKENS))})",
+        "--moe-tokens", default=",".join(map(str, MOE_TOKENS)),
+        help="comma-separated token counts for the MoE op (empty: skip it)",
     )  # fmt: skip
     parser.add_argument("--moe-only", action="store_true", help="only the MoE section")
-    parser.add_argument(
-        "--moe-paths", action="store_true",
-        help="only the MoE op's paths side by side on the folded 35B-A3B decode shape "
-        f"(--moe-tokens defaults to {','.join(map(str, MOE_PATH_TOKENS))})",
-    )  # fmt: skip
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA GPU")
@@ -459,23 +330,11 @@ def main() -> None:
     copy_gbs = copy_bandwidth_gbs()
     name = torch.cuda.get_device_name()
     print(f"{name}: device copy {copy_gbs:.0f} GB/s", flush=True)
-    if args.moe_paths:
-        tokens = args.moe_tokens if args.moe_tokens is not None else ",".join(map(str, MOE_PATH_TOKENS))
-        path_rows = bench_moe_paths([int(v) for v in tokens.split(",") if v], copy_gbs)
-        text = f"{name}, torch {torch.__version__}, command: `{' '.join(['python'] + sys.argv)}`\n\n"
-        text += moe_paths_markdown(path_rows, copy_gbs)
-        with open(args.out, "w") as f:
-            f.write(text)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"moe_paths": path_rows}, f, indent=1)
-        print(text)
-        return
     rows = []
     for label, n, k in [] if args.moe_only else shapes:
         rows += bench_shape(label, n, k, ms, copy_gbs)
         torch.cuda.empty_cache()
-    moe_tokens = [int(v) for v in (args.moe_tokens if args.moe_tokens is not None else ",".join(map(str, MOE_TOKENS))).split(",") if v]
+    moe_tokens = [int(v) for v in args.moe_tokens.split(",") if v]
     moe_rows = bench_moe(moe_tokens, copy_gbs) if moe_tokens else []
     env = {
         key: os.environ[key]
