@@ -153,63 +153,6 @@ def test_bad_inputs_name_the_argument(experts):
         moe.w4a16_moe(x, ids, weights[:, :1], *tensors, G)
 
 
-def test_path_choice_follows_the_thresholds(monkeypatch):
-    """One token: the per-pair gather kernels; decode batches: the expert-grouped CUDA-core
-    kernels up to GROUPED_MAX_PAIRS pairs; beyond, the wmma kernels with 16-row tiles while
-    experts average at most SMALL_TILE_PAIRS_PER_EXPERT pairs, else 64. Raising or lowering
-    the module constants forces a path (what the GPU tests and the bench do)."""
-    monkeypatch.setattr(moe, "GATHER_MAX_TOKENS", 1)
-    monkeypatch.setattr(moe, "GROUPED_MAX_PAIRS", 576)
-    monkeypatch.setattr(moe, "SMALL_TILE_PAIRS_PER_EXPERT", 16)
-    assert moe.moe_path(1, 9, 257) == "gather"
-    assert [moe.moe_path(t, 9, 257) for t in (2, 8, 32, 64)] == ["grouped"] * 4
-    assert moe.moe_path(65, 9, 257) == "wmma16"
-    assert moe.moe_path(2048, 8, 256) == "wmma64"
-    monkeypatch.setattr(moe, "GATHER_MAX_TOKENS", 1 << 30)
-    assert moe.moe_path(64, 9, 257) == "gather"
-    assert moe.moe_path(10_000, 8, 256) != "gather", "past the launch limit (65535 pairs) the gather path hands over"
-    monkeypatch.setattr(moe, "GATHER_MAX_TOKENS", 0)
-    monkeypatch.setattr(moe, "GROUPED_MAX_PAIRS", 1 << 30)
-    assert moe.moe_path(1, 9, 257) == "grouped"
-    assert moe.moe_path(4096, 8, 256) == "grouped"
-    assert moe.moe_path(70_000, 8, 256) == "wmma64", "past the launch limit the grouped path hands over"
-    monkeypatch.setattr(moe, "GROUPED_MAX_PAIRS", 0)
-    assert moe.moe_path(2, 9, 257) == "wmma16"
-
-
-def align_records(ids: torch.Tensor, experts: int) -> list[tuple[int, int]]:
-    """What ``w4a16_moe_gemv_grouped_align`` builds, as (expert, rows) per record: each
-    expert's valid pairs in records of up to 8 rows, highest expert first."""
-    ids = ids.flatten().long()
-    counts = torch.bincount(ids[(ids >= 0) & (ids < experts)], minlength=experts).tolist()
-    return [(e, min(8, counts[e] - 8 * k)) for e in reversed(range(experts)) for k in range(-(-counts[e] // 8))]
-
-
-@pytest.mark.parametrize("case", ["spread", "one expert", "repeats in a token", "ids outside", "shared slot"])
-def test_grouped_records_bound_the_align_kernels_records(case):
-    """The grouped path launches grouped_records(P, E) blocks per column tile without reading
-    the routing: the records the align kernel writes must never exceed it, whatever the ids."""
-    gen = torch.Generator().manual_seed(0)
-    for tokens, top_k, experts in [(1, 8, 256), (2, 9, 257), (7, 3, 6), (32, 9, 257), (64, 9, 257), (300, 8, 16)]:
-        if case == "spread":
-            ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
-        elif case == "one expert":
-            ids = torch.full((tokens, top_k), experts - 1)
-        elif case == "repeats in a token":
-            ids = torch.randint(0, 2, (tokens, top_k), generator=gen)
-        elif case == "ids outside":
-            ids = torch.randint(-3, experts + 3, (tokens, top_k), generator=gen)
-        else:
-            ids = torch.cat([torch.randint(0, experts - 1, (tokens, top_k - 1), generator=gen),
-                             torch.full((tokens, 1), experts - 1)], dim=1)  # fmt: skip
-        records = align_records(ids, experts)
-        pairs = tokens * top_k
-        assert len(records) <= moe.grouped_records(pairs, experts), (case, tokens, top_k, experts)
-        assert all(1 <= rows <= 8 for _, rows in records)
-        valid = int(((ids >= 0) & (ids < experts)).sum())
-        assert sum(rows for _, rows in records) == valid, "every valid pair in exactly one record"
-
-
 # --- router ------------------------------------------------------------------------------
 
 

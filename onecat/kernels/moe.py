@@ -7,23 +7,13 @@ w2_qweight, w2_scales_zeros, group_size)`` computes, for every token ``t``,
 "Stacked experts") and read in place. Ids outside ``[0, E)`` (other ranks' experts under
 expert parallelism, vLLM's ``-1``) contribute nothing.
 
-Which CUDA kernels run is :func:`moe_path`'s choice from the token and pair counts:
-
-- ``"gather"``, up to :data:`GATHER_MAX_TOKENS` tokens: two CUDA-core gather-GEMV launches
-  (``w4a16_moe_gemv.cu``): gate+up with SiLU-and-multiply per (token, expert) pair, then the
-  down projection per token over its experts with the routing weights applied. Every pair
-  reads its expert's weights, which costs nothing extra while a token's experts are distinct.
-- ``"grouped"``, up to :data:`GROUPED_MAX_PAIRS` pairs (decode batches): the expert-grouped
-  CUDA-core kernels of the same file: a one-block kernel cuts each touched expert's pairs
-  into records of up to 8 rows, gate+up and down run a block per (record, column tile) that
-  dequantises each weight once and applies it to all the record's rows, then a small kernel
-  sums each token's pairs with the routing weights (fp32, fixed order). Each touched
-  expert's weights are read once per call (twice only past 8 pairs on one expert).
-- ``"wmma16"`` / ``"wmma64"``, more pairs (prefill): the pairs are sorted by expert on the
-  GPU by one small kernel, then two grouped wmma GEMMs over row tiles of one expert each
-  (``w4a16_moe_wmma.cu``): 16-row tiles while the experts average at most
-  :data:`SMALL_TILE_PAIRS_PER_EXPERT` pairs (a short prompt: ~10 rows per expert would
-  leave a 64-row tile mostly padding), else 64.
+- CUDA, up to :data:`GATHER_MAX_PAIRS` (token, expert) pairs (decode): two CUDA-core
+  gather-GEMV launches (``w4a16_moe_gemv.cu``): gate+up with SiLU-and-multiply per pair,
+  then the down projection per token over its experts with the routing weights applied.
+- CUDA, more pairs (prefill): the pairs are sorted by expert on the GPU by one small kernel,
+  then two grouped wmma GEMMs over row tiles of one expert each (``w4a16_moe_wmma.cu``):
+  16-row tiles while the experts average at most :data:`SMALL_TILE_PAIRS_PER_EXPERT` pairs
+  (a short prompt: ~10 rows per expert would leave a 64-row tile mostly padding), else 64.
 - CPU: the reference (:func:`reference_moe`): the dequant contract, fp32 matmuls, the hidden
   activations rounded to ``x.dtype`` as the kernels round them to fp16.
 - Meta / fake tensors: ``x``'s shape and dtype.
@@ -69,19 +59,9 @@ _LIB.define(_MOE_SCHEMA)
 _LIB.define(_ROUTE_SCHEMA)
 _LIB.define(_ROUTER_SCHEMA)
 
-GATHER_MAX_TOKENS = 1
-"""Most tokens run by the per-pair gather-GEMV kernels (:func:`moe_path`). A token's pairs
-are distinct experts, so grouping by expert saves weight bytes only from two tokens on, and
-at one token the gather path's two launches beat the grouped path's four. NOT YET MEASURED
-against the grouped path: set from ``bench/kernels.py --moe-paths`` (the previous per-pair
-path ran up to 288 pairs, 32 tokens of 35B-A3B, at 37-60% of the copy bandwidth over the
-bytes it touched, re-reading an expert once per pair)."""
-GROUPED_MAX_PAIRS = 576
-"""Most (token, expert) pairs run by the expert-grouped CUDA-core kernels; more pairs take
-the grouped wmma path. 576: a 64-sequence decode step of Qwen3.5-35B-A3B (top-8 plus the
-folded shared expert), where the wmma path measured 252.8 us per layer on the H200 (about 27%
-of the copy bandwidth). NOT YET MEASURED against the grouped CUDA-core path: set from
-``bench/kernels.py --moe-paths``."""
+GATHER_MAX_PAIRS = 288
+"""Largest ``T * top_k`` run by the gather-GEMV kernels; more pairs take the grouped path
+(288: a 32-sequence decode step of Qwen3.5-35B-A3B, top-8 plus its folded shared expert)."""
 MAX_EXPERTS = 1024
 """Most experts the align and routing kernels take (one thread / register slot per expert)."""
 
@@ -91,12 +71,6 @@ SMALL_TILE_PAIRS_PER_EXPERT = 16  # H200, 35B layer: r16 1.8x faster at 2.2 and 
 """Up to this many (token, expert) pairs per expert on average the grouped path uses 16-row tiles."""
 _GROUP_ROWS = {False: 64, True: 16}  # w4a16_moe_wmma.cu tile rows: 64, and the _r16 kernels
 _GROUP_WARPS = 4  # kMoeWarps
-_GROUPED_ROWS = 8  # w4a16_moe_gemv.cu kGroupedRows: pairs of one expert per record
-_ITEM_INTS = 16  # kItemInts: ints per record
-_GROUPED_ALIGN_THREADS = 1024  # kGroupedAlignThreads
-_GROUPED_GATE_UP_WARPS = 8  # kGroupedGateUpWarps
-_GROUPED_DOWN_COLS, _GROUPED_DOWN_SPLITS = 4, 2  # kGroupedDownCols, kGroupedDownSplits
-_GROUPED_SUM_THREADS = 256  # kGroupedSumThreads
 _ALIGN_THREADS = 1024  # kAlignThreads
 _ROUTE_WARPS = 4  # w4a16_moe_route.cu kRouteWarps
 _ROUTER_WARPS = 16  # kRouterWarps
@@ -182,28 +156,6 @@ def check_moe_inputs(
     return t, h, i, e, expert_ids.shape[1]
 
 
-def grouped_records(pairs: int, experts: int) -> int:
-    """Records the grouped CUDA-core path launches blocks for: a bound on the work items of
-    ``pairs`` pairs over ``experts`` experts (each touched expert's pairs in records of at
-    most 8), so that no count travels to the host; records past the real count exit."""
-    return min(experts, pairs) + math.ceil(pairs / _GROUPED_ROWS)
-
-
-def moe_path(tokens: int, top_k: int, experts: int) -> str:
-    """Which CUDA kernels :func:`w4a16_moe` runs for ``tokens`` tokens of ``top_k`` choices
-    over ``experts`` stacked experts: ``"gather"`` (per-pair gather GEMV, up to
-    :data:`GATHER_MAX_TOKENS` tokens), ``"grouped"`` (expert-grouped CUDA-core kernels, up to
-    :data:`GROUPED_MAX_PAIRS` pairs), else ``"wmma16"`` or ``"wmma64"`` (grouped wmma GEMMs
-    with 16- or 64-row tiles, see :data:`SMALL_TILE_PAIRS_PER_EXPERT`). A path whose grid
-    would exceed the launch limits passes the call to the next one."""
-    pairs = tokens * top_k
-    if tokens <= GATHER_MAX_TOKENS and pairs <= _GRID_Y_MAX:
-        return "gather"
-    if pairs <= GROUPED_MAX_PAIRS and grouped_records(pairs, experts) <= _GRID_Y_MAX:
-        return "grouped"
-    return "wmma16" if pairs <= SMALL_TILE_PAIRS_PER_EXPERT * experts else "wmma64"
-
-
 def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
 
@@ -241,8 +193,7 @@ def _cuda_moe(
     stream = torch.cuda.current_stream(x.device).cuda_stream
     pairs = t * top_k
     hidden = torch.empty((pairs, i), dtype=torch.float16, device=x.device)
-    path = moe_path(t, top_k, e)
-    if path == "gather":
+    if pairs <= GATHER_MAX_PAIRS:
         get_kernel("w4a16_moe_gemv_gate_up", device).launch(
             (i // TILE, pairs, 1), 32 * _GATE_UP_WARPS, stream,
             [_ptr(x), _ptr(ids), *flags, _ptr(w13_qweight), _ptr(w13_scales_zeros), _ptr(hidden),
@@ -255,32 +206,9 @@ def _cuda_moe(
              *_ints(top_k, e, h, i, group_size, math.ceil(top_k * (i // TILE) / _DOWN_WARPS))],
         )  # fmt: skip
         return out
-    if path == "grouped":
-        records = grouped_records(pairs, e)
-        items = torch.empty(records * _ITEM_INTS, dtype=torch.int32, device=x.device)
-        y = torch.empty((pairs, h), dtype=torch.float32, device=x.device)
-        get_kernel("w4a16_moe_gemv_grouped_align", device).launch(
-            (1, 1, 1), _GROUPED_ALIGN_THREADS, stream, [_ptr(ids), *flags, *_ints(pairs, e, records), _ptr(items)]
-        )
-        get_kernel("w4a16_moe_gemv_grouped_gate_up", device).launch(
-            (i // TILE, records, 1), 32 * _GROUPED_GATE_UP_WARPS, stream,
-            [_ptr(x), _ptr(items), _ptr(w13_qweight), _ptr(w13_scales_zeros), _ptr(hidden),
-             *_ints(top_k, h, i, group_size, math.ceil(h // TILE / _GROUPED_GATE_UP_WARPS))],
-        )  # fmt: skip
-        get_kernel("w4a16_moe_gemv_grouped_down", device).launch(
-            (math.ceil(h // TILE / _GROUPED_DOWN_COLS), records, 1), 32 * _GROUPED_DOWN_COLS * _GROUPED_DOWN_SPLITS,
-            stream,
-            [_ptr(hidden), _ptr(items), _ptr(w2_qweight), _ptr(w2_scales_zeros), _ptr(y),
-             *_ints(top_k, h, i, group_size, math.ceil(i // TILE / _GROUPED_DOWN_SPLITS))],
-        )  # fmt: skip
-        get_kernel("w4a16_moe_gemv_grouped_sum", device).launch(
-            (math.ceil(t * h // 4 / _GROUPED_SUM_THREADS), 1, 1), _GROUPED_SUM_THREADS, stream,
-            [_ptr(y), _ptr(ids), *flags, _ptr(weights), *weights32, _ptr(out), *_ints(t, top_k, e, h)],
-        )  # fmt: skip
-        return out
-    # Grouped wmma path: row tiles of one expert each; the grid covers the most tiles P pairs
+    # Grouped path: row tiles of one expert each; the grid covers the most tiles P pairs
     # can need (each expert with pairs adds at most one partial tile), blocks beyond exit.
-    small = path == "wmma16"
+    small = pairs <= SMALL_TILE_PAIRS_PER_EXPERT * e
     rows, suffix = _GROUP_ROWS[small], "_r16" if small else ""
     row_tiles = math.ceil(pairs / rows) + min(e, pairs)
     if row_tiles > _GRID_Y_MAX:
