@@ -90,7 +90,7 @@ def test_router_ties_lowest_index_first(density):
     """Sparse ternary data give mostly equal logits (0 and a few multiples of 1/64), equal
     rows give equal logits: the choice among equal logits must be the lowest expert index."""
     x, router, shared = exact_inputs(8, H, E, density, seed=11, gate=True)
-    router[[3, 40, 77, 200, 201]] = router[250]  # five equal rows
+    router[[3, 40, 77, 200, 201]] = router[250].clone()  # five equal rows
     check_router(x, router, shared, TOP_K)
     x[:, :] = 0  # every logit 0: experts 0..7, weights 1/8
     check_router(x, router, shared, TOP_K, E)

@@ -22,14 +22,25 @@ HEAD_K_DIM = 128
 """The key head dimension the kernel is built for (Qwen3.5's)."""
 HEAD_V_DIMS = (32, 64, 128)
 """The value head dimensions it has a kernel for (``gdn_decode_d<dv>``, 8 * dv threads a block)."""
-WIDE_ABOVE_ROWS = 8
+WIDE_ABOVE_ROWS = 4
 """Decode passes of more rows than this (sequences x positions) whose b and a come as rows run
 the wide-batch kernel ``gdn_decode_wide_d<dv>`` (blocks of 4 warps and 32 state columns, several
 per SM; no norm) and then ``gdn_decode_gated_norm`` over its rows; smaller passes, and passes
 whose b and a the kernel projects, run the fused ``gdn_decode_d<dv>`` (a block per value head,
-norm included). H200, compute_70 PTX, 27B shape (48 value heads), 32 rows: fused 77.9 us per
-layer, the two-kernel mapping 50.1 + 6.0 us; at up to 8 rows the fused kernel is faster. The
-choice depends on the row count only, so a CUDA graph captures one path per batch bucket."""
+norm included). H200, compute_70 PTX (``bench/gdn_decode.py``, 2026-12-01 07:30), one layer, us:
+wide + norm (+ in_proj_ba's 5-6 us) against fused projecting b and a itself:
+
+====================  ======  ======  ======  ======
+rows                    1       4       8      32
+27B (48 value heads)   5.8     10.5    18.4    57.7 (fused without projecting: 84.2)
+fused projecting       7.8     17.2    27.1    105.9
+35B-A3B (32 heads)     5.8     8.6     13.5    40.1 (fused: 57.9)
+fused projecting       7.1     9.7     17.4    66.0
+====================  ======  ======  ======  ======
+
+so the wide path wins from 5 rows on the 27B and from ~9 on the 35B-A3B (a tie at 8); 4 is the
+27B's side of that. The choice depends on the row count only, so a CUDA graph captures one
+path per batch bucket."""
 
 
 def uses_wide_kernel(rows: int) -> bool:

@@ -73,13 +73,17 @@ _GROUP_ROWS = {False: 64, True: 16}  # w4a16_moe_wmma.cu tile rows: 64, and the 
 _GROUP_WARPS = 4  # kMoeWarps
 _ALIGN_THREADS = 1024  # kAlignThreads
 _ROUTE_WARPS = 4  # w4a16_moe_route.cu kRouteWarps
-_ROUTER_WARPS = 16  # kRouterWarps
+_ROUTER_WARPS = 8
+"""Router rows per block of ``w4a16_moe_route_decode`` (any 1..16, kRouterMaxWarps). H200, 35B-A3B
+router (``bench/router.py --warps``, 2026-12-01 07:15): 16 / 8 / 4 rows a block took 6.71 / 6.30 /
+6.13 us at 1 token and 10.35 / 10.18 / 12.5 us at 8."""
 _ROUTER_STAGE_HALFS = 16384  # kRouterStageHalfs: the widest hidden size the kernel stages
 ROUTER_MAX_TOKENS = 8
 """Most tokens :func:`moe_router` takes on the GPU; more run the fp16 projections (cuBLAS) and
-:func:`moe_route`. Measured on the H200 (``bench/router.py``, 35B-A3B router, 2026-12-01): the
-one launch takes 10.3 / 15.2 / 49.3 us at 1 / 8 / 32 tokens against 13.2 / 14.6 / 14.6 us for
-the two linears and the routing kernel (its last block selects for every token in turn)."""
+:func:`moe_route`. Measured on the H200 (``bench/router.py``, 35B-A3B router, 2026-12-01 07:15):
+the one launch takes 6.7 / 7.1 / 8.1 / 10.4 us at 1 / 2 / 4 / 8 tokens against 14.1 / 13.3 /
+13.5 / 15.3 us for the two linears and the routing kernel (at 32 tokens, before the key
+selection, it took 49 us against 15)."""
 _MAX_TOP_K = 32  # one lane per choice
 _GRID_Y_MAX = 65535
 
