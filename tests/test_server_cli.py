@@ -132,9 +132,9 @@ SLOW_SERVE = """
 import sys, time
 from onecat.runtime.engine.model_runner import ModelRunner
 real_run = ModelRunner.run
-def slow_run(self, scheduled):
+def slow_run(self, scheduled, *args):
     time.sleep(0.05)
-    return real_run(self, scheduled)
+    return real_run(self, scheduled, *args)
 ModelRunner.run = slow_run
 from onecat.cli import main
 sys.argv[0] = "onecat"
