@@ -3,7 +3,7 @@
     ONECAT_KERNEL_ARCH=70 python bench/attention.py [--out results.json]
 
 Qwen3.5-27B's attention (24 query heads, 4 KV heads, head dim 256, KV block 16 tokens), one
-decode token per sequence, at batch 1 / 8 / 32 and contexts of 256 / 2048 / 8192 tokens (all
+decode token per sequence, at batch 1 / 8 / 32 and contexts of 160 / 256 / 2048 / 8192 tokens (all
 sequences alike), plus two mixed batches (one sequence at 8192, the others at 256). Per row,
 all measured in the same run on the same GPU (median of CUDA-graph replays; each call rotates
 over several layers' caches so that they come from DRAM, not L2):
@@ -37,7 +37,7 @@ from onecat.runtime.layers.attention import PagedAttention
 
 HEADS, KV_HEADS, DIM, BLOCK = 24, 4, 256, 16
 MAX_MODEL_LEN = 32768
-CASES = [(b, [n] * b) for b in (1, 8, 32) for n in (256, 2048, 8192)] + [
+CASES = [(b, [n] * b) for b in (1, 8, 32) for n in (160, 256, 2048, 8192)] + [
     (b, [8192] + [256] * (b - 1)) for b in (8, 32)
 ]
 

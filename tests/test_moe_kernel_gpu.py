@@ -122,7 +122,7 @@ def run_op(x, ids, weights, tensors, g=G):
     return y
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 8, 32, 256, 2048])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 32, 256, 2048])  # 1 and 2: the down projection split (down_splits)
 def test_moe_op_matches_fp64_at_35b_shapes(experts_35b, tokens):
     x, ids, weights = random_routing(tokens, E, TOP_K, seed=tokens)
     y = run_op(x, ids, weights, experts_35b)
@@ -165,7 +165,7 @@ def test_ids_outside_the_experts_contribute_nothing(experts_35b, tokens):
     check_close(y[1:], ref[1:], f"T={tokens}, ids outside [0, E)", path_of(tokens))
 
 
-@pytest.mark.parametrize("tokens", [4, 64])
+@pytest.mark.parametrize("tokens", [1, 4, 64])
 def test_moe_op_under_cuda_graph_capture(experts_35b, tokens):
     """Captured once; replayed after new inputs and routing are copied into the static
     tensors: the results follow the new routing (nothing was read on the host)."""

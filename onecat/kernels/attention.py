@@ -30,7 +30,7 @@ HEAD_DIMS = (32, 64, 128, 256)
 """Head dimensions the kernel is built for."""
 _HEADS_PER_BLOCK = (1, 2, 4, 8)  # NG instances of the split kernel
 _THREADS = 128  # paged_attention.cu kThreads
-_TILE = 128  # kTile: tokens per tile, the split granularity
+_CHUNK_TOKENS = 32  # kChunkTokens: the split granularity
 MAX_SPLITS = 64
 """Most context ranges one sequence is cut into."""
 
@@ -54,12 +54,12 @@ def heads_per_block(group: int) -> int:
 
 def num_splits(blocks: int, context_capacity: int, device_index: int, kernel=None) -> int:
     """Context ranges per sequence: enough that ``blocks`` (sequences x KV heads x head chunks)
-    times the splits fill the GPU once, at most :data:`MAX_SPLITS` and at most the tiles of
-    ``context_capacity`` tokens (the block table's width)."""
+    times the splits fill the GPU once, at most :data:`MAX_SPLITS` and at most the 32-token
+    chunks of ``context_capacity`` tokens (the block table's width)."""
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
     resident = kernel.max_active_blocks(_THREADS) if kernel is not None else 2
     wanted = math.ceil(sms * resident / max(blocks, 1))
-    return max(1, min(wanted, MAX_SPLITS, math.ceil(context_capacity / _TILE)))
+    return max(1, min(wanted, MAX_SPLITS, math.ceil(context_capacity / _CHUNK_TOKENS)))
 
 
 class _Plan:

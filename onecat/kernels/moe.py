@@ -67,6 +67,8 @@ MAX_EXPERTS = 1024
 
 _GATE_UP_WARPS = 8  # w4a16_moe_gemv.cu kGateUpWarps
 _DOWN_WARPS = 16  # kDownWarps
+MAX_DOWN_SPLITS = 4
+"""Most blocks one (column tile, token) of the gather path's down projection is split over."""
 SMALL_TILE_PAIRS_PER_EXPERT = 16  # H200, 35B layer: r16 1.8x faster at 2.2 and 10 pairs/expert, 1.15x slower at 32
 """Up to this many (token, expert) pairs per expert on average the grouped path uses 16-row tiles."""
 _GROUP_ROWS = {False: 64, True: 16}  # w4a16_moe_wmma.cu tile rows: 64, and the _r16 kernels
@@ -168,6 +170,15 @@ def _ints(*values: int) -> list[ctypes.c_int]:
     return [ctypes.c_int(v) for v in values]
 
 
+def down_splits(tokens: int, column_tiles: int, device_index: int) -> int:
+    """Splits of the gather path's down projection over its virtual K (``w4a16_moe_gemv.cu``):
+    enough that the ``column_tiles x tokens`` blocks, two a SM, fill the GPU once, at most
+    :data:`MAX_DOWN_SPLITS`; 1 from a few tokens on (a 35B-A3B layer: 4 at one token, 2 at
+    two, 1 from three on an H200 or a V100)."""
+    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+    return max(1, min(MAX_DOWN_SPLITS, round(2 * sms / max(tokens * column_tiles, 1))))
+
+
 def _device_index(t: torch.Tensor) -> int:
     return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
@@ -203,11 +214,15 @@ def _cuda_moe(
             [_ptr(x), _ptr(ids), *flags, _ptr(w13_qweight), _ptr(w13_scales_zeros), _ptr(hidden),
              *_ints(top_k, e, h, i, group_size, math.ceil(h // TILE / _GATE_UP_WARPS))],
         )  # fmt: skip
+        splits = down_splits(t, h // TILE, device)
+        partials = stream_buffer("moe_down_partials", x.device, stream, splits * t * h, zeroed=False)
+        counters = stream_buffer("moe_down_counters", x.device, stream, t * (h // TILE), zeroed=True)
         get_kernel("w4a16_moe_gemv_down", device).launch(
-            (h // TILE, t, 1), 32 * _DOWN_WARPS, stream,
+            (h // TILE, t, splits), 32 * _DOWN_WARPS, stream,
             [_ptr(hidden), _ptr(ids), *flags, _ptr(weights), *weights32, _ptr(w2_qweight),
              _ptr(w2_scales_zeros), _ptr(out),
-             *_ints(top_k, e, h, i, group_size, math.ceil(top_k * (i // TILE) / _DOWN_WARPS))],
+             *_ints(top_k, e, h, i, group_size, math.ceil(math.ceil(top_k * (i // TILE) / splits) / _DOWN_WARPS)),
+             _ptr(partials), _ptr(counters)],
         )  # fmt: skip
         return out
     # Grouped path: row tiles of one expert each; the grid covers the most tiles P pairs

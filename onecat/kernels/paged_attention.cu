@@ -25,7 +25,7 @@
 //
 // Splits: the host fixes S (splits per sequence) from the batch size and the GPU so that
 // B * KVH * S blocks fill it; each sequence's context is cut on the device into chunks of
-// chunk = roundup(ceil(ctx / S), kTile) tokens, so a block whose chunk starts past ctx exits
+// chunk = roundup(ceil(ctx / S), kChunkTokens) tokens, so a block whose chunk starts past ctx exits
 // at once and a short context costs what it reads, whatever W is.  Nothing depends on the
 // host knowing ctx: the launch is CUDA-graph safe.  A sequence served by a single chunk is
 // finished by its split block (fp16 output written directly) and the reduce kernel skips it.
@@ -59,6 +59,11 @@ namespace onecat_attn {
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kTile = 128;   // tokens per tile (scores held in shared memory)
+// Split granularity: a chunk is a multiple of this many tokens.  Short contexts (a decode
+// step at a few hundred tokens) are spread over ceil(ctx / 32) blocks instead of one or two
+// 128-token tiles, whose serial walk through the scores, the softmax and the values is the
+// step's latency; long contexts are cut into S chunks either way.
+constexpr int kChunkTokens = 32;
 constexpr int kVec = 8;      // halfs per 16-byte load
 constexpr int kUnroll = 4;   // token steps in flight per warp
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
@@ -124,10 +129,10 @@ __device__ __forceinline__ int context_of(const long long* context_lens, int b, 
   return (int)ctx;
 }
 
-// tokens per split: ceil(ctx / S) rounded up to whole tiles (the same rule in both kernels)
+// tokens per split: ceil(ctx / S) rounded up to whole kChunkTokens (the same rule in both kernels)
 __device__ __forceinline__ int chunk_of(int ctx, int num_splits) {
   const int per = (ctx + num_splits - 1) / num_splits;
-  return ((per + kTile - 1) / kTile) * kTile;
+  return ((per + kChunkTokens - 1) / kChunkTokens) * kChunkTokens;
 }
 
 template <int D, int NG>

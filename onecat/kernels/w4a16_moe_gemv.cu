@@ -22,14 +22,19 @@
 //     gate and up per k tile (one 128-bit load each), kGateUpBatch k tiles in flight.  The
 //     warps' fp32 sums are added in shared memory and warp 0 applies silu(g) * u (fp32) and
 //     stores h in fp16.
-//   down: grid (H/32, T), block kDownWarps warps.  Block (c, t) computes output column tile c
-//     of token t over a "virtual K" of top_k * I: the concatenation of the token's k hidden
-//     rows h[t*top_k .. t*top_k + top_k - 1] (contiguous in h), against the concatenation of
-//     the chosen experts' w2 column tiles.  Virtual k tile v belongs to expert slot
-//     j = v / (I/32), k tile v % (I/32) of expert ids[t, j].  Each warp takes `per_warp`
-//     consecutive virtual k tiles and multiplies each tile's fp32 dot product by its routing
-//     weight, so the weighted sum over experts is part of the reduction: no atomics, no
-//     zeroed workspace, a deterministic summation order, one write of out.
+//   down: grid (H/32, T, S), block kDownWarps warps.  Block (c, t, s) computes output column
+//     tile c of token t over split s of a "virtual K" of top_k * I: the concatenation of the
+//     token's k hidden rows h[t*top_k .. t*top_k + top_k - 1] (contiguous in h), against the
+//     concatenation of the chosen experts' w2 column tiles.  Virtual k tile v belongs to
+//     expert slot j = v / (I/32), k tile v % (I/32) of expert ids[t, j].  The S splits take
+//     equal consecutive ranges of it, and each warp `per_warp` consecutive virtual k tiles of
+//     its split, multiplying each tile's fp32 dot product by its routing weight, so the
+//     weighted sum over experts is part of the reduction.  S = 1 (the host's choice from
+//     about two tokens up): the block writes out.  S > 1 (one token: H/32 = 64 blocks would
+//     leave half of the SMs idle with three dependent rounds of loads per warp): each block
+//     writes its fp32 partial to ws[s][t][H], and the last of the S blocks of (c, t) to
+//     arrive (a counter, left zeroed) adds them in split order and writes out.  No memset,
+//     a deterministic summation order, one write of out.
 //
 // Why not fp32 atomics into a workspace for the sum over experts: they need a memset and a
 // conversion pass per step (two more launches at decode, where launches dominate) and
@@ -158,10 +163,11 @@ extern "C" __global__ void __launch_bounds__(32 * onecat::kDownWarps, 2)
 w4a16_moe_gemv_down(const half* __restrict__ h, const void* ids, int ids64, const void* weights,
                     int weights32, const uint4* __restrict__ w2_qweight,
                     const half2* __restrict__ w2_scales, half* __restrict__ out, int top_k, int E,
-                    int H, int I, int group_size, int per_warp) {
+                    int H, int I, int group_size, int per_warp, float* ws, int* counters) {
   using namespace onecat;
   const int c = blockIdx.x;
   const int t = blockIdx.y;
+  const int splits = gridDim.z;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int itiles = I / kTile;
@@ -171,8 +177,10 @@ w4a16_moe_gemv_down(const half* __restrict__ h, const void* ids, int ids64, cons
   const int total = top_k * itiles;
   const half* ht = h + (size_t)t * top_k * I;
 
-  const int v_begin = warp * per_warp;
-  const int v_end = min(total, v_begin + per_warp);
+  const int per_split = (total + splits - 1) / splits;
+  const int split_end = min(total, ((int)blockIdx.z + 1) * per_split);
+  const int v_begin = (int)blockIdx.z * per_split + warp * per_warp;
+  const int v_end = min(split_end, v_begin + per_warp);
   float acc = 0.0f;
 #pragma unroll 1
   for (int v = v_begin; v < v_end; v += kDownBatch) {
@@ -206,10 +214,19 @@ w4a16_moe_gemv_down(const half* __restrict__ h, const void* ids, int ids64, cons
   __shared__ float partial[kDownWarps][32];
   partial[warp][lane] = acc;
   __syncthreads();
+  const size_t column = (size_t)c * kTile + lane_column(lane);
+  float sum = 0.0f;
   if (warp == 0) {
-    float sum = 0.0f;
 #pragma unroll
     for (int w = 0; w < kDownWarps; ++w) sum += partial[w][lane];
-    out[(size_t)t * H + c * kTile + lane_column(lane)] = __float2half_rn(sum);
+    if (splits > 1) ws[((size_t)blockIdx.z * gridDim.y + t) * H + column] = sum;
   }
+  if (splits > 1) {
+    if (!arrive_last(counters + (size_t)t * htiles + c, splits)) return;
+    if (warp == 0) {
+      sum = 0.0f;
+      for (int i = 0; i < splits; ++i) sum += __ldcg(ws + ((size_t)i * gridDim.y + t) * H + column);
+    }
+  }
+  if (warp == 0) out[(size_t)t * H + column] = __float2half_rn(sum);
 }
