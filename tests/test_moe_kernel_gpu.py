@@ -122,7 +122,7 @@ def run_op(x, ids, weights, tensors, g=G):
     return y
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 32, 256, 2048])  # 1 and 2: the gather kernels split over K (gather_splits)
+@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 32, 256, 2048])  # 1 and 2: the down projection split (down_splits)
 def test_moe_op_matches_fp64_at_35b_shapes(experts_35b, tokens):
     x, ids, weights = random_routing(tokens, E, TOP_K, seed=tokens)
     y = run_op(x, ids, weights, experts_35b)

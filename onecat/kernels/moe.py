@@ -67,8 +67,8 @@ MAX_EXPERTS = 1024
 
 _GATE_UP_WARPS = 8  # w4a16_moe_gemv.cu kGateUpWarps
 _DOWN_WARPS = 16  # kDownWarps
-MAX_GATHER_SPLITS = 4
-"""Most blocks one (column tile, row) of a gather-path launch is split over (``gather_splits``)."""
+MAX_DOWN_SPLITS = 4
+"""Most blocks one (column tile, token) of the gather path's down projection is split over."""
 SMALL_TILE_PAIRS_PER_EXPERT = 16  # H200, 35B layer: r16 1.8x faster at 2.2 and 10 pairs/expert, 1.15x slower at 32
 """Up to this many (token, expert) pairs per expert on average the grouped path uses 16-row tiles."""
 _GROUP_ROWS = {False: 64, True: 16}  # w4a16_moe_wmma.cu tile rows: 64, and the _r16 kernels
@@ -170,14 +170,13 @@ def _ints(*values: int) -> list[ctypes.c_int]:
     return [ctypes.c_int(v) for v in values]
 
 
-def gather_splits(blocks: int, device_index: int) -> int:
-    """Splits over K of a gather-path launch of ``blocks`` (column tile, row) blocks
-    (``w4a16_moe_gemv.cu``): enough that the blocks, two a SM, fill the GPU once, at most
-    :data:`MAX_GATHER_SPLITS`; 1 from a few tokens on. A 35B-A3B layer on an H200: the down
-    projection (64 tiles a token) 4 at one token and 2 at two, gate+up (16 tiles a pair, 9
-    pairs a token) 2 at one token."""
+def down_splits(tokens: int, column_tiles: int, device_index: int) -> int:
+    """Splits of the gather path's down projection over its virtual K (``w4a16_moe_gemv.cu``):
+    enough that the ``column_tiles x tokens`` blocks, two a SM, fill the GPU once, at most
+    :data:`MAX_DOWN_SPLITS`; 1 from a few tokens on (a 35B-A3B layer: 4 at one token, 2 at
+    two, 1 from three on an H200 or a V100)."""
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-    return max(1, min(MAX_GATHER_SPLITS, round(2 * sms / max(blocks, 1))))
+    return max(1, min(MAX_DOWN_SPLITS, round(2 * sms / max(tokens * column_tiles, 1))))
 
 
 def _device_index(t: torch.Tensor) -> int:
@@ -210,16 +209,12 @@ def _cuda_moe(
     pairs = t * top_k
     hidden = torch.empty((pairs, i), dtype=torch.float16, device=x.device)
     if pairs <= GATHER_MAX_PAIRS:
-        splits = gather_splits(pairs * (i // TILE), device)
-        partials = stream_buffer("moe_gate_up_partials", x.device, stream, splits * pairs * 2 * i, zeroed=False)
-        counters = stream_buffer("moe_gate_up_counters", x.device, stream, pairs * (i // TILE), zeroed=True)
         get_kernel("w4a16_moe_gemv_gate_up", device).launch(
-            (i // TILE, pairs, splits), 32 * _GATE_UP_WARPS, stream,
+            (i // TILE, pairs, 1), 32 * _GATE_UP_WARPS, stream,
             [_ptr(x), _ptr(ids), *flags, _ptr(w13_qweight), _ptr(w13_scales_zeros), _ptr(hidden),
-             *_ints(top_k, e, h, i, group_size, math.ceil(math.ceil(h // TILE / splits) / _GATE_UP_WARPS)),
-             _ptr(partials), _ptr(counters)],
+             *_ints(top_k, e, h, i, group_size, math.ceil(h // TILE / _GATE_UP_WARPS))],
         )  # fmt: skip
-        splits = gather_splits(t * (h // TILE), device)
+        splits = down_splits(t, h // TILE, device)
         partials = stream_buffer("moe_down_partials", x.device, stream, splits * t * h, zeroed=False)
         counters = stream_buffer("moe_down_counters", x.device, stream, t * (h // TILE), zeroed=True)
         get_kernel("w4a16_moe_gemv_down", device).launch(

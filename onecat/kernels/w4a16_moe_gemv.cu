@@ -15,16 +15,13 @@
 //   contributes nothing: its pair's block exits and its h row is never read.
 //
 // Thread mapping:
-//   gate_up: grid (I/32, P, S), block kGateUpWarps warps.  Block (c, p, s) computes column tile
-//     c of gate AND of up for pair p over split s of the k tiles, so the lane that owns column
-//     lane_column(l) of both holds the gate and up sums of the same output column.  The H/32
-//     k tiles are cut into S equal contiguous ranges, and each range into ranges of
-//     `per_warp`, one per warp; each lane streams its column's 32 k of gate and up per k tile
-//     (one 128-bit load each), kGateUpBatch k tiles in flight.  The warps' fp32 sums are added
-//     in shared memory; with S = 1 warp 0 applies silu(g) * u (fp32) and stores h in fp16,
-//     with S > 1 (one token: 16 x 9 blocks would not fill the GPU) each block writes its fp32
-//     partials to ws[s][p][gate | up][I] and the last of the S blocks to arrive (a counter,
-//     left zeroed) adds them in split order before the activation.
+//   gate_up: grid (I/32, P), block kGateUpWarps warps.  Block (c, p) computes column tile c of
+//     gate AND of up for pair p, so the lane that owns column lane_column(l) of both holds the
+//     gate and up sums of the same output column.  The H/32 k tiles are cut into equal
+//     contiguous ranges of `per_warp`, one per warp; each lane streams its column's 32 k of
+//     gate and up per k tile (one 128-bit load each), kGateUpBatch k tiles in flight.  The
+//     warps' fp32 sums are added in shared memory and warp 0 applies silu(g) * u (fp32) and
+//     stores h in fp16.
 //   down: grid (H/32, T, S), block kDownWarps warps.  Block (c, t, s) computes output column
 //     tile c of token t over split s of a "virtual K" of top_k * I: the concatenation of the
 //     token's k hidden rows h[t*top_k .. t*top_k + top_k - 1] (contiguous in h), against the
@@ -33,7 +30,7 @@
 //     equal consecutive ranges of it, and each warp `per_warp` consecutive virtual k tiles of
 //     its split, multiplying each tile's fp32 dot product by its routing weight, so the
 //     weighted sum over experts is part of the reduction.  S = 1 (the host's choice from
-//     a few tokens up): the block writes out.  S > 1 (one token: H/32 = 64 blocks would
+//     about two tokens up): the block writes out.  S > 1 (one token: H/32 = 64 blocks would
 //     leave half of the SMs idle with three dependent rounds of loads per warp): each block
 //     writes its fp32 partial to ws[s][t][H], and the last of the S blocks of (c, t) to
 //     arrive (a counter, left zeroed) adds them in split order and writes out.  No memset,
@@ -98,11 +95,10 @@ extern "C" __global__ void __launch_bounds__(32 * onecat::kGateUpWarps)
 w4a16_moe_gemv_gate_up(const half* __restrict__ x, const void* ids, int ids64,
                        const uint4* __restrict__ w13_qweight, const half2* __restrict__ w13_scales,
                        half* __restrict__ h, int top_k, int E, int H, int I, int group_size,
-                       int per_warp, float* ws, int* counters) {
+                       int per_warp) {
   using namespace onecat;
   const int c = blockIdx.x;
   const int p = blockIdx.y;
-  const int splits = gridDim.z;
   const int e = pair_expert(ids, ids64, p, E);
   if (e < 0) return;  // another rank's expert: h[p] is never read
   const int lane = threadIdx.x & 31;
@@ -117,10 +113,8 @@ w4a16_moe_gemv_gate_up(const half* __restrict__ x, const void* ids, int ids64,
   const uint4* up_w = w13_qweight + up_tile * ktiles * 32 + lane;
   const half* xr = x + (size_t)(p / top_k) * H;
 
-  const int per_split = (ktiles + splits - 1) / splits;
-  const int split_end = min(ktiles, ((int)blockIdx.z + 1) * per_split);
-  const int kt_begin = (int)blockIdx.z * per_split + warp * per_warp;
-  const int kt_end = min(split_end, kt_begin + per_warp);
+  const int kt_begin = warp * per_warp;
+  const int kt_end = min(ktiles, kt_begin + per_warp);
   float g = 0.0f, u = 0.0f;
   if (kt_begin < kt_end) {
     ScaleCursor gate_s(w13_scales + gate_tile * groups * 32 + lane, kt_begin, tiles_per_group);
@@ -153,34 +147,15 @@ w4a16_moe_gemv_gate_up(const half* __restrict__ x, const void* ids, int ids64,
   partial[warp][0][lane] = g;
   partial[warp][1][lane] = u;
   __syncthreads();
-  const int column = c * kTile + lane_column(lane);
-  float gs = 0.0f, us = 0.0f;
   if (warp == 0) {
+    float gs = 0.0f, us = 0.0f;
 #pragma unroll
     for (int w = 0; w < kGateUpWarps; ++w) {
       gs += partial[w][0][lane];
       us += partial[w][1][lane];
     }
-    if (splits > 1) {
-      float* mine = ws + ((size_t)blockIdx.z * gridDim.y + p) * 2 * I;
-      mine[column] = gs;
-      mine[I + column] = us;
-    }
-  }
-  if (splits > 1) {
-    if (!arrive_last(counters + (size_t)p * itiles + c, splits)) return;
-    if (warp == 0) {
-      gs = us = 0.0f;
-      for (int i = 0; i < splits; ++i) {
-        const float* part = ws + ((size_t)i * gridDim.y + p) * 2 * I;
-        gs += __ldcg(part + column);
-        us += __ldcg(part + I + column);
-      }
-    }
-  }
-  if (warp == 0) {
     const float silu = gs / (1.0f + __expf(-gs));
-    h[(size_t)p * I + column] = __float2half_rn(silu * us);
+    h[(size_t)p * I + c * kTile + lane_column(lane)] = __float2half_rn(silu * us);
   }
 }
 
