@@ -146,3 +146,17 @@ def test_sampled_rows_with_host_settings_fall_back_to_synchronous_steps(models):
     assert sum(len(o.new_token_ids) for o in drain(engine)["plain"]) == 8
     assert overlapped[0] > 0
     assert_idle(engine)
+
+
+def test_turning_overlap_off_stops_it_after_the_step_in_flight(models):
+    engine = make_engine(models["qwen3_5"], overlap=True)
+    overlapped = count_overlapped(engine)
+    engine.add_request("a", prompt(10, 6), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    while engine._in_flight is None:
+        engine.step()
+    engine.config.async_scheduling = False
+    before = overlapped[0]
+    tokens = [t for o in drain(engine)["a"] for t in o.new_token_ids]
+    assert overlapped[0] == before, "a step was still queued ahead with async_scheduling off"
+    assert engine._in_flight is None and tokens
+    assert_idle(engine)

@@ -340,7 +340,8 @@ class LLMEngine:
         running = [seq for seq, _ in current.scheduled if seq.status == SequenceStatus.RUNNING]
         failed = {id(current.scheduled[row][0]) for row in current.failures}
         ahead = [seq for seq in running if not self._last_token_pending(seq) and id(seq) not in failed]
-        scheduled = self.scheduler.schedule_ahead(running, ahead) if ahead else None
+        overlap = ahead and self.config.async_scheduling
+        scheduled = self.scheduler.schedule_ahead(running, ahead) if overlap else None
         if scheduled is None:
             return self._collect(current)
         for seq in ahead:
