@@ -96,8 +96,8 @@ def step_timeline(prof, calls: int) -> dict:
 def graph_only_ms(engine: LLMEngine, batch: int, steps: int) -> float:
     """Milliseconds per replay of the batch's decode graph replayed back to back with no host
     work between (same inputs): the step's GPU time plus what launching cannot hide. The
-    difference to a served step is the host time between steps. Ends with a served step's
-    inputs rewritten, so the sequences stay usable only for timing."""
+    difference to a served step is the host time between steps. The replays advance the batch's
+    states without new tokens: its sequences are fit for timing only afterwards."""
     graph = engine.runner._graph_for(batch, 1, 1)
     sync()
     start = time.perf_counter()
