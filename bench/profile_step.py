@@ -190,6 +190,7 @@ def profile_mixed(engine: LLMEngine, batch: int, prompt_len: int, steps: int, to
     result = {"batch": batch, "prompt_len": prompt_len, "wall_ms": wall_ms, **kernel_summary(prof, steps, top)}
     result["host_gap_ms"] = wall_ms - result["kernel_ms"]
     result["host_ops"] = host_summary(prof, steps, top)
+    result["last_step"] = step_timeline(prof, steps)
     return result
 
 
