@@ -24,7 +24,8 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def test_buckets_cover_every_pass_up_to_the_limit():
-    assert prompt_buckets(2048) == [16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert prompt_buckets(2048) == [16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
+    assert prompt_buckets(300) == [16, 32, 64, 128, 192, 256, 300]
     assert prompt_buckets(48) == [16, 32, 48]
     assert prompt_buckets(8) == [8]
 

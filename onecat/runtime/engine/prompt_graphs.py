@@ -46,6 +46,12 @@ from onecat.runtime.models.qwen3_5 import GatedDeltaNet, Qwen3_5ForCausalLM
 logger = logging.getLogger(__name__)
 
 MIN_BUCKET = 16
+FINE_FROM = 128
+"""From this many tokens on, a bucket also sits halfway between two powers of two: there a
+pass is compute-bound (dequantised cuBLAS GEMMs, every expert's tiles) and its time grows
+with the padded count, so a power-of-two ladder wastes up to half of it. On the H200 a
+27B-shaped step of 32 decodes beside a 320-token prompt ran in the 512 bucket: its GEMMs
+took 36 ms where 352 rows need ~25 (``bench/profile_step.py --mixed 32:320``, 2026-12-01)."""
 
 
 def supports_prompt_graphs(model: Qwen3_5ForCausalLM) -> bool:
@@ -55,12 +61,14 @@ def supports_prompt_graphs(model: Qwen3_5ForCausalLM) -> bool:
 
 
 def prompt_buckets(limit: int) -> list[int]:
-    """Token-count buckets: powers of two from ``MIN_BUCKET`` up to ``limit`` (the step's
-    token budget, itself included)."""
+    """Token-count buckets up to ``limit`` (the step's token budget, itself included): powers
+    of two from ``MIN_BUCKET``, with 1.5x steps between them from ``FINE_FROM`` on."""
     buckets = []
     size = MIN_BUCKET
     while size < limit:
         buckets.append(size)
+        if size >= FINE_FROM and size * 3 // 2 < limit:
+            buckets.append(size * 3 // 2)
         size *= 2
     return buckets + [limit]
 
