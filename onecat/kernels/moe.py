@@ -69,7 +69,7 @@ _GATE_UP_WARPS = 8  # w4a16_moe_gemv.cu kGateUpWarps
 _DOWN_WARPS = 16  # kDownWarps
 MAX_DOWN_SPLITS = 4
 """Most blocks one (column tile, token) of the gather path's down projection is split over."""
-SMALL_TILE_PAIRS_PER_EXPERT = 16  # H200, 35B layer: r16 1.8x faster at 2.2 and 10 pairs/expert, 1.15x slower at 32
+SMALL_TILE_PAIRS_PER_EXPERT = 18  # H200, 35B layer (bench/kernels.py --moe-only): r16 faster up to 16 pairs/expert (426 vs 561 us), r64 from 20 (521 vs 575)
 """Up to this many (token, expert) pairs per expert on average the grouped path uses 16-row tiles."""
 _GROUP_ROWS = {False: 64, True: 16}  # w4a16_moe_wmma.cu tile rows: 64, and the _r16 kernels
 _GROUP_WARPS = 4  # kMoeWarps
