@@ -225,6 +225,9 @@ def _engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--speculative-config", default=None, metavar="JSON",
                      help='Speculative decoding with the checkpoint\'s MTP head, e.g. '
                           '\'{"method": "mtp", "num_speculative_tokens": 3}\' (1-4 drafts per step).'),
+        click.option("--disable-custom-all-reduce", is_flag=True,
+                     help="Tensor parallelism: sum activations with NCCL only, not with onecat's "
+                          "one-shot peer-to-peer kernel for small tensors."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -317,6 +320,8 @@ def serve(artifact: str, host: str, port: int, api_key: str | None, served_model
                                              shutdown_timeout)
         if not engine_flags.pop("enable_prefix_caching"):
             server_args += ("--no-enable-prefix-caching",)
+        if engine_flags.pop("disable_custom_all_reduce"):
+            server_args += ("--disable-custom-all-reduce",)
         speculative_config = engine_flags.pop("speculative_config")
         if speculative_config is not None:
             server_args += ("--speculative-config", speculative_config)

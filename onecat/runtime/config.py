@@ -24,6 +24,9 @@ class EngineConfig:
     head (``onecat.runtime.engine.speculative``). ``async_scheduling`` (vLLM's name) overlaps
     decode steps: the next step is queued on the device before the host reads the tokens of
     the one before (``LLMEngine.step``); turn it off only to compare.
+    ``disable_custom_all_reduce`` (vLLM's ``--disable-custom-all-reduce``) makes tensor
+    parallelism sum every activation with NCCL instead of onecat's one-shot kernel for small
+    tensors (``onecat.runtime.distributed.custom_all_reduce``).
     """
 
     model: str
@@ -41,3 +44,4 @@ class EngineConfig:
     state_checkpoint_interval: int = 1024
     speculative_config: dict | str | None = None
     async_scheduling: bool = True
+    disable_custom_all_reduce: bool = False

@@ -113,7 +113,8 @@ def _worker_main(
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
-        init_tensor_parallel(rank, world_size, init_method, device)
+        init_tensor_parallel(rank, world_size, init_method, device,
+                             custom_all_reduce=not config.disable_custom_all_reduce)
         model = factory(device, dtype)
     except BaseException as exc:  # report, not hang: rank 0 is waiting for this reply
         replies.send(("error", f"rank {rank}: {exc}\n{traceback.format_exc()}"))
@@ -169,7 +170,8 @@ class TensorParallelRunner:
             # factory's module, say) would leave rank 0 waiting in the rendezvous: wait for
             # every worker's first message, watching the processes, before joining
             self._wait_for("started", "starting")
-            init_tensor_parallel(0, world, init_method, rank_device(device, 0))
+            init_tensor_parallel(0, world, init_method, rank_device(device, 0),
+                                 custom_all_reduce=not config.disable_custom_all_reduce)
             model = factory(rank_device(device, 0), dtype)
             self._wait_for("loaded", "loading")
             self.local = ModelRunner(config, model)

@@ -10,19 +10,31 @@ from __future__ import annotations
 import logging
 import threading
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from onecat.runtime.distributed.custom_all_reduce import CustomAllReduce
+
 _rank = 0
 _world_size = 1
 _device = torch.device("cpu")
+_custom: CustomAllReduce | None = None  # the one-shot all-reduce, when set up
 logger = logging.getLogger(__name__)
 
 
-def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: torch.device) -> None:
-    """Join the process group of ``world_size`` ranks (NCCL for CUDA devices, gloo on CPU)."""
-    global _rank, _world_size, _device
+def init_tensor_parallel(
+    rank: int, world_size: int, init_method: str, device: torch.device, custom_all_reduce: bool = True
+) -> None:
+    """Join the process group of ``world_size`` ranks (NCCL for CUDA devices, gloo on CPU).
+
+    On CUDA with ``custom_all_reduce`` (``not EngineConfig.disable_custom_all_reduce``) it
+    also sets up the one-shot all-reduce (``custom_all_reduce.CustomAllReduce``), which
+    :func:`all_reduce` uses for the tensors it takes; where it cannot run (no peer access,
+    3 ranks, ...) the reason is logged and NCCL does every all-reduce."""
+    global _rank, _world_size, _device, _custom
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -30,16 +42,23 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: t
         backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(minutes=30)
     )
     _rank, _world_size, _device = rank, world_size, device
+    if custom_all_reduce and device.type == "cuda" and world_size > 1:
+        from onecat.runtime.distributed.custom_all_reduce import CustomAllReduce
+
+        _custom = CustomAllReduce.create(rank, world_size, device)
 
 
 def destroy_tensor_parallel() -> None:
-    """Leave the process group (back to size 1)."""
-    global _rank, _world_size
-    if dist.is_initialized():
+    """Leave the process group (back to size 1), freeing the custom all-reduce's buffers."""
+    global _rank, _world_size, _custom
+    custom, _custom = _custom, None
+    if dist.is_initialized() or custom is not None:
         # abort does not wait for peers (the workers have exited) and leaves torch ready for
         # a new group; either call can still hang in NCCL (pytorch#115388, when CUDA graphs
-        # holding its collectives are alive): bounded, so closing an engine never hangs
-        done = threading.Thread(target=_leave_group, daemon=True)
+        # holding its collectives are alive), and freeing the custom all-reduce's buffer
+        # waits for a kernel still spinning on a dead peer: bounded, so closing an engine
+        # never hangs
+        done = threading.Thread(target=_leave_group, args=(custom,), daemon=True)
         done.start()
         done.join(timeout=20)
         if done.is_alive():
@@ -48,7 +67,11 @@ def destroy_tensor_parallel() -> None:
     _rank, _world_size = 0, 1
 
 
-def _leave_group() -> None:
+def _leave_group(custom: CustomAllReduce | None = None) -> None:
+    if custom is not None:
+        custom.close()
+    if not dist.is_initialized():
+        return
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     if abort is not None and dist.get_backend() == "nccl":
         abort()
@@ -68,9 +91,14 @@ def tp_size() -> int:
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum ``x`` over the ranks in place (the one collective after each attention / GDN
-    mixer and each MLP / MoE block); returns ``x``. Capturable in CUDA graphs (NCCL)."""
+    mixer and each MLP / MoE block); returns ``x``. The one-shot kernel when it is set up
+    and takes ``x`` (fp16, contiguous, up to its size limit: decode steps), else NCCL (or
+    gloo on CPU). Capturable in CUDA graphs either way."""
     if _world_size > 1:
-        dist.all_reduce(x)
+        if _custom is not None and _custom.fits(x):
+            _custom.all_reduce(x)
+        else:
+            dist.all_reduce(x)
     return x
 
 

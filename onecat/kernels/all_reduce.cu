@@ -1,0 +1,183 @@
+// One-shot all-reduce (sum) of an fp16 tensor over 2, 4 or 8 GPUs of one host, for
+// tensor-parallel decode: the same idea as vLLM's custom all-reduce (one kernel, peers'
+// memory read directly over NVLink / PCIe P2P), written for sm_70 (volatile accesses and
+// __threadfence_system only: no acquire/release PTX, no cp.async, no multimem).
+//
+// Shared buffer (one per rank, cuMemAlloc'd, mapped into every peer through CUDA IPC;
+// onecat/kernels/all_reduce.py allocates it and mirrors these offsets):
+//   [0, 4)                     epoch: calls completed by this rank (read and written by this
+//                              rank only)
+//   [128, 132)                 ticket: blocks of the current call that have finished (this rank)
+//   [kFlagsOffset, +kMaxBlocks*kMaxRanks*4)
+//                              flags[b][q]: the epoch of the latest call whose block b on
+//                              rank q has staged its slice; written by rank q (remote store)
+//   [kStagingOffset, +2*stage_bytes)
+//                              two staging buffers; call e stages in buffer (e & 1)
+// All of it is zero before the first call.
+//
+// Data layout and thread mapping: x and out are n16 vectors of 16 bytes (8 fp16), 16-byte
+// aligned, contiguous (x == out allowed: the reduction is in place). Block b of a grid of G
+// blocks of kThreads threads owns vectors i = (b + k*G) * kThreads + threadIdx.x, k = 0, 1, ...
+// (a grid-stride loop). Every rank launches the same grid for the same call (the grid is a
+// function of n16), so block b owns the same vectors on every rank, and block b on one rank
+// synchronises with block b on each peer only.
+//
+// One call, epoch e = epoch + 1, buffer p = e & 1, per block b:
+//   1. copy its vectors of x into its own staging buffer p;
+//   2. __syncthreads; thread q < W: __threadfence_system, then a volatile store of e into
+//      rank q's flags[b][rank] (a release: the block's staging writes are ordered before the
+//      flag through the CTA barrier and the system-scope fence);
+//   3. thread q < W spins (volatile loads of its own flags[b][q]) until it has reached e,
+//      then __threadfence_system (the acquire side); __syncthreads;
+//   4. each thread sums its vectors over ranks 0, 1, ..., W-1 in that fixed order, in fp32
+//      (volatile 16-byte loads from every rank's staging buffer p), rounds to fp16 once and
+//      writes out: every rank computes bit-identical sums;
+//   5. thread 0 takes a ticket (fence, atomicAdd); the block with the last ticket resets it
+//      and stores e into epoch, so the next call, on the same stream, uses e + 1.
+// The epoch lives in device memory and only the kernel advances it: a CUDA graph that
+// captured the launch replays it with the right epoch every time (nothing on the host counts
+// calls). Every rank makes the same sequence of calls, so epochs agree across ranks.
+//
+// Why "reached" (flag - e as a signed 32-bit difference >= 0) and not "equal": a peer may
+// finish call e and already store e + 1 into the same flag word before this rank's block
+// looked (flags are written by the peer only, so each word only grows). A peer can never be
+// two calls ahead: its call e + 1 cannot finish before every rank has raised its e + 1
+// flags in every block of that call, i.e. started call e + 1.
+//
+// Why two staging buffers are enough (no end barrier): rank r overwrites buffer p in call
+// e + 2. Before that, r's call e + 1 saw every peer's e + 1 flag (every block waits on every
+// rank), so every peer had started call e + 1 and, its calls being ordered on its stream,
+// finished call e: the last call that read r's buffer p. Meanwhile a peer still in call
+// e + 1 reads r's other buffer. A peer that is one call ahead reads the right data too: its
+// flag e + 1 was stored after its call e had finished writing buffer p (kernel boundary,
+// then fence and flag store).
+//
+// Deadlock freedom: block b only waits for block b of the peers, which never waits on any
+// other block of its own GPU, and the grid (at most kMaxBlocks blocks) fits on the GPU at
+// once. The wait has no timeout: a peer that never makes the call (a crashed rank) hangs it,
+// as with NCCL.
+
+#include <cuda_fp16.h>
+
+constexpr int kMaxRanks = 8;
+constexpr int kMaxBlocks = 64;
+constexpr int kThreads = 512;
+constexpr unsigned long long kTicketOffset = 128;
+constexpr unsigned long long kFlagsOffset = 4096;
+constexpr unsigned long long kStagingOffset = 8192;
+static_assert(kFlagsOffset + kMaxBlocks * kMaxRanks * 4 <= kStagingOffset, "flags overlap staging");
+
+__device__ __forceinline__ unsigned load_volatile(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void store_volatile(unsigned* p, unsigned v) {
+  asm volatile("st.volatile.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint4 load_volatile4(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void accumulate(float (&acc)[8], uint4 v) {
+  const unsigned words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    __half2 h = *reinterpret_cast<const __half2*>(&words[j]);
+    float2 f = __half22float2(h);
+    acc[2 * j] += f.x;
+    acc[2 * j + 1] += f.y;
+  }
+}
+
+__device__ __forceinline__ uint4 round_to_half(const float (&acc)[8]) {
+  unsigned words[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    __half2 h = __floats2half2_rn(acc[2 * j], acc[2 * j + 1]);
+    words[j] = *reinterpret_cast<unsigned*>(&h);
+  }
+  return make_uint4(words[0], words[1], words[2], words[3]);
+}
+
+template <int W>
+__device__ __forceinline__ void one_shot(char* const (&base)[kMaxRanks], char* self, int rank,
+                                         unsigned long long stage_bytes, const uint4* x, uint4* out, int n16) {
+  __shared__ unsigned s_epoch;
+  if (threadIdx.x == 0) s_epoch = load_volatile(reinterpret_cast<unsigned*>(self)) + 1u;
+  __syncthreads();
+  const unsigned epoch = s_epoch;
+  const unsigned long long stage = kStagingOffset + (epoch & 1u) * stage_bytes;
+  const int stride = gridDim.x * kThreads;
+  const int first = blockIdx.x * kThreads + threadIdx.x;
+
+  // 1. stage this block's vectors of x
+  uint4* mine = reinterpret_cast<uint4*>(self + stage);
+  for (int i = first; i < n16; i += stride) mine[i] = x[i];
+  __syncthreads();
+
+  // 2. tell every rank (this one included) that block b of this rank has staged epoch, then
+  // 3. wait until block b of every rank has staged epoch
+  const int slot = blockIdx.x * kMaxRanks;
+  if (threadIdx.x < W) {
+    __threadfence_system();
+#pragma unroll
+    for (int q = 0; q < W; ++q)  // thread q stores to rank q (static indices: base stays in registers)
+      if (threadIdx.x == q) store_volatile(reinterpret_cast<unsigned*>(base[q] + kFlagsOffset) + slot + rank, epoch);
+    const unsigned* flag = reinterpret_cast<const unsigned*>(self + kFlagsOffset) + slot + threadIdx.x;
+    while (static_cast<int>(load_volatile(flag) - epoch) < 0) {
+    }
+    __threadfence_system();
+  }
+  __syncthreads();
+
+  // 4. sum over the ranks in rank order, fp32, one rounding
+  for (int i = first; i < n16; i += stride) {
+    uint4 v[W];
+#pragma unroll
+    for (int q = 0; q < W; ++q) v[q] = load_volatile4(reinterpret_cast<const uint4*>(base[q] + stage) + i);
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int q = 0; q < W; ++q) accumulate(acc, v[q]);
+    out[i] = round_to_half(acc);
+  }
+
+  // 5. the last block to finish advances the epoch for the next call
+  if (threadIdx.x == 0) {
+    __threadfence();
+    unsigned* ticket = reinterpret_cast<unsigned*>(self + kTicketOffset);
+    if (atomicAdd(ticket, 1u) == gridDim.x - 1) {
+      store_volatile(ticket, 0u);
+      store_volatile(reinterpret_cast<unsigned*>(self), epoch);
+    }
+  }
+}
+
+#define ONECAT_ALL_REDUCE_ARGS                                                                         \
+  char *b0, char *b1, char *b2, char *b3, char *b4, char *b5, char *b6, char *b7, char *self, int rank, \
+      unsigned long long stage_bytes, const uint4 *x, uint4 *out, int n16
+
+extern "C" __global__ void __launch_bounds__(kThreads)
+    all_reduce_w2(ONECAT_ALL_REDUCE_ARGS) {
+  char* const base[kMaxRanks] = {b0, b1, b2, b3, b4, b5, b6, b7};
+  one_shot<2>(base, self, rank, stage_bytes, x, out, n16);
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads)
+    all_reduce_w4(ONECAT_ALL_REDUCE_ARGS) {
+  char* const base[kMaxRanks] = {b0, b1, b2, b3, b4, b5, b6, b7};
+  one_shot<4>(base, self, rank, stage_bytes, x, out, n16);
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads)
+    all_reduce_w8(ONECAT_ALL_REDUCE_ARGS) {
+  char* const base[kMaxRanks] = {b0, b1, b2, b3, b4, b5, b6, b7};
+  one_shot<8>(base, self, rank, stage_bytes, x, out, n16);
+}
