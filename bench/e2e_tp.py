@@ -59,7 +59,7 @@ def drop_collectives(runner) -> None:
 
 
 KERNEL_KINDS = (  # (kind, name fragments), first match wins
-    ("communication", ("nccl",)),
+    ("communication", ("nccl", "all_reduce")),
     ("attention/GDN", ("gdn_", "paged_attention", "attention", "fmha", "flash")),
     ("GEMV/GEMM", ("w4a16", "gemm", "gemv", "nvjet", "cutlass", "cublas", "xmma", "splitk")),
 )
@@ -86,7 +86,7 @@ def profile_steps(engine: LLMEngine, steps: int, top: int = 12) -> dict:
         event for event in prof.key_averages()
         if "cuda" in str(getattr(event, "device_type", "")).lower() and event.device_time_total > 0
     ]
-    nccl_us = sum(e.device_time_total for e in kernels if "nccl" in e.key.lower())
+    nccl_us = sum(e.device_time_total for e in kernels if kernel_kind(e.key) == "communication")  # NCCL or one-shot
     kernels.sort(key=lambda e: e.device_time_total, reverse=True)
     split: dict[str, float] = {}
     for e in kernels:
@@ -139,15 +139,17 @@ def decode(engine: LLMEngine, batch: int, args, tag: str, profile: bool) -> dict
     return result
 
 
-def bench_tp(raw: dict, tp: int, args) -> dict:
+def bench_tp(raw: dict, tp: int, args, all_reduce: str = "custom") -> dict:
+    """Decode speed (and all-reduce share) at tensor parallelism ``tp``; ``all_reduce``
+    "nccl" turns the one-shot custom all-reduce off (``--disable-custom-all-reduce``)."""
     config = EngineConfig(
         model=f"random-{args.model}-tp{tp}", device=args.device, max_num_seqs=max(args.batches),
         max_model_len=1024, max_num_batched_tokens=args.prefill_len, num_kv_blocks=args.kv_blocks,
-        tensor_parallel_size=tp,
+        tensor_parallel_size=tp, disable_custom_all_reduce=all_reduce == "nccl",
     )
     t0 = time.perf_counter()
     engine = LLMEngine.from_factory(config, functools.partial(build_shard, raw))
-    result = {"tp": tp, "engine_setup_s": time.perf_counter() - t0}
+    result = {"tp": tp, "all_reduce": all_reduce if tp > 1 else None, "engine_setup_s": time.perf_counter() - t0}
     print(f"  TP{tp}: engine ready in {result['engine_setup_s']:.1f} s", flush=True)
     try:
         for batch in args.batches:
@@ -176,6 +178,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=None, help="smaller vocabulary (smoke runs)")
     parser.add_argument("--tp", default="1,2", help="tensor-parallel sizes, in order")
     parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--all-reduce", default="custom,nccl",
+                        help="all-reduces to time at TP > 1, in order: custom (one-shot, onecat's), nccl")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--prefill-len", type=int, default=512, help="per-step token budget")
@@ -197,9 +201,10 @@ def main() -> None:
         "layers": raw["num_hidden_layers"], "batches": args.batches, "runs": [],
     }
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}), flush=True)
-    for tp in (int(t) for t in args.tp.split(",")):
+    runs = [(tp, kind) for tp in map(int, args.tp.split(",")) for kind in (args.all_reduce.split(",") if tp > 1 else ["-"])]
+    for tp, kind in runs:
         t0 = time.perf_counter()
-        run = bench_tp(raw, tp, args)
+        run = bench_tp(raw, tp, args, kind)
         run["wall_s"] = time.perf_counter() - t0
         print(json.dumps(run), flush=True)
         report["runs"].append(run)
