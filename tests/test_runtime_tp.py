@@ -9,23 +9,40 @@ all-reduce: logits must match TP 1 within 1e-4 absolute (logits are O(1); observ
 through chunked prefill and batched decode, and greedy tokens must be identical except at a
 near tie (``runtime_helpers.assert_same_greedy_runs``). The MoE models route with
 ``onecat.tiny.SeparatedRouting``, so expert choices cannot flip. TP 4 (three worker
-processes on CI's two cores) runs the packed models only, to stay fast.
+processes on CI's two cores) runs three models only, to stay fast.
+
+``lm_head`` is vocab parallel (``distributed/sharding.py``): two more dense checkpoints put
+padding rows at the end of the last ranks' slices at TP 2 and 4 -- one with tied embeddings
+(float, a vocabulary of 520: the rank's ``lm_head`` is a view of its rows of the embedding),
+one with a 4-bit ``lm_head`` (a vocabulary of 544, packed with the rest) -- and every run
+checks what each rank's ``lm_head`` holds: its slice of the rows, nothing more.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 
 import pytest
 import torch
-from runtime_helpers import assert_same_greedy_runs, drain, record_logits, write_awq_checkpoint
+from runtime_helpers import (
+    assert_same_greedy_runs,
+    drain,
+    record_logits,
+    rtn_quantize,
+    write_awq_checkpoint,
+)
+from safetensors.torch import load_file, save_file
 
 from onecat import tiny
 from onecat.errors import OnecatError
+from onecat.formats.awq_gemm import pack_awq_gemm
 from onecat.pack.writer import pack_checkpoint
 from onecat.runtime.config import EngineConfig
 from onecat.runtime.engine import LLMEngine
+from onecat.runtime.loader import read_model_config
+from onecat.runtime.models.config import vocab_rows_per_partition
 from onecat.runtime.sampling_params import SamplingParams
 
 ATOL = 1e-4
@@ -58,19 +75,107 @@ def checkpoints(tmp_path_factory):
             write_awq_checkpoint(paths[name], root / f"{name}-awq")
             pack_checkpoint(root / f"{name}-awq", root / f"{name}-packed", show_progress=False)
             paths[f"{name}-packed"] = root / f"{name}-packed"
+        paths["dense-tied"] = tiny.build_tiny_model(
+            "qwen3_5", root / "dense-tied", max_shard_size="2MB",
+            config_overrides=dict(tie_word_embeddings=True, vocab_size=TIED_VOCAB),
+        )
+        tie_embeddings(paths["dense-tied"])
+        head = tiny.build_tiny_model("qwen3_5", root / "head", max_shard_size="2MB",
+                                     config_overrides=dict(vocab_size=HEAD_VOCAB))
+        write_awq_checkpoint(head, root / "head-awq")
+        quantize_lm_head(root / "head-awq")
+        paths["dense-packed-head"] = pack_checkpoint(root / "head-awq", root / "head-packed", show_progress=False)
     torch.set_num_threads(threads)
     return paths
 
 
-def run(path, tp: int, device: str = "cpu", factory=None, eager: bool = False) -> tuple[dict, dict]:
+TIED_VOCAB = 520  # 2 x 288 and 4 x 160 rows: the last slice ends in 56 / 120 padding rows
+HEAD_VOCAB = 544  # 17 tiles: 2 x 9 and 4 x 5 tiles, the last slice ends in 1 / 3 padding tiles
+
+
+def tie_embeddings(path) -> None:
+    """Make checkpoint ``path`` a tied one: ``tie_word_embeddings`` set, no ``lm_head.weight``
+    (transformers writes one for the wrapper config)."""
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"].pop("lm_head.weight")
+    tensors = load_file(path / shard)
+    del tensors["lm_head.weight"]
+    save_file(tensors, path / shard, metadata={"format": "pt"})
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = json.loads((path / "config.json").read_text())
+    config["tie_word_embeddings"] = config["text_config"]["tie_word_embeddings"] = True
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def quantize_lm_head(awq) -> None:
+    """Quantize ``lm_head`` of the AWQ checkpoint ``awq`` too (RTN, group 32)."""
+    tensors = load_file(awq / "model.safetensors")
+    q, zeros, scales = rtn_quantize(tensors.pop("lm_head.weight"), 32)
+    tensors.update({f"lm_head.{part}": t for part, t in pack_awq_gemm(q, zeros, scales).items()})
+    save_file(tensors, awq / "model.safetensors")
+    config = json.loads((awq / "config.json").read_text())
+    config["quantization_config"]["modules_to_not_convert"].remove("lm_head")
+    (awq / "config.json").write_text(json.dumps(config))
+
+
+def lm_head_holding(runner) -> list[dict]:
+    """On every rank (``TensorParallelRunner.call_all``): what this rank's ``lm_head`` holds;
+    rank 0 returns every rank's, in rank order."""
+    import torch.distributed as dist
+
+    from onecat.pack.volta_layout import TILE
+    from onecat.runtime.distributed.parallel_state import tp_rank, tp_size
+
+    head, embed = runner.model.lm_head, runner.model.model.embed_tokens.weight
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*head.parameters(), *head.buffers()]}
+    shares_embedding = storages.pop(embed.untyped_storage().data_ptr(), None) is not None
+    held = dict(
+        rank=tp_rank(), packed=head.is_packed, group=head.group_size, own_bytes=sum(storages.values()),
+        rows=head.qweight.shape[0] * TILE if head.is_packed else head.weight.shape[0],
+        shares_embedding=shares_embedding, embedding_rows=embed.shape[0],
+        first_row=None,
+    )
+    if shares_embedding:
+        held["first_row"] = (head.weight.data_ptr() - embed.data_ptr()) // (embed.stride(0) * embed.element_size())
+    everyone = [None] * tp_size()
+    dist.all_gather_object(everyone, held)
+    return everyone
+
+
+def check_holding(held: list[dict], path, tp: int, label: str) -> None:
+    """Each rank's ``lm_head`` holds its equal slice of the vocabulary rows and nothing more:
+    packed or float bytes of ``R`` rows of its own, or (tied) no bytes, its weight rows
+    ``rank * R ..`` of the whole embedding."""
+    cfg = read_model_config(path)[1]
+    rows, hidden = vocab_rows_per_partition(cfg.vocab_size, tp), cfg.hidden_size
+    assert rows * (tp - 1) < cfg.vocab_size <= rows * tp
+    assert [h["rank"] for h in held] == list(range(tp)), label
+    for h in held:
+        assert h["rows"] == rows, (label, h)
+        if cfg.tie_word_embeddings:
+            assert h["shares_embedding"] and h["own_bytes"] == 0, (label, h)
+            assert h["first_row"] == h["rank"] * rows and h["embedding_rows"] == rows * tp, (label, h)
+            continue
+        assert not h["shares_embedding"] and h["embedding_rows"] == cfg.vocab_size, (label, h)
+        # 4 bits a weight + an fp16 scale and -z*s per group; fp32 weights on CPU
+        per_row = hidden // 2 + hidden // h["group"] * 4 if h["packed"] else hidden * 4
+        assert h["own_bytes"] == rows * per_row, (label, h, rows * per_row)
+
+
+def run(path, tp: int, device: str = "cpu", factory=None, eager: bool = False,
+        held: list | None = None) -> tuple[dict, dict]:
     """Greedy outputs and per-token logits of three requests (chunked prefill, batched
-    decode) on an engine with ``tp`` ranks (over checkpoint ``path`` or ``factory``)."""
+    decode) on an engine with ``tp`` ranks (over checkpoint ``path`` or ``factory``);
+    ``held`` (``tp`` > 1) receives :func:`lm_head_holding` of every rank."""
     config = EngineConfig(
         model=str(path), device=device, max_num_batched_tokens=16, kv_block_size=8, num_kv_blocks=64,
         max_num_seqs=8, max_model_len=256, tensor_parallel_size=tp, enforce_eager=eager,
     )
     engine = LLMEngine.from_factory(config, factory) if factory else LLMEngine(config)
     try:
+        if held is not None:
+            held.extend(engine.runner.call_all(lm_head_holding))
         logits = record_logits(engine)
         for i, length in enumerate((23, 9, 5)):
             ids = torch.randint(3, 500, (length,), generator=torch.Generator().manual_seed(i)).tolist()
@@ -90,13 +195,39 @@ def tp1(checkpoints):
     return {name: run(path, 1) for name, path in checkpoints.items()}
 
 
-@pytest.mark.parametrize(
-    "tp, names", [(2, ["dense", "moe", "dense-packed", "moe-packed"]), (4, ["dense-packed", "moe-packed"])]
-)
+@pytest.mark.parametrize("tp, names", [
+    (2, ["dense", "moe", "dense-packed", "moe-packed", "dense-tied", "dense-packed-head"]),
+    (4, ["moe-packed", "dense-packed-head", "dense-tied"]),  # dense-packed-head: dense-packed + a 4-bit lm_head
+])
 def test_tensor_parallel_matches_tp1(checkpoints, tp1, tp, names):
+    """Logits and greedy tokens as at TP 1, each rank's lm_head holding only its slice."""
     torch.set_num_threads(1)
     for name in names:
-        assert_same_greedy_runs(tp1[name], run(checkpoints[name], tp), ATOL, label=f"{name} TP{tp}")
+        held = []
+        assert_same_greedy_runs(tp1[name], run(checkpoints[name], tp, held=held), ATOL, label=f"{name} TP{tp}")
+        check_holding(held, checkpoints[name], tp, f"{name} TP{tp}")
+
+
+def test_vocab_slices_are_the_vocabulary_then_zero_rows(checkpoints):
+    """The ranks' lm_head slices, float or packed, laid end to end: the whole lm_head, then
+    padding rows that are exactly zero (a packed one dequantises to 0)."""
+    from onecat.runtime.distributed.sharding import ShardedWeightSource
+    from onecat.runtime.loader import WeightSource
+
+    packed = checkpoints["dense-packed-head"]
+    for path in (packed.parent / "head", packed):  # its float source, vocabulary 544, and it
+        raw, cfg = read_model_config(path)
+        base, name = WeightSource(path, raw), path.name
+        whole = base.linear("lm_head")
+        assert whole.is_packed == (path == packed)
+        for tp in (2, 4):
+            rows = vocab_rows_per_partition(cfg.vocab_size, tp)
+            slices = [ShardedWeightSource(base, cfg, rank, tp).linear("lm_head") for rank in range(tp)]
+            assert all(s.is_packed == whole.is_packed for s in slices)
+            dense = torch.cat([s.dense() for s in slices]).float()
+            assert dense.shape == (rows * tp, cfg.hidden_size)
+            assert torch.equal(dense[: cfg.vocab_size], whole.dense().float()), f"{name} TP{tp}"
+            assert dense[cfg.vocab_size :].count_nonzero() == 0 and rows * tp > cfg.vocab_size, f"{name} TP{tp}"
 
 
 def test_indivisible_head_count_is_a_clear_error(checkpoints):
@@ -152,7 +283,9 @@ so logits differ from TP 1 by fp16 rounding; bound: max |diff| <= 2% of the requ
 max |logit|."""
 
 FULL_WIDTH = dict(  # Qwen3.5-27B's layer shapes, 4 layers (3 GDN + 1 attention), small vocab
-    model_type="qwen3_5_text", vocab_size=4096, hidden_size=5120, num_hidden_layers=4,
+    # (4100 rows: TP 2's vocab-parallel lm_head slices are 2080 rows, the last ending in 60
+    # padding rows, gathered inside the decode graphs)
+    model_type="qwen3_5_text", vocab_size=4100, hidden_size=5120, num_hidden_layers=4,
     intermediate_size=17408, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
     linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
     linear_value_head_dim=128, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
@@ -295,7 +428,7 @@ def compare_gpu(name: str, ref: tuple[dict, dict], got: tuple[dict, dict]) -> No
 
 
 @needs_two_gpus
-@pytest.mark.parametrize("name", ["dense-packed", "moe-packed"])
+@pytest.mark.parametrize("name", ["dense-packed", "moe-packed", "dense-tied", "dense-packed-head"])
 def test_tp2_matches_tp1_on_gpus(checkpoints, name):
     """Eager (the full-width test below runs CUDA graphs with the all-reduces captured)."""
     path = checkpoints[name]
@@ -305,7 +438,8 @@ def test_tp2_matches_tp1_on_gpus(checkpoints, name):
 @needs_two_gpus
 @pytest.mark.parametrize("name", ["27B-wide", "35B-A3B-wide"])
 def test_full_width_tp2_matches_tp1_on_gpus(name):
-    """4 layers at the real models' widths, CUDA graphs (NCCL all-reduces captured).
+    """4 layers at the real models' widths, CUDA graphs (the all-reduces and the vocab-parallel
+    lm_head's all-gather captured; the last slice ends in padding rows).
 
     With random routers the MoE model's logits differed from TP 1 by up to 12% of the
     largest on 2x H200 (27B-wide: 0.26%): TP 2 rounds partial sums differently and a

@@ -8,8 +8,11 @@ same model factory, and then repeats what rank 0 does: for every
 to what the model runner reads: the pending token ids -- the tokens rank 0 sampled last
 step --, positions, block tables, state slots) once and writes it to each worker's pipe,
 then runs its own shard. Each rank's :class:`~onecat.runtime.engine.model_runner.ModelRunner`
-builds the same batch, captures the same CUDA graphs and joins the same all-reduces; the
-collectives keep the ranks in step. The workers' logits are dropped.
+builds the same batch, captures the same CUDA graphs and joins the same all-reduces and
+the all-gather of the logits (``lm_head`` is split over the vocabulary: every rank computes
+its slice and receives the full logits); the collectives keep the ranks in step. The
+workers' logits are dropped, so whatever computes logits on rank 0 must run on every rank
+(:meth:`TensorParallelRunner.hidden_logits`).
 
 Messages are ``(method, args)`` tuples: ``("run", (scheduled,))``, ``("call", (fn, *args))``
 (:meth:`TensorParallelRunner.call_all`), ``("exit", ())``. A worker that fails
@@ -211,6 +214,12 @@ class TensorParallelRunner:
         """Speculative decoding: ``ModelRunner.run_hidden`` on every rank (rank 0's result)."""
         self._send("run_hidden", [(ShippedSequence(seq, count), count) for seq, count in scheduled])
         return self.local.run_hidden(scheduled)
+
+    def hidden_logits(self, rows: list[int]) -> torch.Tensor:
+        """``ModelRunner.hidden_logits`` on every rank (each computes its slice of the
+        vocabulary; the all-gather pairs them up); rank 0's result."""
+        self._send("hidden_logits", rows)
+        return self.local.hidden_logits(rows)
 
     def accept_drafts(self, accepted: list[tuple[Sequence, int]]) -> None:
         """``ModelRunner.accept_drafts`` on every rank (each holds its shard of the states)."""

@@ -109,3 +109,21 @@ def min_over_ranks(*values: int) -> tuple[int, ...]:
     t = torch.tensor(values, dtype=torch.int64, device=_device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return tuple(int(v) for v in t.tolist())
+
+
+def all_gather(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., n]`` of every rank side by side in rank order: ``[..., world_size * n]``
+    (the vocab-parallel ``lm_head``: each rank computes the logits of its rows of the
+    vocabulary). One all-gather into a fresh tensor (rank-major), then one copy that puts the
+    ranks' columns next to each other; capturable in CUDA graphs (NCCL), like
+    :func:`all_reduce`. Returns ``x`` itself at size 1."""
+    if _world_size == 1:
+        return x
+    x = x.contiguous()
+    gathered = x.new_empty((_world_size, *x.shape))
+    _all_gather_flat(gathered.view(-1), x.view(-1))
+    return gathered.movedim(0, -2).flatten(-2)
+
+
+# newer torch deprecates all_gather_into_tensor for all_gather_single (the same collective)
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -18,8 +18,14 @@ knowing about ranks. The split follows Megatron / vLLM:
   (``layers/expert_parallel.py``); the router and the shared-expert gate are replicated, the
   shared expert is split like a dense MLP (the block is linear in both, so the all-reduce
   after it sums routed and shared parts at once);
-- replicated: embeddings, norms, the router, ``lm_head`` (every rank computes full logits;
-  rank 0 samples).
+- vocab parallel (as vLLM's ``ParallelLMHead``): ``lm_head``, float or packed, by output
+  rows: rank ``r`` holds vocabulary rows ``r*R .. (r+1)*R - 1``, ``R`` the vocabulary over
+  ``N`` rounded up to 32-row tiles (``ModelConfig.lm_head_rows``), the last slices padded
+  with zero rows; every rank computes its logits and one all-gather gives every rank all of
+  them, the padding cut off (``Qwen3_5ForCausalLM.compute_logits``; rank 0 samples). The
+  MTP drafter's 4-bit head is made from the rank's rows and gathered the same way. With tied
+  embeddings the rank's ``lm_head`` is a view of its rows of the whole embedding;
+- replicated: embeddings, norms, the router.
 
 Packed linears are cut with :func:`onecat.pack.volta_layout.slice_volta`, the rule the vLLM
 plugin uses; a slice the Volta layout cannot hold is refused by
@@ -40,7 +46,7 @@ from onecat.pack.volta_layout import TILE, slice_volta
 from onecat.runtime.distributed.parallel_state import tp_rank, tp_size
 from onecat.runtime.layers.linear import LinearWeights
 from onecat.runtime.loader import WeightSource, load_weights, read_model_config
-from onecat.runtime.models.config import ModelConfig
+from onecat.runtime.models.config import ModelConfig, vocab_rows_per_partition
 from onecat.runtime.models.qwen3_5 import Qwen3_5ForCausalLM
 from onecat.runtime.quant_plan import QuantPlan
 
@@ -52,6 +58,7 @@ ROW = (".self_attn.o_proj", ".linear_attn.out_proj", ".mlp.down_proj", ".shared_
 GDN_QKV = ".linear_attn.in_proj_qkv"
 GDN_CONV = ".linear_attn.conv1d.weight"
 GDN_PER_HEAD = (".linear_attn.A_log", ".linear_attn.dt_bias")
+LM_HEAD = "lm_head"
 
 
 def _split_counts(cfg: ModelConfig) -> dict[str, int]:
@@ -78,8 +85,9 @@ def _fits(cfg: ModelConfig, world_size: int) -> list[str]:
 
 def shard_config(cfg: ModelConfig, world_size: int, source: str = "config.json") -> ModelConfig:
     """The model config of one rank's shard: head counts, the dense MLP's and the shared
-    expert's intermediate sizes divided by ``world_size`` (KV heads: at least 1). The routed
-    experts' count stays global (the router scores all of them).
+    expert's intermediate sizes divided by ``world_size`` (KV heads: at least 1), the
+    vocabulary split ``world_size`` ways for ``lm_head`` (``vocab_partitions``). The routed
+    experts' count stays global (the router scores all of them), as does ``vocab_size``.
 
     Raises OnecatError naming every count that ``world_size`` does not divide, and the sizes
     that would work.
@@ -102,6 +110,7 @@ def shard_config(cfg: ModelConfig, world_size: int, source: str = "config.json")
         linear_num_value_heads=cfg.linear_num_value_heads // world_size,
         intermediate_size=cfg.intermediate_size // world_size,
         shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // world_size,
+        vocab_partitions=world_size,
     )
 
 
@@ -124,6 +133,13 @@ def _piece(size: int, parts: int, index: int) -> tuple[int, int]:
     return index * step, step
 
 
+def _padded(t: torch.Tensor, start: int, count: int, rows: int) -> torch.Tensor:
+    """Rows ``start .. start + count - 1`` of ``t`` followed by zero rows, ``rows`` in all."""
+    out = t.new_zeros((rows, *t.shape[1:]))
+    out[:count] = t[start : start + count]
+    return out
+
+
 class ShardedWeightSource:
     """This rank's view of a weight source (a :class:`~onecat.runtime.loader.WeightSource`,
     or anything with its ``path``, ``actual``, ``plan``, ``linear``, ``expert`` and
@@ -141,6 +157,7 @@ class ShardedWeightSource:
         self._kv_parts = min(kv, world_size)
         self._kv_index = rank if kv >= world_size else rank * kv // world_size
         self.first_expert = expert_range(cfg.num_experts, rank, world_size)[0] if cfg.is_moe else 0
+        self.vocab_size, self.lm_head_rows = cfg.vocab_size, vocab_rows_per_partition(cfg.vocab_size, world_size)
 
     def actual(self, name: str) -> str:
         """The checkpoint's key for text-model name ``name``."""
@@ -165,7 +182,9 @@ class ShardedWeightSource:
             return self._rows(name, weights, [self._rows_of(weights)], self.world_size, self.rank)
         if name.endswith(ROW):
             return self._columns(name, weights)
-        return weights  # replicated: lm_head, router, shared-expert gate, experts
+        if name == LM_HEAD:
+            return self._vocab_rows(name, weights)
+        return weights  # replicated: router, shared-expert gate, experts
 
     @staticmethod
     def _rows_of(w: LinearWeights) -> int:
@@ -188,6 +207,22 @@ class ShardedWeightSource:
         check_partition(self.actual(name), [r for _, r in pieces], k, w.group_size)
         q = torch.cat([w.qweight[s // TILE : (s + r) // TILE] for s, r in pieces])
         sz = torch.cat([w.scales_zeros[s // TILE : (s + r) // TILE] for s, r in pieces])
+        return LinearWeights(qweight=q, scales_zeros=sz, group_size=w.group_size, bias=bias)
+
+    def _vocab_rows(self, name: str, w: LinearWeights) -> LinearWeights:
+        """This rank's ``lm_head_rows`` rows of the vocabulary (vocab parallel), rows past the
+        vocabulary zero (a packed slice: whole tiles, scales and ``-z * s`` zero, so they
+        dequantise to 0)."""
+        if self._rows_of(w) != self.vocab_size:
+            raise OnecatError(f"{self.path}: {self.actual(name)} has {self._rows_of(w)} rows, "
+                              f"config.json's vocab_size is {self.vocab_size}")
+        start = self.rank * self.lm_head_rows
+        have = max(0, min(self.lm_head_rows, self.vocab_size - start))  # the rest is padding
+        bias = None if w.bias is None else _padded(w.bias, start, have, self.lm_head_rows)
+        if not w.is_packed:
+            return LinearWeights(weight=_padded(w.weight, start, have, self.lm_head_rows), bias=bias)
+        q = _padded(w.qweight, start // TILE, have // TILE, self.lm_head_rows // TILE)
+        sz = _padded(w.scales_zeros, start // TILE, have // TILE, self.lm_head_rows // TILE)
         return LinearWeights(qweight=q, scales_zeros=sz, group_size=w.group_size, bias=bias)
 
     def _columns(self, name: str, w: LinearWeights) -> LinearWeights:

@@ -406,9 +406,10 @@ class LLMEngine:
             verified.append(end - seq.num_tokens)
             rows.extend(range(first + count - 1 - verified[-1], first + count))
         logits = None
-        if rows:
-            index = to_device(rows, torch.int64, hidden.device)
-            logits = all_logits[index] if all_logits is not None else self.runner.model.compute_logits(hidden[index])
+        if rows and all_logits is not None:
+            logits = all_logits[to_device(rows, torch.int64, hidden.device)]
+        elif rows:  # every rank computes them (tensor parallelism: lm_head is split)
+            logits = self.runner.hidden_logits(rows)
         argmax = logits.argmax(dim=-1).tolist() if logits is not None else []  # greedy rows: one read
         # index -> (tokens to append, chunk start, logprobs of the first), or what failed
         picks: dict[int, tuple[list[int], int, TokenLogprobs | None] | Exception] = {}

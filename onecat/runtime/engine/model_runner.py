@@ -408,7 +408,8 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
         """Like :meth:`run`, but returns the final hidden states of every scheduled token
         (``[T, hidden]``, a copy), each entry's first row and, when a decode graph ran, the
-        logits of every row (else None: the caller computes the rows it needs). Speculative
+        logits of every row (else None: the caller gets the rows it needs from
+        :meth:`hidden_logits`). Speculative
         decoding verifies drafts with the logits of several rows and feeds the MTP head the
         hidden states. A verify chunk (pending token + drafts) leaves the GDN state after each
         of its positions in its own row: :meth:`accept_drafts` then puts the right one in the
@@ -429,6 +430,13 @@ class ModelRunner:
         self.last_hidden = result[0]  # tensor parallel: workers draft from their own copy
         self._save_checkpoints(scheduled)
         return result
+
+    @torch.inference_mode()
+    def hidden_logits(self, rows: list[int]) -> torch.Tensor:
+        """Logits ``[len(rows), vocab]`` of rows ``rows`` of the last :meth:`run_hidden`'s
+        hidden states (when it returned none). Under tensor parallelism every rank computes
+        them (``TensorParallelRunner.hidden_logits``): ``lm_head`` is split over the vocabulary."""
+        return self.model.compute_logits(self.last_hidden[to_device(rows, torch.int64, self.device)])
 
     def accept_drafts(self, accepted: list[tuple[Sequence, int]]) -> None:
         """After a verify pass: each ``(seq, k)`` kept ``k`` drafts, fewer than its chunk held,

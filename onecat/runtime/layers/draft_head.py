@@ -6,6 +6,9 @@ on a V100). Drafts only have to be likely, not exact (the model verifies every o
 own fp16 ``lm_head``, so outputs do not change), so the drafter uses a copy of ``lm_head``
 rounded to nearest at 4 bits (asymmetric, groups of :data:`GROUP_SIZE`), packed for the
 W4A16 kernels: a quarter of the bytes. The acceptance cost is measured in BENCHMARKS.md.
+Under tensor parallelism each rank rounds its own rows of the vocab-parallel ``lm_head``
+(whole 32-row tiles, padding rows included) and ``compute_draft_logits`` gathers the drafts'
+logits like the model's.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ from typing import Any
 
 from onecat.errors import OnecatError
 
+VOCAB_ROW_ALIGN = 32
+"""A vocab-parallel ``lm_head`` slice is a multiple of this many rows (the Volta layout's tile)."""
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 
 
@@ -43,6 +45,15 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     eos_token_ids: list[int] = field(default_factory=list)
+    vocab_partitions: int = 1
+    """Tensor parallelism: how many ranks split ``lm_head``'s rows (the vocabulary) between
+    them (``distributed.sharding.shard_config``); 1: this model computes every logit."""
+
+    @property
+    def lm_head_rows(self) -> int:
+        """Rows of ``lm_head`` this model holds: the vocabulary, or one rank's equal share of
+        it (:func:`vocab_rows_per_partition`)."""
+        return vocab_rows_per_partition(self.vocab_size, self.vocab_partitions)
 
     @property
     def is_moe(self) -> bool:
@@ -117,6 +128,16 @@ class ModelConfig:
             shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size") or 0),
             eos_token_ids=eos_ids,
         )
+
+
+def vocab_rows_per_partition(vocab_size: int, partitions: int) -> int:
+    """Rows of the vocabulary each of ``partitions`` ranks holds: all of it for one; else
+    ``vocab_size / partitions`` rounded up to a multiple of 32 (a packed ``lm_head`` slice
+    must be whole 32-row tiles), so slices are equal and the last ranks' end in padding
+    rows, whose logits are cut off after the gather. Rank ``r`` holds rows ``r * rows ..``."""
+    if partitions == 1:
+        return vocab_size
+    return -(-vocab_size // (partitions * VOCAB_ROW_ALIGN)) * VOCAB_ROW_ALIGN
 
 
 def _field(text: dict[str, Any], name: str, source: str) -> int:

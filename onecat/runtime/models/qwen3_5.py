@@ -11,15 +11,18 @@ each :class:`Linear` lists the checkpoint linears it merges in ``sources`` for t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from onecat.errors import OnecatError
 from onecat.kernels import gdn as gdn_kernel
 from onecat.kernels import gdn_prefill
 from onecat.kernels.moe import append_shared_expert, moe_route, moe_router, router_fits
 from onecat.runtime.context import ForwardContext, PrefillChunk, get_context
-from onecat.runtime.distributed.parallel_state import all_reduce
+from onecat.runtime.distributed.parallel_state import all_gather, all_reduce, tp_rank
 from onecat.runtime.layers.attention import PagedAttention, sigmoid_gate
 from onecat.runtime.layers.causal_conv import causal_conv1d_chunk, causal_conv1d_step
 from onecat.runtime.layers.delta_rule import gated_delta_rule_chunked, gated_delta_rule_step
@@ -65,6 +68,21 @@ def merged_linear(
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
+
+
+def _padded_rows_loader(rows: int) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """A ``weight_loader`` that copies a ``[rows, ...]`` tensor into the first rows of a
+    parameter padded with more (the tied embedding under tensor parallelism), and zeroes the
+    rest."""
+
+    def load(param: torch.Tensor, loaded: torch.Tensor) -> None:
+        if tuple(loaded.shape) != (rows, *param.shape[1:]):
+            raise OnecatError(f"embed_tokens: expected shape {(rows, *param.shape[1:])}, got "
+                              f"{tuple(loaded.shape)}; config.json does not match the weights")
+        param.data[:rows].copy_(loaded)
+        param.data[rows:].zero_()
+
+    return load
 
 
 class GatedAttention(nn.Module):
@@ -627,8 +645,13 @@ class Qwen3_5Model(nn.Module):
 
     def __init__(self, cfg: ModelConfig, plan: QuantPlan, dtype: torch.dtype) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        rows = cfg.vocab_size
+        if cfg.tie_word_embeddings and cfg.vocab_partitions > 1:  # lm_head slices are views of it
+            rows = cfg.lm_head_rows * cfg.vocab_partitions
+        self.embed_tokens = nn.Embedding(rows, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
+        if rows != cfg.vocab_size:
+            self.embed_tokens.weight.weight_loader = _padded_rows_loader(cfg.vocab_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, plan, dtype) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -641,19 +664,39 @@ class Qwen3_5Model(nn.Module):
 
 
 class Qwen3_5ForCausalLM(nn.Module):
-    """The language model and its (untied by default) output projection."""
+    """The language model and its (untied by default) output projection.
+
+    Under tensor parallelism (``cfg.vocab_partitions`` N > 1) ``lm_head`` is vocab parallel,
+    as vLLM's ``ParallelLMHead``: rank ``r`` (``tp_rank()``) holds rows ``r * R .. (r + 1) *
+    R - 1`` of the vocabulary (``R = cfg.lm_head_rows``, equal on every rank; rows past the
+    vocabulary are zero padding), computes those logits, and one all-gather assembles the
+    full rows on every rank, the padding cut off: the same dot products as one rank's
+    ``lm_head``, each read by one rank only. A 4-bit ``lm_head`` is split the same way (whole
+    32-row tiles). With tied embeddings the embedding stays whole on every rank (any rank
+    looks up any token; splitting it would cost a masked lookup and one more all-reduce per
+    pass) and, padded to ``N * R`` rows, ``lm_head``'s weight is a view of this rank's rows of
+    it: no bytes of its own, as at one rank.
+    """
 
     def __init__(self, cfg: ModelConfig, plan: QuantPlan, dtype: torch.dtype, *, mtp: bool = False) -> None:
         """``mtp``: also build the multi-token-prediction head (``mtp.*``) for speculative decoding."""
         super().__init__()
         self.config = cfg
         self.model = Qwen3_5Model(cfg, plan, dtype)
+        rows = cfg.lm_head_rows
         if cfg.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head = Linear(cfg.hidden_size, rows, dtype=dtype)
+            embedding = self.model.embed_tokens.weight
+            if cfg.vocab_partitions == 1:
+                self.lm_head.weight = embedding
+            else:  # a view of this rank's rows: a buffer, so that loading skips it
+                del self.lm_head.weight
+                self.lm_head.register_buffer("weight", embedding.detach().narrow(0, tp_rank() * rows, rows),
+                                             persistent=False)
             self.lm_head.sources = []
-        else:
-            self.lm_head = merged_linear(plan, ["lm_head"], cfg.hidden_size, [cfg.vocab_size], dtype)
+        else:  # packed exactly when one rank's whole lm_head would be
+            whole = plan.group_size(["lm_head"], [cfg.vocab_size], cfg.hidden_size) is not None
+            self.lm_head = merged_linear(plan if whole else QuantPlan(), ["lm_head"], cfg.hidden_size, [rows], dtype)
         self.mtp = MtpHead(cfg, plan, dtype) if mtp else None
         self.draft_head: Linear | None = None  # speculative decoding: a 4-bit copy of lm_head (layers/draft_head.py)
 
@@ -662,12 +705,24 @@ class Qwen3_5ForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits ``[N, vocab]`` of the given hidden states."""
-        return self.lm_head(hidden)
+        """Logits ``[N, vocab]`` of the given hidden states (under tensor parallelism every
+        rank must call it: the logits are gathered)."""
+        return self._whole_vocabulary(self.lm_head(hidden))
 
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The MTP drafter's logits: through ``draft_head`` when set, else ``lm_head``."""
-        return (self.draft_head or self.lm_head)(hidden)
+        """The MTP drafter's logits: through ``draft_head`` when set, else ``lm_head`` (a
+        draft head is made from this rank's ``lm_head`` rows and gathered the same way)."""
+        return self._whole_vocabulary((self.draft_head or self.lm_head)(hidden))
+
+    def _whole_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
+        """This rank's logits ``[N, R]`` -> every rank's, ``[N, vocab]`` (a no-op at one rank)."""
+        cfg = self.config
+        if cfg.vocab_partitions == 1:
+            return logits
+        logits = all_gather(logits)
+        if logits.shape[-1] != cfg.vocab_size:  # padding rows of the last slices
+            logits = logits[..., : cfg.vocab_size].contiguous()
+        return logits
 
 
 class MtpHead(nn.Module):
