@@ -62,6 +62,43 @@ def poisoned(numel: int, device: torch.device) -> torch.Tensor:
     return torch.full((numel,), float("nan"), dtype=torch.float16, device=device)
 
 
+def fused_inputs(call: int, rank: int, world: int, rows: int, hidden: int):
+    """This rank's x, the residual and the norm weight of a fused call, plus the fp64 sum of
+    every rank's x (CPU)."""
+    numel = rows * hidden
+    x = rank_input(call, rank, numel).view(rows, hidden)
+    gen = torch.Generator().manual_seed(104729 + call)
+    residual = (4 * torch.randn(numel, generator=gen)).to(torch.float16).view(rows, hidden)
+    weight = 0.5 * torch.randn(hidden, generator=gen)
+    total = reference(call, world, numel).view(rows, hidden)
+    return x, residual, weight, total
+
+
+def assert_fused(normed: torch.Tensor, summed: torch.Tensor, inputs, what: str) -> None:
+    """The kernel's (normed, new residual) against fp64: the residual within two fp16
+    roundings of sum + residual, the norm of that fp16 residual within one more."""
+    _, residual, weight, total = inputs
+    exact = total + residual.double()
+    got_sum = summed.double().cpu()
+    err = (got_sum - exact).abs()
+    assert (err <= (total.abs() + exact.abs()) * 2.0**-10 + 2.0**-14).all(), f"{what}: residual off by {float(err.max())}"
+    ref = got_sum * torch.rsqrt(got_sum.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + weight.double())
+    err = (normed.double().cpu() - ref).abs()
+    assert (err <= ref.abs() * 2.0**-10 + 2.0**-14).all(), f"{what}: norm off by {float(err.max())}"
+
+
+def check_fused(custom, call: int, rank: int, world: int, rows: int, hidden: int, device: torch.device) -> None:
+    """One eager fused call of ``rows x hidden`` checked against fp64, inputs untouched, the
+    results identical on every rank."""
+    inputs = fused_inputs(call, rank, world, rows, hidden)
+    x, residual, weight = (t.to(device) for t in inputs[:3])
+    assert custom.norm_fits(x, residual, weight)
+    normed, summed = parallel_state.all_reduce_add_rms_norm(x, residual, weight, 1e-6)
+    assert_fused(normed, summed, inputs, f"fused {rows} x {hidden}")
+    assert torch.equal(x.cpu(), inputs[0]) and torch.equal(residual.cpu(), inputs[1]), "an input changed"
+    assert_identical_on_ranks(normed, world, f"fused {rows} x {hidden}")
+
+
 def rank_checks(rank: int, world: int, init_method: str) -> None:
     """One rank of :func:`test_one_shot_all_reduce` (every rank runs the same calls)."""
     device = torch.device("cuda", rank)
@@ -148,6 +185,36 @@ def rank_checks(rank: int, world: int, init_method: str) -> None:
             assert_one_rounding(x, reference(call, world, 2 * HIDDEN), f"eager call after replay {replay}")
             call += 1
     assert_identical_on_ranks(static_out[2], world, "graph replay")
+    torch.cuda.synchronize(device)
+    del graph
+
+    # fused all-reduce + residual add + RMSNorm (1 + w): eager at several shapes, then replayed
+    # in a graph between plain calls (one epoch sequence for both kernels)
+    for rows, hidden in [(1, HIDDEN), (3, 2048), (8, HIDDEN), (kernel.MAX_BLOCKS, HIDDEN), (2, 8192)]:
+        check_fused(custom, call, rank, world, rows, hidden, device)
+        call += 1
+    x = torch.zeros(8, HIDDEN, dtype=torch.float16, device=device)
+    res = torch.zeros_like(x)
+    weight = torch.zeros(HIDDEN, dtype=torch.float32, device=device)
+    plain = torch.zeros(2 * HIDDEN, dtype=torch.float16, device=device)
+    with torch.cuda.stream(side):
+        custom.add_rms_norm(x, res, weight, 1e-6)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        custom.all_reduce(plain)
+        normed, summed = custom.add_rms_norm(x, res, weight, 1e-6)
+    for replay in range(20):
+        inputs = fused_inputs(call, rank, world, 8, HIDDEN)
+        x.copy_(inputs[0].to(device))
+        res.copy_(inputs[1].to(device))
+        weight.copy_(inputs[2].to(device))
+        plain.copy_(rank_input(call + 1, rank, 2 * HIDDEN).to(device))
+        normed.fill_(float("nan"))
+        graph.replay()
+        assert_fused(normed, summed, inputs, f"fused graph replay {replay}")
+        assert_one_rounding(plain, reference(call + 1, world, 2 * HIDDEN), f"plain call in the fused graph {replay}")
+        call += 2
     torch.cuda.synchronize(device)
     del graph
     parallel_state.destroy_tensor_parallel()

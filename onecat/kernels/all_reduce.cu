@@ -57,11 +57,24 @@
 // once. The wait has no timeout: a peer that never makes the call (a crashed rank) hangs it,
 // as with NCCL.
 
+// Fused variant, all_reduce_add_rms_norm_w<N> (a decode layer's row-parallel output, its
+// residual add and the next RMSNorm in one launch): x, residual, out and residual_out are
+// [rows, hidden] fp16 row-major, weight is the norm's fp32 [hidden] (stored centred on zero:
+// the factor is 1 + w). One block of kNormThreads threads per row (rows <= kMaxBlocks); thread
+// t owns the row's vectors t, t + kNormThreads, ... (at most kNormVectors: hidden <= 8192).
+// Steps 1-3 and 5 are the one-shot protocol above with block b = row b; step 4 becomes: sum
+// the row over the ranks in fp32, round to fp16 (the all-reduce's result), add the residual
+// and round (the new residual, written to residual_out), then a block reduction of the
+// squares of those fp16 values gives rstd = rsqrt(mean + eps) and out = fp16(r * rstd * (1 + w)):
+// the roundings of `add_rms_norm(all_reduce(x), residual, w, eps)` in onecat/runtime.
+
 #include <cuda_fp16.h>
 
 constexpr int kMaxRanks = 8;
 constexpr int kMaxBlocks = 64;
 constexpr int kThreads = 512;
+constexpr int kNormThreads = 256;
+constexpr int kNormVectors = 4;
 constexpr unsigned long long kTicketOffset = 128;
 constexpr unsigned long long kFlagsOffset = 4096;
 constexpr unsigned long long kStagingOffset = 8192;
@@ -107,24 +120,18 @@ __device__ __forceinline__ uint4 round_to_half(const float (&acc)[8]) {
   return make_uint4(words[0], words[1], words[2], words[3]);
 }
 
-template <int W>
-__device__ __forceinline__ void one_shot(char* const (&base)[kMaxRanks], char* self, int rank,
-                                         unsigned long long stage_bytes, const uint4* x, uint4* out, int n16) {
+// This call's epoch: the previous call's (stored by its last block; same stream) + 1.
+__device__ __forceinline__ unsigned read_epoch(const char* self) {
   __shared__ unsigned s_epoch;
-  if (threadIdx.x == 0) s_epoch = load_volatile(reinterpret_cast<unsigned*>(self)) + 1u;
+  if (threadIdx.x == 0) s_epoch = load_volatile(reinterpret_cast<const unsigned*>(self)) + 1u;
   __syncthreads();
-  const unsigned epoch = s_epoch;
-  const unsigned long long stage = kStagingOffset + (epoch & 1u) * stage_bytes;
-  const int stride = gridDim.x * kThreads;
-  const int first = blockIdx.x * kThreads + threadIdx.x;
+  return s_epoch;
+}
 
-  // 1. stage this block's vectors of x
-  uint4* mine = reinterpret_cast<uint4*>(self + stage);
-  for (int i = first; i < n16; i += stride) mine[i] = x[i];
-  __syncthreads();
-
-  // 2. tell every rank (this one included) that block b of this rank has staged epoch, then
-  // 3. wait until block b of every rank has staged epoch
+// Steps 2-3: raise block b's flag of this epoch on every rank, wait for every rank's.
+template <int W>
+__device__ __forceinline__ void signal_and_wait(char* const (&base)[kMaxRanks], char* self, int rank,
+                                                unsigned epoch) {
   const int slot = blockIdx.x * kMaxRanks;
   if (threadIdx.x < W) {
     __threadfence_system();
@@ -137,6 +144,36 @@ __device__ __forceinline__ void one_shot(char* const (&base)[kMaxRanks], char* s
     __threadfence_system();
   }
   __syncthreads();
+}
+
+// Step 5: the block with the last ticket resets it and publishes this epoch.
+__device__ __forceinline__ void finish_call(char* self, unsigned epoch) {
+  if (threadIdx.x == 0) {
+    __threadfence();
+    unsigned* ticket = reinterpret_cast<unsigned*>(self + kTicketOffset);
+    if (atomicAdd(ticket, 1u) == gridDim.x - 1) {
+      store_volatile(ticket, 0u);
+      store_volatile(reinterpret_cast<unsigned*>(self), epoch);
+    }
+  }
+}
+
+template <int W>
+__device__ __forceinline__ void one_shot(char* const (&base)[kMaxRanks], char* self, int rank,
+                                         unsigned long long stage_bytes, const uint4* x, uint4* out, int n16) {
+  const unsigned epoch = read_epoch(self);
+  const unsigned long long stage = kStagingOffset + (epoch & 1u) * stage_bytes;
+  const int stride = gridDim.x * kThreads;
+  const int first = blockIdx.x * kThreads + threadIdx.x;
+
+  // 1. stage this block's vectors of x
+  uint4* mine = reinterpret_cast<uint4*>(self + stage);
+  for (int i = first; i < n16; i += stride) mine[i] = x[i];
+  __syncthreads();
+
+  // 2. tell every rank (this one included) that block b of this rank has staged epoch, then
+  // 3. wait until block b of every rank has staged epoch
+  signal_and_wait<W>(base, self, rank, epoch);
 
   // 4. sum over the ranks in rank order, fp32, one rounding
   for (int i = first; i < n16; i += stride) {
@@ -150,14 +187,83 @@ __device__ __forceinline__ void one_shot(char* const (&base)[kMaxRanks], char* s
   }
 
   // 5. the last block to finish advances the epoch for the next call
-  if (threadIdx.x == 0) {
-    __threadfence();
-    unsigned* ticket = reinterpret_cast<unsigned*>(self + kTicketOffset);
-    if (atomicAdd(ticket, 1u) == gridDim.x - 1) {
-      store_volatile(ticket, 0u);
-      store_volatile(reinterpret_cast<unsigned*>(self), epoch);
+  finish_call(self, epoch);
+}
+
+// Fused all-reduce + residual add + RMSNorm (1 + w) of one row per block (header comment).
+template <int W>
+__device__ __forceinline__ void one_shot_add_rms_norm(char* const (&base)[kMaxRanks], char* self, int rank,
+                                                      unsigned long long stage_bytes, const uint4* x,
+                                                      const uint4* residual, const float* weight, uint4* out,
+                                                      uint4* residual_out, int hidden, float eps) {
+  __shared__ float s_partial[kNormThreads / 32];
+  __shared__ float s_rstd;
+  const unsigned epoch = read_epoch(self);
+  const unsigned long long stage = kStagingOffset + (epoch & 1u) * stage_bytes;
+  const int vectors = hidden / 8;
+  const size_t row = static_cast<size_t>(blockIdx.x) * vectors;
+
+  // 1. stage this row of x
+  uint4* mine = reinterpret_cast<uint4*>(self + stage) + row;
+  for (int i = threadIdx.x; i < vectors; i += kNormThreads) mine[i] = x[row + i];
+  __syncthreads();
+  // 2-3. flags and wait, as the plain kernel
+  signal_and_wait<W>(base, self, rank, epoch);
+
+  // 4. sum over the ranks (fp32, rank order, one rounding), add the residual (one rounding)
+  float r[kNormVectors][8];
+  float squares = 0.f;
+#pragma unroll
+  for (int j = 0; j < kNormVectors; ++j) {
+    const int i = threadIdx.x + j * kNormThreads;
+    if (i < vectors) {
+      uint4 v[W];
+#pragma unroll
+      for (int q = 0; q < W; ++q) v[q] = load_volatile4(reinterpret_cast<const uint4*>(base[q] + stage) + row + i);
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int q = 0; q < W; ++q) accumulate(acc, v[q]);
+      float h[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      accumulate(h, round_to_half(acc));  // the all-reduce's fp16 result, back in fp32
+      accumulate(h, residual[row + i]);
+      const uint4 summed = round_to_half(h);
+      residual_out[row + i] = summed;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) r[j][k] = 0.f;
+      accumulate(r[j], summed);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) squares += r[j][k] * r[j][k];
     }
   }
+  // block reduction of the squares
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, offset);
+  if ((threadIdx.x & 31) == 0) s_partial[threadIdx.x >> 5] = squares;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < kNormThreads / 32; ++w) total += s_partial[w];
+    s_rstd = rsqrtf(total / static_cast<float>(hidden) + eps);
+  }
+  __syncthreads();
+  const float rstd = s_rstd;
+#pragma unroll
+  for (int j = 0; j < kNormVectors; ++j) {
+    const int i = threadIdx.x + j * kNormThreads;
+    if (i < vectors) {
+      const float4 w0 = reinterpret_cast<const float4*>(weight)[2 * i];
+      const float4 w1 = reinterpret_cast<const float4*>(weight)[2 * i + 1];
+      const float factor[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+      float y[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) y[k] = r[j][k] * rstd * (1.f + factor[k]);
+      out[row + i] = round_to_half(y);
+    }
+  }
+
+  // 5. the last block advances the epoch
+  finish_call(self, epoch);
 }
 
 #define ONECAT_ALL_REDUCE_ARGS                                                                         \
@@ -180,4 +286,27 @@ extern "C" __global__ void __launch_bounds__(kThreads)
     all_reduce_w8(ONECAT_ALL_REDUCE_ARGS) {
   char* const base[kMaxRanks] = {b0, b1, b2, b3, b4, b5, b6, b7};
   one_shot<8>(base, self, rank, stage_bytes, x, out, n16);
+}
+
+#define ONECAT_ALL_REDUCE_NORM_ARGS                                                                      \
+  char *b0, char *b1, char *b2, char *b3, char *b4, char *b5, char *b6, char *b7, char *self, int rank, \
+      unsigned long long stage_bytes, const uint4 *x, const uint4 *residual, const float *weight,      \
+      uint4 *out, uint4 *residual_out, int hidden, float eps
+#define ONECAT_ALL_REDUCE_NORM_CALL(W)                                                                      \
+  char* const base[kMaxRanks] = {b0, b1, b2, b3, b4, b5, b6, b7};                                          \
+  one_shot_add_rms_norm<W>(base, self, rank, stage_bytes, x, residual, weight, out, residual_out, hidden, eps)
+
+extern "C" __global__ void __launch_bounds__(kNormThreads)
+    all_reduce_add_rms_norm_w2(ONECAT_ALL_REDUCE_NORM_ARGS) {
+  ONECAT_ALL_REDUCE_NORM_CALL(2);
+}
+
+extern "C" __global__ void __launch_bounds__(kNormThreads)
+    all_reduce_add_rms_norm_w4(ONECAT_ALL_REDUCE_NORM_ARGS) {
+  ONECAT_ALL_REDUCE_NORM_CALL(4);
+}
+
+extern "C" __global__ void __launch_bounds__(kNormThreads)
+    all_reduce_add_rms_norm_w8(ONECAT_ALL_REDUCE_NORM_ARGS) {
+  ONECAT_ALL_REDUCE_NORM_CALL(8);
 }

@@ -34,6 +34,8 @@ GRID_LIMIT = 36
 """Most blocks a call launches (vLLM's choice for its one-shot kernel); at most MAX_BLOCKS and
 fewer than any GPU's SM count, so every block of a call is resident at once."""
 VECTOR_BYTES = 16  # one thread moves 8 fp16 values at a time
+NORM_THREADS = 256  # kNormThreads: one block of the fused kernel per row
+NORM_MAX_HIDDEN = 8 * NORM_THREADS * 4  # kNormVectors 16-byte vectors a thread
 IPC_HANDLE_BYTES = 64  # CU_IPC_HANDLE_SIZE
 _LAZY_ENABLE_PEER_ACCESS = 1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
 
@@ -75,6 +77,27 @@ def eligible(x: torch.Tensor, max_bytes: int) -> bool:
         and 0 < nbytes <= max_bytes
         and nbytes % VECTOR_BYTES == 0
         and x.data_ptr() % VECTOR_BYTES == 0
+    )
+
+
+def norm_fits(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, max_bytes: int) -> bool:
+    """Whether the fused kernel (``all_reduce_add_rms_norm_w<N>``) takes these: ``x`` and
+    ``residual`` fp16 ``[rows, hidden]`` that :func:`fits` accepts, rows at most one block per
+    flag row (``MAX_BLOCKS``), hidden a multiple of 8 up to ``NORM_MAX_HIDDEN``, the norm's
+    weight fp32 ``[hidden]``, 16-byte aligned. Shape, dtype and layout only: every rank
+    decides alike."""
+    return (
+        fits(x, max_bytes)
+        and x.dim() == 2
+        and 0 < x.shape[0] <= MAX_BLOCKS
+        and x.shape[1] % 8 == 0
+        and x.shape[1] <= NORM_MAX_HIDDEN
+        and residual.shape == x.shape
+        and fits(residual, max_bytes)
+        and weight.dtype == torch.float32
+        and weight.shape == (x.shape[1],)
+        and weight.is_contiguous()
+        and weight.data_ptr() % VECTOR_BYTES == 0
     )
 
 
@@ -140,8 +163,10 @@ class AllReduceLaunch:
             raise OnecatError(f"the custom all-reduce runs {WORLD_SIZES} ranks; got rank {rank} of {world}")
         self.bases, self.rank, self.max_bytes, self.device_index = list(bases), rank, max_bytes, device_index
         self.kernel = get_kernel(f"all_reduce_w{world}", device_index)
+        self.norm_kernel = get_kernel(f"all_reduce_add_rms_norm_w{world}", device_index)
         self._fixed = [*self.bases, *[0] * (MAX_RANKS - world), self.bases[rank], rank, stage_bytes(max_bytes)]
         self._launches: dict[int, PreparedLaunch] = {}
+        self._norm_launches: dict[int, PreparedLaunch] = {}
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """Sum ``x`` over the ranks into ``out`` (may be ``x``) on torch's current stream.
@@ -155,3 +180,19 @@ class AllReduceLaunch:
             launch = self._launches[vectors] = PreparedLaunch(self.kernel, (grid_size(vectors), 1, 1), THREADS, arg_types)
         stream = torch.cuda.current_stream(x.device).cuda_stream
         launch(stream, *self._fixed, x.data_ptr(), out.data_ptr(), vectors)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     out: torch.Tensor, residual_out: torch.Tensor) -> None:
+        """``residual_out = sum over ranks of x + residual`` and ``out = rms_norm(residual_out)
+        * (1 + weight)``, with the roundings of an all-reduce followed by ``add_rms_norm``, in one
+        launch on torch's current stream. All four fp16 tensors ``[rows, hidden]`` must pass
+        :func:`norm_fits`; every rank calls with the same shapes in the same order."""
+        rows = x.shape[0]
+        launch = self._norm_launches.get(rows)
+        if launch is None:
+            p, i = ctypes.c_void_p, ctypes.c_int
+            arg_types = [p] * (MAX_RANKS + 1) + [i, ctypes.c_ulonglong, p, p, p, p, p, i, ctypes.c_float]
+            launch = self._norm_launches[rows] = PreparedLaunch(self.norm_kernel, (rows, 1, 1), NORM_THREADS, arg_types)
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        launch(stream, *self._fixed, x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+               residual_out.data_ptr(), x.shape[1], eps)

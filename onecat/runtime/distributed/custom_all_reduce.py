@@ -132,6 +132,28 @@ class CustomAllReduce:
         self.launch(x, out)
         return out
 
+    def norm_fits(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether :meth:`add_rms_norm` takes these (``kernel.norm_fits`` under this limit, on
+        this rank's GPU)."""
+        return (not self._closed and kernel.norm_fits(x, residual, weight, self.max_bytes)
+                and x.device.index == residual.device.index == weight.device.index == self.launch.device_index)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rms_norm(s) * (1 + weight), s)`` with ``s = all_reduce(x) + residual``: the
+        all-reduce, the residual add and the next RMSNorm in one kernel (new output tensors;
+        the inputs are left as they are). The arguments must pass :meth:`norm_fits`."""
+        if not self.norm_fits(x, residual, weight):
+            raise OnecatError(
+                "CustomAllReduce.add_rms_norm: x and residual must be fp16 [rows <= "
+                f"{kernel.MAX_BLOCKS}, hidden <= {kernel.NORM_MAX_HIDDEN}] contiguous CUDA tensors on this "
+                f"rank's GPU and the weight fp32 [hidden] (got {tuple(x.shape)} {x.dtype}, "
+                f"{tuple(residual.shape)} {residual.dtype}, {tuple(weight.shape)} {weight.dtype})"
+            )
+        out, summed = torch.empty_like(x), torch.empty_like(residual)
+        self.launch.add_rms_norm(x, residual, weight, eps, out, summed)
+        return out, summed
+
     def close(self) -> None:
         """Unmap the peers' buffers and free this rank's (idempotent). No CUDA graph that
         captured a call may be replayed afterwards."""

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from onecat.runtime.layers.norm import add_rms_norm
+
 if TYPE_CHECKING:
     from onecat.runtime.distributed.custom_all_reduce import CustomAllReduce
 
@@ -100,6 +102,18 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
         else:
             dist.all_reduce(x)
     return x
+
+
+def all_reduce_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rms_norm(all_reduce(x), residual, weight, eps)``: a row-parallel output summed
+    over the ranks, the residual added, the next RMSNorm ``(1 + w)`` applied; returns
+    (normed, new residual). One fused launch of the one-shot kernel where it takes the
+    tensors (decode-sized rows), else the all-reduce and the compiled norm, as at one rank."""
+    if _world_size > 1 and _custom is not None and _custom.norm_fits(x, residual, weight):
+        return _custom.add_rms_norm(x, residual, weight, eps)
+    return add_rms_norm(all_reduce(x), residual, weight, eps)
 
 
 def min_over_ranks(*values: int) -> tuple[int, ...]:

@@ -22,7 +22,12 @@ from onecat.kernels import gdn as gdn_kernel
 from onecat.kernels import gdn_prefill
 from onecat.kernels.moe import append_shared_expert, moe_route, moe_router, router_fits
 from onecat.runtime.context import ForwardContext, PrefillChunk, get_context
-from onecat.runtime.distributed.parallel_state import all_gather, all_reduce, tp_rank
+from onecat.runtime.distributed.parallel_state import (
+    all_gather,
+    all_reduce,
+    all_reduce_add_rms_norm,
+    tp_rank,
+)
 from onecat.runtime.layers.attention import PagedAttention, sigmoid_gate
 from onecat.runtime.layers.causal_conv import causal_conv1d_chunk, causal_conv1d_step
 from onecat.runtime.layers.delta_rule import gated_delta_rule_chunked, gated_delta_rule_step
@@ -634,9 +639,9 @@ class DecoderLayer(nn.Module):
         self, core: torch.Tensor, carry: tuple[torch.Tensor, ...], residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything token-wise after the mixer's core: (output before the residual add, residual)."""
-        h = all_reduce(self.mixer.finish(core, *carry))  # tensor parallel: sum the ranks' row-parallel parts
         norm = self.post_attention_layernorm
-        h, residual = add_rms_norm(h, residual, norm.weight, norm.eps)
+        # tensor parallel: sum the ranks' row-parallel parts (fused with the add and the norm)
+        h, residual = all_reduce_add_rms_norm(self.mixer.finish(core, *carry), residual, norm.weight, norm.eps)
         return all_reduce(self.mlp(h)), residual
 
 
