@@ -55,7 +55,18 @@ def drop_collectives(runner) -> None:
     import onecat.runtime.models.qwen3_5 as qwen3_5
 
     qwen3_5.all_reduce = lambda x: x
+    qwen3_5.all_reduce_add_rms_norm = qwen3_5.add_rms_norm  # the post-mixer one, fused with its norm
     runner.release_graphs()
+
+
+def restore_collectives() -> None:
+    """Undo :func:`drop_collectives` in this process (rank 0 outlives its engine's workers: a
+    later engine here must all-reduce again, or its fresh workers wait for rank 0 forever)."""
+    import onecat.runtime.models.qwen3_5 as qwen3_5
+    from onecat.runtime.distributed import parallel_state
+
+    qwen3_5.all_reduce = parallel_state.all_reduce
+    qwen3_5.all_reduce_add_rms_norm = parallel_state.all_reduce_add_rms_norm
 
 
 KERNEL_KINDS = (  # (kind, name fragments), first match wins
@@ -163,6 +174,7 @@ def bench_tp(raw: dict, tp: int, args, all_reduce: str = "custom") -> dict:
                 result[f"allreduce_share_removal_b{batch}"] = 1 - timing[f"step_ms_b{batch}"] / step
         result["graphs"] = sorted(engine.runner.graphs)
     finally:
+        restore_collectives()
         engine.close()
         del engine
         gc.collect()
