@@ -164,10 +164,11 @@ def check_holding(held: list[dict], path, tp: int, label: str) -> None:
 
 
 def run(path, tp: int, device: str = "cpu", factory=None, eager: bool = False,
-        held: list | None = None) -> tuple[dict, dict]:
+        held: list | None = None, overlapped: list | None = None) -> tuple[dict, dict]:
     """Greedy outputs and per-token logits of three requests (chunked prefill, batched
     decode) on an engine with ``tp`` ranks (over checkpoint ``path`` or ``factory``);
-    ``held`` (``tp`` > 1) receives :func:`lm_head_holding` of every rank."""
+    ``held`` (``tp`` > 1) receives :func:`lm_head_holding` of every rank, ``overlapped`` the
+    number of overlapped steps (input tokens broadcast from rank 0 on the device)."""
     config = EngineConfig(
         model=str(path), device=device, max_num_batched_tokens=16, kv_block_size=8, num_kv_blocks=64,
         max_num_seqs=8, max_model_len=256, tensor_parallel_size=tp, enforce_eager=eager,
@@ -177,6 +178,15 @@ def run(path, tp: int, device: str = "cpu", factory=None, eager: bool = False,
         if held is not None:
             held.extend(engine.runner.call_all(lm_head_holding))
         logits = record_logits(engine)
+        if overlapped is not None:
+            overlapped.append(0)
+            launch = engine.runner.run
+
+            def counting(scheduled, *args):
+                overlapped[-1] += bool(args and args[0] is not None)
+                return launch(scheduled, *args)
+
+            engine.runner.run = counting
         for i, length in enumerate((23, 9, 5)):
             ids = torch.randint(3, 500, (length,), generator=torch.Generator().manual_seed(i)).tolist()
             engine.add_request(f"r{i}", ids, GREEDY)
@@ -200,12 +210,16 @@ def tp1(checkpoints):
     (4, ["moe-packed", "dense-packed-head", "dense-tied"]),  # dense-packed-head: dense-packed + a 4-bit lm_head
 ])
 def test_tensor_parallel_matches_tp1(checkpoints, tp1, tp, names):
-    """Logits and greedy tokens as at TP 1, each rank's lm_head holding only its slice."""
+    """Logits and greedy tokens as at TP 1, each rank's lm_head holding only its slice; the
+    batched decode runs as overlapped steps (the workers take their input tokens from rank 0's
+    device)."""
     torch.set_num_threads(1)
     for name in names:
-        held = []
-        assert_same_greedy_runs(tp1[name], run(checkpoints[name], tp, held=held), ATOL, label=f"{name} TP{tp}")
+        held, overlapped = [], []
+        got = run(checkpoints[name], tp, held=held, overlapped=overlapped)
+        assert_same_greedy_runs(tp1[name], got, ATOL, label=f"{name} TP{tp}")
         check_holding(held, checkpoints[name], tp, f"{name} TP{tp}")
+        assert overlapped[0] > 0, f"{name} TP{tp}: no overlapped step ran"
 
 
 def test_vocab_slices_are_the_vocabulary_then_zero_rows(checkpoints):

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from onecat.errors import OnecatError
@@ -205,10 +206,24 @@ class TensorParallelRunner:
         for conn in self._calls:
             conn.send_bytes(payload)
 
-    def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
-        """Ship the step to the workers, run rank 0's shard; returns what ModelRunner.run does."""
-        self._send("run", [(ShippedSequence(seq, count), count) for seq, count in scheduled])
-        return self.local.run(scheduled)
+    def run(
+        self, scheduled: list[tuple[Sequence, int]], input_tokens: torch.Tensor | None = None
+    ) -> tuple[list[Sequence], torch.Tensor]:
+        """Ship the step to the workers, run rank 0's shard; returns what ModelRunner.run does.
+
+        ``input_tokens`` (the engine's overlapped decode steps): the entries' input tokens as a
+        tensor on rank 0's device, still being sampled by the step in flight. The host has
+        not seen them, so they are not in the shipped step: rank 0 broadcasts them on the
+        device (one collective queued before this step's pass on every rank) and every rank
+        runs with them."""
+        shipped = [(ShippedSequence(seq, count), count) for seq, count in scheduled]
+        if input_tokens is None:
+            self._send("run", shipped)
+            return self.local.run(scheduled)
+        self._send("call", _run_with_rank0_tokens, shipped)
+        input_tokens = input_tokens.to(torch.int64).contiguous()
+        dist.broadcast(input_tokens, src=0)
+        return self.local.run(scheduled, input_tokens)
 
     def run_hidden(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
         """Speculative decoding: ``ModelRunner.run_hidden`` on every rank (rank 0's result)."""
@@ -272,6 +287,14 @@ class TensorParallelRunner:
             self.local.release_graphs()  # else tearing NCCL down hangs (pytorch#115388)
         destroy_tensor_parallel()
         shutil.rmtree(self._rendezvous, ignore_errors=True)
+
+
+def _run_with_rank0_tokens(runner: ModelRunner, shipped: list[tuple[ShippedSequence, int]]) -> None:
+    """A worker's side of an overlapped step (:meth:`TensorParallelRunner.run` with input
+    tokens): receive the tokens rank 0 broadcasts on the device, then run the step with them."""
+    tokens = torch.empty(len(shipped), dtype=torch.int64, device=runner.device)
+    dist.broadcast(tokens, src=0)
+    runner.run(shipped, tokens)
 
 
 def _propose_on_worker(runner: ModelRunner, shipped: list[tuple], num_drafts: int) -> None:

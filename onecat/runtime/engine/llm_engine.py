@@ -251,7 +251,7 @@ class LLMEngine:
         the requests of a batch whose forward pass raised, when the engine can go on
         (``_forward_failed``). Any other exception means the engine's state is unknown.
 
-        Overlapped decoding (``async_scheduling``, one device, no speculation): a step of
+        Overlapped decoding (``async_scheduling``, no speculation; under tensor parallelism too): a step of
         decode entries whose rows sample on the device is launched, then the step after it
         is queued behind it where the scheduler allows (``Scheduler.schedule_ahead``: same
         sequences, nothing waiting) with its input tokens taken on the device, and only then
@@ -300,9 +300,10 @@ class LLMEngine:
 
     def _overlaps(self, scheduled: list[tuple[Sequence, int]]) -> bool:
         """True when ``scheduled`` can run as an overlapped step: decode entries only, rows
-        that sample on the device, one device."""
+        that sample on the device, no speculation. Under tensor parallelism rank 0 broadcasts
+        the input tokens on the device (``TensorParallelRunner.run``)."""
         return (
-            self.config.async_scheduling and isinstance(self.runner, ModelRunner)
+            self.config.async_scheduling and self.speculation is None
             and all(count == 1 and seq.num_computed_tokens == seq.num_tokens - 1 for seq, count in scheduled)
             and all(self.sampler.runs_on_device(seq) for seq, _ in scheduled)
         )  # fmt: skip
