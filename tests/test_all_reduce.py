@@ -27,12 +27,15 @@ def test_layout_constants_match_the_kernel_source():
     assert constants == {
         "kMaxRanks": kernel.MAX_RANKS, "kMaxBlocks": kernel.MAX_BLOCKS, "kThreads": kernel.THREADS,
         "kTicketOffset": kernel.TICKET_OFFSET, "kFlagsOffset": kernel.FLAGS_OFFSET,
-        "kStagingOffset": kernel.STAGING_OFFSET,
+        "kStagingOffset": kernel.STAGING_OFFSET, "kNormThreads": kernel.NORM_THREADS,
+        "kNormVectors": kernel.NORM_VECTORS,
     }  # fmt: skip
     assert kernel.TICKET_OFFSET + 4 <= kernel.FLAGS_OFFSET
     assert kernel.FLAGS_OFFSET + kernel.MAX_BLOCKS * kernel.MAX_RANKS * 4 <= kernel.STAGING_OFFSET
     assert kernel.GRID_LIMIT <= kernel.MAX_BLOCKS and kernel.GRID_LIMIT <= 80  # resident at once on a V100
-    assert build.kernel_names("all_reduce") == [f"all_reduce_w{n}" for n in kernel.WORLD_SIZES]
+    assert build.kernel_names("all_reduce") == (
+        [f"all_reduce_w{n}" for n in kernel.WORLD_SIZES] + [f"all_reduce_add_rms_norm_w{n}" for n in kernel.WORLD_SIZES]
+    )
     assert "all_reduce" in build.PROGRAMS
 
 
@@ -213,3 +216,34 @@ def test_executor_passes_the_switch_to_every_rank(monkeypatch):
     with pytest.raises(SystemExit):
         executor._worker_main(1, 2, "file:///nowhere", config, None, "cuda", torch.float16, None, Pipe())
     assert seen == [False] and replies == ["started", "error"]
+
+
+def test_fused_norm_takes_decode_rows_only(monkeypatch):
+    """What the fused all-reduce + add + norm accepts is decided by shape, dtype and layout
+    (so every rank agrees): decode-sized rows, a hidden size the block holds, the fp32 weight
+    of the norm; anything else takes the all-reduce and the compiled norm."""
+    def ok(rows=8, hidden=5120, weight_dtype=torch.float32, residual_rows=None):
+        x = torch.zeros(rows, hidden, dtype=torch.float16)
+        residual = torch.zeros(residual_rows or rows, hidden, dtype=torch.float16)
+        return kernel.norm_fits(x, residual, torch.zeros(hidden, dtype=weight_dtype), 1 << 20)
+
+    assert not ok()  # CPU tensors: never
+    monkeypatch.setattr(kernel, "fits", kernel.eligible)  # the device check aside
+    assert ok() and ok(rows=1) and ok(rows=kernel.MAX_BLOCKS) and ok(hidden=kernel.NORM_MAX_HIDDEN)
+    assert not ok(rows=kernel.MAX_BLOCKS + 1)  # one block per row, one flag row per block
+    assert not ok(rows=1, hidden=kernel.NORM_MAX_HIDDEN + 8)
+    assert not ok(hidden=5124)  # not whole 16-byte vectors
+    assert not ok(weight_dtype=torch.float16)
+    assert not ok(residual_rows=4)
+
+
+def test_fused_norm_at_one_rank_is_the_compiled_norm():
+    """Without tensor parallelism ``all_reduce_add_rms_norm`` is ``add_rms_norm``."""
+    from onecat.runtime.layers.norm import add_rms_norm
+
+    gen = torch.Generator().manual_seed(0)
+    x, residual = (torch.randn(3, 64, generator=gen).half() for _ in range(2))
+    weight = torch.randn(64, generator=gen)
+    got = parallel_state.all_reduce_add_rms_norm(x, residual, weight, 1e-6)
+    want = add_rms_norm(x, residual, weight, 1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

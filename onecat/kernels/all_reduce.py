@@ -35,7 +35,8 @@ GRID_LIMIT = 36
 fewer than any GPU's SM count, so every block of a call is resident at once."""
 VECTOR_BYTES = 16  # one thread moves 8 fp16 values at a time
 NORM_THREADS = 256  # kNormThreads: one block of the fused kernel per row
-NORM_MAX_HIDDEN = 8 * NORM_THREADS * 4  # kNormVectors 16-byte vectors a thread
+NORM_VECTORS = 4  # kNormVectors: 16-byte vectors of the row a thread holds
+NORM_MAX_HIDDEN = 8 * NORM_THREADS * NORM_VECTORS
 IPC_HANDLE_BYTES = 64  # CU_IPC_HANDLE_SIZE
 _LAZY_ENABLE_PEER_ACCESS = 1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
 
