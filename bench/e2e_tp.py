@@ -54,8 +54,7 @@ def drop_collectives(runner) -> None:
     """On one rank: make the all-reduces no-ops and forget the captured graphs."""
     import onecat.runtime.models.qwen3_5 as qwen3_5
 
-    qwen3_5.all_reduce = lambda x: x
-    qwen3_5.all_reduce_add_rms_norm = qwen3_5.add_rms_norm  # the post-mixer one, fused with its norm
+    qwen3_5.all_reduce_add_rms_norm = qwen3_5.add_rms_norm  # every all-reduce is fused with the norm after it
     runner.release_graphs()
 
 
@@ -65,7 +64,6 @@ def restore_collectives() -> None:
     import onecat.runtime.models.qwen3_5 as qwen3_5
     from onecat.runtime.distributed import parallel_state
 
-    qwen3_5.all_reduce = parallel_state.all_reduce
     qwen3_5.all_reduce_add_rms_norm = parallel_state.all_reduce_add_rms_norm
 
 

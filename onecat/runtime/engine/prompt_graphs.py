@@ -38,9 +38,9 @@ import logging
 import torch
 
 from onecat.runtime.context import ForwardContext, set_context
+from onecat.runtime.distributed.parallel_state import all_reduce_add_rms_norm
 from onecat.runtime.layers import fusion
 from onecat.runtime.layers.moe import FusedExperts
-from onecat.runtime.layers.norm import add_rms_norm
 from onecat.runtime.models.qwen3_5 import GatedDeltaNet, Qwen3_5ForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ class PromptGraphs:
             x, residual = prev.end(core, carry, self.buffers["residual0"][:tokens])
         if index == len(self.layers):
             norm = self.model.model.norm
-            self._store("hidden", (add_rms_norm(x, residual, norm.weight, norm.eps)[0],), tokens)
+            self._store("hidden", (all_reduce_add_rms_norm(x, residual, norm.weight, norm.eps)[0],), tokens)
             return
         layer = self.layers[index]
         inputs, carry, residual = layer.begin(positions, x, residual)

@@ -24,7 +24,6 @@ from onecat.kernels.moe import append_shared_expert, moe_route, moe_router, rout
 from onecat.runtime.context import ForwardContext, PrefillChunk, get_context
 from onecat.runtime.distributed.parallel_state import (
     all_gather,
-    all_reduce,
     all_reduce_add_rms_norm,
     tp_rank,
 )
@@ -38,7 +37,6 @@ from onecat.runtime.layers.moe import silu_and_mul
 from onecat.runtime.layers.norm import (
     GatedRMSNorm,
     RMSNorm,
-    add_rms_norm,
     gated_rms_norm,
     gated_rms_norm_math,
     rms_norm_math,
@@ -614,7 +612,8 @@ class DecoderLayer(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer on the flat batch. ``x`` is the previous layer's output before its
-        residual add (fused with this layer's first norm); returns (output, residual)."""
+        all-reduce (tensor parallelism) and residual add, both fused with this layer's first
+        norm; returns (output, residual) alike."""
         inputs, carry, residual = self.begin(positions, x, residual)
         return self.end(self.mixer.core(*inputs), carry, residual)
 
@@ -628,21 +627,23 @@ class DecoderLayer(nn.Module):
     ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], torch.Tensor]:
         """Everything token-wise before the mixer's core: (core inputs, what ``end`` needs
         besides the core output, residual)."""
-        if residual is None:
+        if residual is None:  # the embedding (or the MTP head's fc output): whole on every rank
             residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        else:  # the previous layer's MLP / MoE output: summed over the ranks here
+            norm = self.input_layernorm
+            h, residual = all_reduce_add_rms_norm(x, residual, norm.weight, norm.eps)
         inputs, carry = self.mixer.project(positions, h)
         return inputs, carry, residual
 
     def end(
         self, core: torch.Tensor, carry: tuple[torch.Tensor, ...], residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Everything token-wise after the mixer's core: (output before the residual add, residual)."""
+        """Everything token-wise after the mixer's core: (output before its all-reduce and the
+        residual add, residual)."""
         norm = self.post_attention_layernorm
         # tensor parallel: sum the ranks' row-parallel parts (fused with the add and the norm)
         h, residual = all_reduce_add_rms_norm(self.mixer.finish(core, *carry), residual, norm.weight, norm.eps)
-        return all_reduce(self.mlp(h)), residual
+        return self.mlp(h), residual
 
 
 class Qwen3_5Model(nn.Module):
@@ -665,7 +666,7 @@ class Qwen3_5Model(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
-        return add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
+        return all_reduce_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
 
 class Qwen3_5ForCausalLM(nn.Module):
@@ -756,7 +757,7 @@ class MtpHead(nn.Module):
         """``hidden [T, H]`` at ``positions [T]`` and the next tokens' embeddings -> ``[T, H]`` (normed)."""
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
         x, residual = self.layers[0](positions, x, None)
-        return add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
+        return all_reduce_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
 
 def fold_shared_experts(model: nn.Module) -> int:
