@@ -123,6 +123,37 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float) -> N
         time.sleep(1)
 
 
+STEP_COUNTERS = ("onecat:engine_steps_total", "onecat:engine_steps_with_prompt_tokens_total",
+                 "onecat:generation_tokens_total", "onecat:num_preemptions_total")
+
+
+def step_counters(url: str) -> dict[str, float]:
+    """The server's step counters from /metrics (engine steps, those with prompt tokens,
+    tokens generated, preemptions)."""
+    import httpx
+
+    samples = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in STEP_COUNTERS:
+            samples[name] = float(value)
+    return samples
+
+
+def step_mix(before: dict[str, float], after: dict[str, float]) -> dict:
+    """What the engine did between two scrapes: steps, the share with prompt tokens, output
+    tokens per step (warm-up requests included), preemptions."""
+    delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in STEP_COUNTERS}
+    steps = delta["onecat:engine_steps_total"]
+    return {
+        "steps": int(steps),
+        "steps_with_prompts": int(delta["onecat:engine_steps_with_prompt_tokens_total"]),
+        "prompt_step_share": delta["onecat:engine_steps_with_prompt_tokens_total"] / steps if steps else None,
+        "tokens_per_step": delta["onecat:generation_tokens_total"] / steps if steps else None,
+        "preemptions": int(delta["onecat:num_preemptions_total"]),
+    }
+
+
 def bench_model(name: str, args: argparse.Namespace, tokenizer: Path, work: Path) -> dict:
     """Start the server for ``name``, run ``onecat bench serve`` at each concurrency, stop."""
     port = free_port()
@@ -156,15 +187,19 @@ def bench_model(name: str, args: argparse.Namespace, tokenizer: Path, work: Path
                      "--random-output-len", str(args.output_len), "--num-prompts", str(prompts),
                      "--max-concurrency", str(c), "--num-warmups", str(c), "--temperature", "0",
                      "--metric-percentiles", "50,99", "--result-json", str(result_json), "--no-progress"]
+            before = step_counters(url)
             done = subprocess.run(bench, capture_output=True, text=True)
+            mix = step_mix(before, step_counters(url))
             (work / f"{name}-c{c}.log").write_text(done.stdout + done.stderr)
             if not result_json.exists():
                 raise SystemExit(f"onecat bench serve failed at concurrency {c}:\n{done.stdout}{done.stderr}")
             result = json.loads(result_json.read_text())
             result = {k: v for k, v in result.items() if not isinstance(v, list)}  # no per-request lists
-            runs.append({"concurrency": c, **result})
+            runs.append({"concurrency": c, **result, "step_mix": mix})
+            share = "-" if mix["prompt_step_share"] is None else f"{mix['prompt_step_share']:.0%}"
             print(f"  c{c}: {result['completed']}/{prompts} ok, {result['output_throughput']:.1f} output tok/s, "
-                  f"TTFT median {result['median_ttft_ms']:.0f} ms", flush=True)
+                  f"TTFT median {result['median_ttft_ms']:.0f} ms; {mix['steps']} engine steps, {share} with "
+                  f"prompt tokens, {mix['tokens_per_step'] or 0:.1f} output tokens a step", flush=True)
         return {"engine": engine, "runs": runs, "wall_s": time.perf_counter() - t0}
     finally:
         proc.send_signal(signal.SIGINT)

@@ -119,7 +119,7 @@ def test_preemption_recomputes_and_keeps_outputs(models):
     greedy outputs equal an unconstrained run."""
     path, _ = models["dense"]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    results = []
+    results, prompt_steps = [], []
     for blocks in (96, 12):
         engine = make_engine(path, num_kv_blocks=blocks, max_num_batched_tokens=64)
         preempted = []
@@ -132,9 +132,15 @@ def test_preemption_recomputes_and_keeps_outputs(models):
             engine.add_request(f"r{i}", prompt(10 + i, 30), params)
         outs = drain(engine)
         results.append({rid: [t for o in v for t in o.new_token_ids] for rid, v in outs.items()})
-        assert engine.stats()["free_kv_blocks"] == blocks
+        stats = engine.stats()
+        assert stats["free_kv_blocks"] == blocks
         assert bool(preempted) == (blocks == 12)
+        assert stats["num_preemptions"] == len(preempted)
+        # every step counted; those with prompt chunks (three prompts, recomputed ones too) apart
+        assert stats["steps_total"] >= 10 and 1 <= stats["prompt_steps_total"] < stats["steps_total"]
+        prompt_steps.append(stats["prompt_steps_total"])
     assert results[0] == results[1]
+    assert prompt_steps[1] > prompt_steps[0]  # the preempted prompts were computed again
 
 
 def test_abort_frees_blocks_and_slots(models):

@@ -74,6 +74,9 @@ def test_models_health_version_metrics(client, server):
         "onecat:state_slots_free",
         "onecat:prompt_tokens_total",
         "onecat:generation_tokens_total",
+        "onecat:engine_steps_total",
+        "onecat:engine_steps_with_prompt_tokens_total",
+        "onecat:num_preemptions_total",
     ):
         assert f"\n{name} " in text, name
 

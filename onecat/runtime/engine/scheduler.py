@@ -67,6 +67,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.steps = 0  # steps scheduled (schedule and schedule_ahead), for /metrics
+        self.prompt_steps = 0  # of them, steps that compute prompt tokens
+        self.preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence."""
@@ -86,6 +89,7 @@ class Scheduler:
         seq.checkpoint_at = []
 
     def _preempt(self, seq: Sequence) -> None:
+        self.preemptions += 1
         self.running.remove(seq)
         self._release(seq)
         seq.status = SequenceStatus.WAITING
@@ -192,6 +196,7 @@ class Scheduler:
             return None
         for seq in ahead:
             self.block_manager.grow(seq, seq.num_computed_tokens + 1)
+        self.steps += 1
         return [(seq, 1) for seq in ahead]
 
     def schedule(self) -> list[tuple[Sequence, int]]:
@@ -242,4 +247,7 @@ class Scheduler:
             scheduled.append((seq, count))
             budget -= count
         scheduled.sort(key=lambda item: item[1] != 1)  # decodes first, order otherwise kept
+        if scheduled:
+            self.steps += 1
+            self.prompt_steps += any(seq.num_computed_tokens < seq.num_prompt_tokens for seq, _ in scheduled)
         return scheduled
