@@ -179,38 +179,47 @@ def timed_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: int, see
     return batch * steps / elapsed
 
 
-def workload_prompts(count: int, input_len: int, range_ratio: float, vocab: int, seed: int) -> list[list[int]]:
-    """``count`` random prompts whose lengths are uniform in ``input_len * (1 -+ range_ratio)``
-    (``onecat bench serve``'s random dataset)."""
+def workload_requests(count: int, input_len: int, output_len: int, range_ratio: float, vocab: int,
+                      seed: int) -> list[tuple[list[int], int]]:
+    """``count`` (prompt, output length) pairs drawn as ``onecat bench serve``'s random dataset
+    draws them: both lengths uniform in ``[floor(L * (1 - r)), ceil(L * (1 + r))]``
+    (``length_range``, as vLLM's), so that the engine alone runs the served workload."""
+    from onecat.benchmarks.datasets import length_range
+
     rng = torch.Generator().manual_seed(seed)
-    low, high = max(1, int(input_len * (1 - range_ratio))), int(input_len * (1 + range_ratio))
-    lengths = torch.randint(low, high + 1, (count,), generator=rng).tolist()
-    return [random_prompt(n, vocab, seed + 1 + i) for i, n in enumerate(lengths)]
+    in_low, in_high = length_range(input_len, range_ratio, minimum=1)
+    out_low, out_high = length_range(output_len, range_ratio, minimum=1)
+    inputs = torch.randint(in_low, in_high + 1, (count,), generator=rng).tolist()
+    outputs = torch.randint(out_low, out_high + 1, (count,), generator=rng).tolist()
+    return [(random_prompt(n, vocab, seed + 1 + i), m) for i, (n, m) in enumerate(zip(inputs, outputs, strict=True))]
 
 
-def timed_workload(engine: LLMEngine, prompts: list[list[int]], concurrency: int, output_len: int) -> dict:
+def timed_workload(engine: LLMEngine, requests: list[tuple[list[int], int]], concurrency: int) -> dict:
     """The engine alone on a server's closed-loop workload: at most ``concurrency`` requests
     in flight, a new one added as soon as one finishes (what ``onecat bench serve
-    --max-concurrency`` does over HTTP), ``output_len`` greedy tokens each. Output tokens/s
-    over the whole run and steps by kind: the figure the server is compared with."""
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    queue = list(enumerate(prompts))
+    --max-concurrency`` does over HTTP), each (prompt, output length) of ``requests`` decoded
+    greedily to exactly that length. Output tokens/s over the whole run, steps by kind and
+    output tokens a step: the figures the server is compared with."""
+    queue = list(enumerate(requests))
     in_flight = 0
     steps = mixed = 0
     sync()
     start = time.perf_counter()
     while queue or in_flight:
         while queue and in_flight < concurrency:
-            i, prompt = queue.pop(0)
-            engine.add_request(f"w{id(prompts)}-{i}", prompt, params)
+            i, (prompt, output_len) = queue.pop(0)
+            params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+            engine.add_request(f"w{id(requests)}-{i}", prompt, params)
             in_flight += 1
         mixed += engine.num_waiting() > 0 or any(s.num_pending_tokens > 1 for s in engine.scheduler.running)
         steps += 1
         in_flight -= sum(out.finished for out in engine.step())
     sync()
     elapsed = time.perf_counter() - start
-    return {"concurrency": concurrency, "requests": len(prompts), "output_tok_s": len(prompts) * output_len / elapsed,
-            "steps": steps, "steps_with_prompts": mixed, "ms_per_step": elapsed * 1e3 / steps}
+    tokens = sum(output_len for _, output_len in requests)
+    return {"concurrency": concurrency, "requests": len(requests), "output_tok_s": tokens / elapsed,
+            "steps": steps, "steps_with_prompts": mixed, "ms_per_step": elapsed * 1e3 / steps,
+            "tokens_per_step": tokens / steps}
 
 
 def graph_matches_eager(engine: LLMEngine, prompt_len: int, tokens: int = 8) -> dict:

@@ -25,7 +25,7 @@ from e2e import (
     sync,
     text_config,
     timed_workload,
-    workload_prompts,
+    workload_requests,
 )
 from e2e_tp import kernel_kind
 from torch.profiler import ProfilerActivity, profile
@@ -195,13 +195,13 @@ def profile_mixed(engine: LLMEngine, batch: int, prompt_len: int, steps: int, to
 
 
 def profile_workload(engine: LLMEngine, concurrency: int, top: int) -> dict:
-    """``bench/serve_h200.py``'s workload (prompts of 128-512 tokens, 64 output tokens, closed
-    loop at ``concurrency``) on the engine alone: timed, then profiled per step."""
+    """``bench/serve_h200.py``'s workload (prompts of 128-512 tokens, 25-103 output tokens,
+    closed loop at ``concurrency``) on the engine alone: timed, then profiled per step."""
     vocab = engine.runner.model_config.vocab_size
-    timed_workload(engine, workload_prompts(concurrency, 320, 0.6, vocab, 1), concurrency, 64)  # warm-up
-    result = timed_workload(engine, workload_prompts(2 * concurrency, 320, 0.6, vocab, 2), concurrency, 64)
+    timed_workload(engine, workload_requests(concurrency, 320, 64, 0.6, vocab, 1), concurrency)  # warm-up
+    result = timed_workload(engine, workload_requests(2 * concurrency, 320, 64, 0.6, vocab, 2), concurrency)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        profiled = timed_workload(engine, workload_prompts(concurrency, 320, 0.6, vocab, 3), concurrency, 64)
+        profiled = timed_workload(engine, workload_requests(concurrency, 320, 64, 0.6, vocab, 3), concurrency)
     result.update(kernel_summary(prof, profiled["steps"], top))
     result["host_gap_ms"] = result["ms_per_step"] - result["kernel_ms"]
     result["host_ops"] = host_summary(prof, profiled["steps"], top)

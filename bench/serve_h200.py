@@ -6,8 +6,9 @@ weights directly on the GPU (``bench/e2e.py``'s shapes and weights, the real 248
 vocabulary), times the engine's decode with each benchmarked concurrency as the batch size
 (``e2e.timed_decode``: 128-token prompts, greedy), then serves that engine with onecat's
 OpenAI server (the code path of ``onecat serve`` after loading). The driver runs
-``onecat bench serve`` against it at each concurrency (random prompts of 128-512 tokens, 64
-output tokens with ``ignore_eos``, greedy like the engine figure, ``max(8, 2 * concurrency)``
+``onecat bench serve`` against it at each concurrency (random prompts of 128-512 tokens and
+25-103 output tokens with ``ignore_eos``: the range ratio applies to both lengths, as in vLLM's
+random dataset; greedy like the engine figures, ``max(8, 2 * concurrency)``
 prompts after ``concurrency`` warm-up requests) and prints one table.
 
 Why build in the server process instead of ``onecat serve ARTIFACT``: a packed 27B written
@@ -90,8 +91,11 @@ def serve_random_model(args: argparse.Namespace) -> None:
         figures["engine_decode_tok_s"][batch] = e2e.timed_decode(engine, batch, 128, 24, 1000 * batch)
         print(f"  engine batch {batch}: {figures['engine_decode_tok_s'][batch]:.1f} tok/s", flush=True)
         # the same closed-loop workload the driver sends over HTTP, on the engine alone
-        prompts = e2e.workload_prompts(max(8, 2 * batch), args.input_len, args.range_ratio, VOCAB, 7 * batch)
-        figures["engine_workload_tok_s"][batch] = e2e.timed_workload(engine, prompts, batch, args.output_len)["output_tok_s"]
+        requests = e2e.workload_requests(max(8, 2 * batch), args.input_len, args.output_len, args.range_ratio,
+                                         VOCAB, 7 * batch)
+        workload = e2e.timed_workload(engine, requests, batch)
+        figures["engine_workload_tok_s"][batch] = workload["output_tok_s"]
+        figures.setdefault("engine_workload", {})[batch] = workload
         print(f"  engine workload at concurrency {batch}: {figures['engine_workload_tok_s'][batch]:.1f} tok/s", flush=True)
     Path(args.engine_json).write_text(json.dumps(figures))
     serve(engine, host="127.0.0.1", port=args.port, log_level="warning")
