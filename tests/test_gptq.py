@@ -19,9 +19,11 @@ from onecat.formats.files import read_json
 from onecat.formats.integers import dequantize, quantize_groups
 from onecat.formats.quant_config import detect_source_format
 from onecat.formats.quantized_linears import find_quantized_linears, read_quantized_linear
+from onecat.quantize import gptq
 from onecat.quantize.gptq import (
     activation_order,
     add_to_hessian,
+    best_range,
     enough_rows,
     gptq_quantize,
     gptq_round,
@@ -135,12 +137,34 @@ def test_act_order_with_static_groups(block: int) -> None:
     assert ordered < 0.25 * rtn, (ordered, rtn)
 
 
-def test_identity_hessian_is_plain_rounding() -> None:
-    """With uncorrelated, equal-variance inputs nothing can be compensated: GPTQ == RTN."""
+def test_identity_hessian_is_plain_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With uncorrelated, equal-variance inputs nothing can be compensated: GPTQ with the
+    plain range (``RANGE_GRID = (1.0,)``) == RTN; with the range search, no group's rounding
+    error exceeds RTN's, and some are lower."""
     w = torch.randn(32, 128, generator=torch.Generator().manual_seed(4))
-    q, z, s = gptq_quantize(w, torch.eye(128), 32, damp=0.01)
     rq, rz, rs = quantize_groups(w, 32)
+    searched = gptq_quantize(w, torch.eye(128), 32, damp=0.01)
+    monkeypatch.setattr(gptq, "RANGE_GRID", (1.0,))
+    q, z, s = gptq_quantize(w, torch.eye(128), 32, damp=0.01)
     assert torch.equal(q, rq) and torch.equal(z, rz) and torch.equal(s, rs)
+
+    def group_errors(ints):
+        return (dequantize(*ints) - w).pow(2).view(32, 4, 32).sum(-1)
+
+    plain, better = group_errors((rq, rz, rs)), group_errors(searched)
+    assert bool((better <= plain * (1 + 1e-5)).all()) and bool((better < plain).any())
+
+
+def test_best_range_weights_the_columns() -> None:
+    """A group whose one outlier column costs nothing keeps a range fitted to the others; when
+    that column costs the most, the range covers it."""
+    part = torch.tensor([[0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 3.0]])
+    cheap = torch.tensor([1.0] * 7 + [1e-6])
+    dear = torch.tensor([1e-6] * 7 + [1.0])
+    s_cheap, _ = best_range(part, (1.0, 0.5, 0.25), cheap)
+    s_dear, _ = best_range(part, (1.0, 0.5, 0.25), dear)
+    assert float(s_cheap) < float(s_dear)
+    assert torch.allclose(s_dear, torch.tensor([3.0 / 15]).half().float())
 
 
 def test_dead_channels_and_smoothed_hessian() -> None:

@@ -22,7 +22,9 @@ the Cholesky factorisation still fails); input channels that never saw a non-zer
 Groups: no activation reordering (the AutoAWQ GEMM format cannot hold a column permutation),
 so each group is ``g`` consecutive columns, and its scale and zero point are computed when the
 quantizer reaches its first column, from the weights as updated by the errors of the groups
-before it, with the same formulas as :mod:`onecat.quantize.quantizer`. The block size is rounded to a multiple of
+before it, with the same formulas as :mod:`onecat.quantize.quantizer`, its range shrunk by the
+factor of :data:`RANGE_GRID` that leaves the least rounding error on those columns, each
+weighted by what its error costs the objective (``1 / U[j, j]^2``). The block size is rounded to a multiple of
 ``g`` so that a group never straddles two blocks. The result is integers ``q, zeros, scales``
 in onecat's contract (DEVELOPMENT.md, "Quantized integers"), so the AWQ GEMM writer packs them
 unchanged.
@@ -39,6 +41,13 @@ from __future__ import annotations
 import torch
 
 from onecat.formats.integers import MAX_INT, range_params
+
+RANGE_GRID: tuple[float, ...] = (1.0, 0.96, 0.92, 0.88, 0.84, 0.8)
+"""Shrink factors tried for a group's range when GPTQ reaches it (:func:`best_range`). On
+SmolLM2-135M g64 (BENCHMARKS.md, 2026-12-01) the search took AWQ+GPTQ from 60.2% / 65.7% to
+63.5% / 66.2% of round-to-nearest's perplexity gap on the two text settings; a grid down to
+0.9 gave 61.0% / 69.2%, one in 0.05 steps to 0.8 63.6% / 64.3%, an unweighted error 60.5% /
+62.9%. ``(1.0,)`` is the plain range."""
 
 MIN_ROWS_PER_COLUMN = 0.25
 """A linear needs at least ``K * MIN_ROWS_PER_COLUMN`` calibration rows for GPTQ; below that
@@ -184,7 +193,9 @@ def gptq_round(
                 g = col // group_size
                 if col % group_size == 0:  # the group's range, from the weights as updated so far
                     part = wb[:, :, i : i + group_size]
-                    scales[:, :, g], zeros[:, :, g] = range_params(part.amin(dim=-1), part.amax(dim=-1))
+                    # a column's rounding error costs GPTQ's objective (e / U[j, j])^2
+                    cost = ub[:, i : i + group_size, i : i + group_size].diagonal(dim1=-2, dim2=-1).pow(-2)
+                    scales[:, :, g], zeros[:, :, g] = best_range(part, RANGE_GRID, cost.unsqueeze(1))
                 s, z = scales[:, :, g], zeros[:, :, g]
             x = wb[:, :, i]
             qi = (torch.round(x / s) + z).clamp(0, MAX_INT)
@@ -198,6 +209,28 @@ def gptq_round(
     if order is not None:  # back to the original column order
         q = torch.empty_like(q).scatter_(2, index, q)
     return q, zeros.to(torch.uint8), scales
+
+
+def best_range(
+    part: torch.Tensor, grid: tuple[float, ...], col_weight: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scales, zeros)`` of the groups ``part [..., g]``: their range ``[min, max]`` shrunk
+    by the factor of ``grid`` whose plain rounding leaves the least squared error per group,
+    each column's error weighted by ``col_weight`` (broadcast to ``part``; None: equally).
+    Ties keep the earlier factor, so a grid starting at 1.0 never does worse than the range."""
+    wmin, wmax = part.amin(dim=-1), part.amax(dim=-1)
+    best = None
+    for factor in grid:
+        s, z = range_params(wmin * factor, wmax * factor)
+        q = (torch.round(part / s.unsqueeze(-1)) + z.unsqueeze(-1)).clamp(0, MAX_INT)
+        err = (part - (q - z.unsqueeze(-1)) * s.unsqueeze(-1)).pow(2)
+        err = (err if col_weight is None else err * col_weight).sum(dim=-1)
+        if best is None:
+            best = [err, s, z]
+        else:
+            better = err < best[0]
+            best = [torch.where(better, err, best[0]), torch.where(better, s, best[1]), torch.where(better, z, best[2])]
+    return best[1], best[2]
 
 
 def hessian_from_factor(upper: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
