@@ -25,6 +25,8 @@ import argparse
 import functools
 import gc
 import json
+import os
+import tempfile
 import time
 
 import e2e  # bench/e2e.py: model shapes, random weights, decode timing
@@ -53,8 +55,9 @@ def build_shard(raw: dict, device: torch.device, dtype: torch.dtype) -> Qwen3_5F
 def drop_collectives(runner) -> None:
     """On one rank: make the all-reduces no-ops and forget the captured graphs."""
     import onecat.runtime.models.qwen3_5 as qwen3_5
+    from onecat.runtime.layers.norm import add_rms_norm
 
-    qwen3_5.all_reduce_add_rms_norm = qwen3_5.add_rms_norm  # every all-reduce is fused with the norm after it
+    qwen3_5.all_reduce_add_rms_norm = add_rms_norm  # every all-reduce is fused with the norm after it
     runner.release_graphs()
 
 
@@ -81,21 +84,45 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, parts in KERNEL_KINDS if any(p in lowered for p in parts)), "glue")
 
 
-def profile_steps(engine: LLMEngine, steps: int, top: int = 12) -> dict:
-    """GPU kernels of ``steps`` decode steps on rank 0 (``torch.profiler`` over CUDA-graph
-    replays): NCCL milliseconds per step (None if it saw none), kernel launches per step and
-    the ``top`` kernels by time, each as [name, launches per step, microseconds per step]."""
+_PROFILER = None  # this process's profiler between _profile_begin and _profile_end
+
+
+def _profile_begin(runner) -> None:
+    """On one rank (through ``call_all``): start ``torch.profiler`` here."""
+    global _PROFILER
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.step()
-        e2e.sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    _PROFILER = profile(activities=activities)
+    _PROFILER.__enter__()
+
+
+def _profile_end(runner, prefix: str, steps: int, top: int) -> dict:
+    """On one rank (through ``call_all``): wait for the rank's device, stop the profiler and
+    write its summary to ``{prefix}.rank{N}.json`` (atomically); returns the summary."""
+    global _PROFILER
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    _PROFILER.__exit__(None, None, None)
+    summary = kernel_summary(_PROFILER, steps, top)
+    _PROFILER = None
+    path = f"{prefix}.rank{tp_rank()}.json"
+    with open(path + ".tmp", "w") as f:
+        json.dump(summary, f)
+    os.replace(path + ".tmp", path)
+    return summary
+
+
+def kernel_summary(prof, steps: int, top: int) -> dict:
+    """GPU kernels of a profile over ``steps`` steps: the time split by kernel kind,
+    communication (NCCL or one-shot) milliseconds per step (None if it saw none), kernel
+    milliseconds and launches per step, and the ``top`` kernels by time, each as [name,
+    launches per step, microseconds per step]."""
     kernels = [  # GPU kernels only (a CPU op's time includes its kernels)
         event for event in prof.key_averages()
         if "cuda" in str(getattr(event, "device_type", "")).lower() and event.device_time_total > 0
     ]
-    nccl_us = sum(e.device_time_total for e in kernels if kernel_kind(e.key) == "communication")  # NCCL or one-shot
+    nccl_us = sum(e.device_time_total for e in kernels if kernel_kind(e.key) == "communication")
     kernels.sort(key=lambda e: e.device_time_total, reverse=True)
     split: dict[str, float] = {}
     for e in kernels:
@@ -108,6 +135,37 @@ def profile_steps(engine: LLMEngine, steps: int, top: int = 12) -> dict:
         "launches": sum(e.count for e in kernels) / steps,
         "top": [[e.key[:90], e.count / steps, round(e.device_time_total / steps, 1)] for e in kernels[:top]],
     }
+
+
+def profile_steps(engine: LLMEngine, steps: int, top: int = 12) -> dict:
+    """GPU kernels of ``steps`` decode steps (``torch.profiler`` over CUDA-graph replays), on
+    every rank at once: rank 0's :func:`kernel_summary`, plus under tensor parallelism
+    ``per_rank``, each rank's kernel and communication milliseconds per step (a rank that
+    waits longer in the collectives is the one that arrives first)."""
+    ranks = engine.config.tensor_parallel_size
+    call = engine.runner.call_all if ranks > 1 else (lambda fn, *args: fn(engine.runner, *args))
+    with tempfile.TemporaryDirectory(prefix="e2e-tp-profile-") as tmp:
+        prefix = os.path.join(tmp, "profile")
+        call(_profile_begin)
+        for _ in range(steps):
+            engine.step()
+        e2e.sync()
+        result = call(_profile_end, prefix, steps, top)
+        if ranks > 1:
+            per_rank = []
+            for rank in range(ranks):
+                path = f"{prefix}.rank{rank}.json"
+                deadline = time.monotonic() + 120
+                while not os.path.exists(path):  # the workers write theirs after their last step
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"rank {rank} wrote no profile")
+                    time.sleep(0.05)
+                with open(path) as f:
+                    summary = json.load(f)
+                per_rank.append({"rank": rank, "kernel_ms": round(summary["kernel_ms"], 3),
+                                 "communication_ms": summary["nccl_ms"], "launches": summary["launches"]})
+            result["per_rank"] = per_rank
+    return result
 
 
 def decode(engine: LLMEngine, batch: int, args, tag: str, profile: bool) -> dict:
@@ -139,6 +197,10 @@ def decode(engine: LLMEngine, batch: int, args, tag: str, profile: bool) -> dict
         result[f"allreduce_share_profiler_b{batch}"] = None if ms is None else ms / (step_s * 1e3)
         if "kernel_ms" in prof:  # what is not kernel time is the host and the gaps between kernels
             prof["split_ms"]["host and gaps"] = round(step_s * 1e3 - prof["kernel_ms"], 3)
+        if "per_rank" in prof:
+            print(f"  {tag} batch {batch}: per rank (kernel / communication ms per step): "
+                  + ", ".join(f"rank {r['rank']} {r['kernel_ms']} / {r['communication_ms']}" for r in prof["per_rank"]),
+                  flush=True)
         print(f"  {tag} batch {batch}: NCCL kernels {ms} ms/step; "
               f"{prof.get('launches')} kernels, {prof.get('kernel_ms')} ms of kernels per step; "
               f"split (ms/step) {prof.get('split_ms')}", flush=True)
