@@ -228,6 +228,9 @@ def _engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--disable-custom-all-reduce", is_flag=True,
                      help="Tensor parallelism: sum activations with NCCL only, not with onecat's "
                           "one-shot peer-to-peer kernel for small tensors."),
+        click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True,
+                     help="Queue the next decode step on the GPU before reading the tokens of the "
+                          "one in flight (overlapped steps; also under tensor parallelism)."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -322,6 +325,8 @@ def serve(artifact: str, host: str, port: int, api_key: str | None, served_model
             server_args += ("--no-enable-prefix-caching",)
         if engine_flags.pop("disable_custom_all_reduce"):
             server_args += ("--disable-custom-all-reduce",)
+        if not engine_flags.pop("async_scheduling"):  # on: vLLM's own default decides
+            server_args += ("--no-async-scheduling",)
         speculative_config = engine_flags.pop("speculative_config")
         if speculative_config is not None:
             server_args += ("--speculative-config", speculative_config)

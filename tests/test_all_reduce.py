@@ -190,6 +190,11 @@ def test_engine_config_and_cli_switch(tmp_path, monkeypatch):
     runner.invoke(main, ["serve", str(tmp_path), "--engine", "vllm", "--disable-custom-all-reduce"])
     runner.invoke(main, ["serve", str(tmp_path), "--engine", "vllm"])
     assert vllm_args == [("--disable-custom-all-reduce",), ()]
+    # the escape hatch for overlapped steps (vLLM's flag), on by default
+    runner.invoke(main, ["serve", str(tmp_path), "--no-async-scheduling"])
+    runner.invoke(main, ["serve", str(tmp_path), "--engine", "vllm", "--no-async-scheduling"])
+    assert [c.async_scheduling for c in configs] == [True, True, False]
+    assert vllm_args[-1] == ("--no-async-scheduling",)
 
 
 def test_executor_passes_the_switch_to_every_rank(monkeypatch):
