@@ -91,3 +91,27 @@ def stream_lines(client: httpx.Client, path: str, body: dict) -> list[str]:
         assert response.status_code == 200, response.read()
         assert response.headers["content-type"].startswith("text/event-stream")
         return list(response.iter_lines())
+
+
+class LaunchStopped(Exception):
+    """Raised by :func:`capture_launches`' stand-ins: the command stops where it would start."""
+
+
+def capture_launches(monkeypatch) -> tuple[list, list[dict]]:
+    """Make ``onecat serve`` / ``generate`` stop where they would start an engine: returns the
+    lists that receive each embedded engine's ``EngineConfig`` and each vLLM launch's keyword
+    arguments (``serve_from_onecat_flags``)."""
+    configs: list = []
+    vllm_calls: list[dict] = []
+
+    def fake_engine(config):
+        configs.append(config)
+        raise LaunchStopped
+
+    def fake_vllm(artifact, **kwargs):
+        vllm_calls.append(kwargs)
+        raise LaunchStopped
+
+    monkeypatch.setattr("onecat.runtime.engine.LLMEngine", fake_engine)
+    monkeypatch.setattr("onecat.vllm_plugin.launcher.serve_from_onecat_flags", fake_vllm)
+    return configs, vllm_calls

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from click.testing import CliRunner
+from server_helpers import capture_launches
 
 from onecat.kernels import all_reduce as kernel
 from onecat.kernels import build
@@ -167,34 +168,20 @@ def test_engine_config_and_cli_switch(tmp_path, monkeypatch):
 
     assert EngineConfig(model="m").disable_custom_all_reduce is False
 
-    class Stop(Exception):
-        pass
-
-    configs, vllm_args = [], []
-
-    def fake_engine(config):
-        configs.append(config)
-        raise Stop
-
-    def fake_vllm(artifact, **kwargs):
-        vllm_args.append(kwargs["vllm_args"])
-        assert "disable_custom_all_reduce" not in kwargs
-        raise Stop
-
-    monkeypatch.setattr("onecat.runtime.engine.LLMEngine", fake_engine)
-    monkeypatch.setattr("onecat.vllm_plugin.launcher.serve_from_onecat_flags", fake_vllm)
+    configs, vllm_calls = capture_launches(monkeypatch)
     runner = CliRunner()
     runner.invoke(main, ["serve", str(tmp_path)])
     runner.invoke(main, ["serve", str(tmp_path), "--disable-custom-all-reduce"])
     assert [c.disable_custom_all_reduce for c in configs] == [False, True]
     runner.invoke(main, ["serve", str(tmp_path), "--engine", "vllm", "--disable-custom-all-reduce"])
     runner.invoke(main, ["serve", str(tmp_path), "--engine", "vllm"])
-    assert vllm_args == [("--disable-custom-all-reduce",), ()]
+    assert [k["vllm_args"] for k in vllm_calls] == [("--disable-custom-all-reduce",), ()]
+    assert all("disable_custom_all_reduce" not in k for k in vllm_calls)
     # the escape hatch for overlapped steps (vLLM's flag), on by default
     runner.invoke(main, ["serve", str(tmp_path), "--no-async-scheduling"])
     runner.invoke(main, ["serve", str(tmp_path), "--engine", "vllm", "--no-async-scheduling"])
     assert [c.async_scheduling for c in configs] == [True, True, False]
-    assert vllm_args[-1] == ("--no-async-scheduling",)
+    assert vllm_calls[-1]["vllm_args"] == ("--no-async-scheduling",)
 
 
 def test_executor_passes_the_switch_to_every_rank(monkeypatch):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from runtime_helpers import assert_same_greedy_runs, drain, record_logits
+from server_helpers import capture_launches
 
 from onecat.runtime.config import EngineConfig
 from onecat.runtime.engine import LLMEngine
@@ -304,21 +305,7 @@ def test_cli_flags(tmp_path, monkeypatch):
 
     from onecat.cli import main
 
-    class Stop(Exception):
-        pass
-
-    configs, vllm_args = [], []
-
-    def fake_engine(config):
-        configs.append(config)
-        raise Stop
-
-    def fake_vllm(artifact, **kwargs):
-        vllm_args.append(kwargs["vllm_args"])
-        raise Stop
-
-    monkeypatch.setattr("onecat.runtime.engine.LLMEngine", fake_engine)
-    monkeypatch.setattr("onecat.vllm_plugin.launcher.serve_from_onecat_flags", fake_vllm)
+    configs, vllm_calls = capture_launches(monkeypatch)
     runner = CliRunner()
     runner.invoke(main, ["generate", str(tmp_path), "--prompt", "x"])
     runner.invoke(main, ["generate", str(tmp_path), "--prompt", "x", "--no-enable-prefix-caching"])
@@ -326,4 +313,4 @@ def test_cli_flags(tmp_path, monkeypatch):
     assert [c.enable_prefix_caching for c in configs] == [True, False, False]
     runner.invoke(main, ["serve", str(tmp_path), "--engine", "vllm"])
     runner.invoke(main, ["serve", str(tmp_path), "--engine", "vllm", "--no-enable-prefix-caching"])
-    assert vllm_args == [(), ("--no-enable-prefix-caching",)]
+    assert [k["vllm_args"] for k in vllm_calls] == [(), ("--no-enable-prefix-caching",)]

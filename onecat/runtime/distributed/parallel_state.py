@@ -111,7 +111,7 @@ def all_reduce_add_rms_norm(
     over the ranks, the residual added, the next RMSNorm ``(1 + w)`` applied; returns
     (normed, new residual). One fused launch of the one-shot kernel where it takes the
     tensors (decode-sized rows), else the all-reduce and the compiled norm, as at one rank."""
-    if _world_size > 1 and _custom is not None and _custom.norm_fits(x, residual, weight):
+    if _custom is not None and _custom.norm_fits(x, residual, weight):  # set up at TP > 1 only
         return _custom.add_rms_norm(x, residual, weight, eps)
     return add_rms_norm(all_reduce(x), residual, weight, eps)
 

@@ -303,10 +303,11 @@ class LLMEngine:
 
     def _overlaps(self, scheduled: list[tuple[Sequence, int]]) -> bool:
         """True when ``scheduled`` can run as an overlapped step: decode entries only, rows
-        that sample on the device, no speculation. Under tensor parallelism rank 0 broadcasts
-        the input tokens on the device (``TensorParallelRunner.run``)."""
+        that sample on the device (speculative steps take their own path in :meth:`step`).
+        Under tensor parallelism rank 0 broadcasts the input tokens on the device
+        (``TensorParallelRunner.run``)."""
         return (
-            self.config.async_scheduling and self.speculation is None
+            self.config.async_scheduling
             and all(count == 1 and seq.num_computed_tokens == seq.num_tokens - 1 for seq, count in scheduled)
             and all(self.sampler.runs_on_device(seq) for seq, _ in scheduled)
         )  # fmt: skip

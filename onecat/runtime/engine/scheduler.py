@@ -204,6 +204,7 @@ class Scheduler:
         (decode) entries first."""
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
+        prompt = False  # whether the step computes prompt tokens (for /metrics)
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
@@ -217,6 +218,7 @@ class Scheduler:
             self._plan_saves(seq, count)
             self.block_manager.grow(seq, seq.num_computed_tokens + count)
             scheduled.append((seq, count))
+            prompt = prompt or seq.num_computed_tokens < seq.num_prompt_tokens
             budget -= count
             index += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -245,9 +247,10 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append((seq, count))
+            prompt = True
             budget -= count
         scheduled.sort(key=lambda item: item[1] != 1)  # decodes first, order otherwise kept
         if scheduled:
             self.steps += 1
-            self.prompt_steps += any(seq.num_computed_tokens < seq.num_prompt_tokens for seq, _ in scheduled)
+            self.prompt_steps += prompt
         return scheduled
