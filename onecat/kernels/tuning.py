@@ -27,6 +27,7 @@ from onecat.kernels.timing import copies_for, graph_time_us
 from onecat.kernels.variants import (
     GEMV_BUILT,
     WMMA_BUILT,
+    WMMAR_BUILT,
     Variant,
     default_variant,
     gemv_tiles_per_warp,
@@ -86,8 +87,9 @@ def _save(device_index: int) -> None:
     os.replace(tmp, path)
 
 
-def candidates(m: int, n: int, k: int, device_index: int) -> list[Variant]:
-    """The variants worth timing for ``m`` rows of an ``[n, k]`` weight."""
+def candidates(m: int, n: int, k: int, device_index: int, group_size: int = 128) -> list[Variant]:
+    """The variants worth timing for ``m`` rows of an ``[n, k]`` weight quantized with
+    ``group_size``."""
     found: list[Variant] = []
     gemv_rows = next((r for r in GEMV_BUILT if r >= m), None)
     if gemv_rows is not None:
@@ -100,15 +102,18 @@ def candidates(m: int, n: int, k: int, device_index: int) -> list[Variant]:
     tiles = [t for t in WMMA_BUILT if t >= min(m, 64)][:2]
     if m > 64:
         tiles = [64] if m <= 256 else []  # beyond that cuBLAS wins by far
-    for tile in tiles:
-        for warps, chunk in WMMA_BUILT[tile]:
-            if chunk != 2 and tile >= 16:  # never faster in measurements (BENCHMARKS.md)
-                continue
-            variant = Variant("wmma", tile, warps, 0, chunk)
-            kernel = get_kernel(variant.kernel_name(), device_index)
-            base = wmma_splits(kernel, variant, m, n, k, device_index)
-            for splits in sorted({base, max(1, base // 2), base * 2}):
-                found.append(Variant("wmma", tile, warps, splits, chunk))
+    for kind, built in (("wmma", WMMA_BUILT), ("wmmar", WMMAR_BUILT)):
+        for tile in tiles:
+            for warps, chunk in built[tile]:
+                if chunk != 2 and tile >= 16:  # never faster in measurements (BENCHMARKS.md)
+                    continue
+                variant = Variant(kind, tile, warps, 0, chunk)
+                if not variant.supports_group(group_size):
+                    continue
+                kernel = get_kernel(variant.kernel_name(), device_index)
+                base = wmma_splits(kernel, variant, m, n, k, device_index)
+                for splits in sorted({base, max(1, base // 2), base * 2}):
+                    found.append(Variant(kind, tile, warps, splits, chunk))
     if m >= 16:
         found.append(Variant("dequant"))
     return found
@@ -147,7 +152,7 @@ def tune_shape(
     n, k = qweight.shape[0] * 32, qweight.shape[1] * 32
     rows = bucket(m)
     x = torch.randn(rows, k, dtype=torch.float16, device=device)
-    options = candidates(rows, n, k, device_index)
+    options = candidates(rows, n, k, device_index, group_size)
     # Rotate over weight copies larger than L2, but never take more than a quarter of the free
     # memory (first-use tuning runs inside a serving process that has filled the GPU).
     free_bytes, _ = torch.cuda.mem_get_info(device)

@@ -8,6 +8,9 @@ A variant is named by a short string, stored as is in the tuner's cache:
 - ``wmma-mt{T}-w{W}-c{C}-s{S}``: tensor-core kernel (w4a16_wmma.cu), row tiles of T in
   {8, 16, 32, 64}, W warps (32*W columns) per block, chunks of C k tiles, S splits of K
   (0: chosen by a wave model from the GPU's occupancy);
+- ``wmmar-mt{T}-w{W}-c{C}-s{S}``: the same kernel dequantising on the B fragments (packed
+  words through shared memory instead of fp16 weights; w4a16_wmma.cu's register-dequant
+  variant), for group sizes that are multiples of 64;
 - ``dequant``: dequantise to an fp16 workspace (w4a16_dequant.cu), then cuBLAS.
 """
 
@@ -35,6 +38,17 @@ WMMA_BUILT = {
     64: ((4, 2),),
 }
 """wmma row tile -> (warps per block, k tiles per chunk) instantiated in w4a16_wmma.cu."""
+WMMAR_BUILT = {
+    8: ((4, 2), (4, 4), (8, 2)),
+    16: ((4, 2), (8, 2)),
+    32: ((4, 2),),
+    64: ((4, 2),),
+}
+"""The same for the register-dequant kernels (``w4a16_wmmar_*``)."""
+WMMAR_GROUP = 64
+"""The register-dequant kernels need group sizes that are multiples of this (64 k per packed
+fragment share one scale)."""
+_TENSOR_CORE_BUILT = {"wmma": WMMA_BUILT, "wmmar": WMMAR_BUILT}
 
 _GEMV_WARPS = 4
 _DEQUANT_THREADS = 128
@@ -44,7 +58,7 @@ _DEQUANT_THREADS = 128
 class Variant:
     """One kernel variant with its launch parameters (see the module doc for the names)."""
 
-    kind: str  # "gemv", "wmma" or "dequant"
+    kind: str  # "gemv", "wmma", "wmmar" or "dequant"
     rows: int = 0  # GEMV: rows of the kernel; wmma: row tile
     width: int = 0  # GEMV: unroll depth; wmma: warps per block
     split: int = 0  # GEMV: k tiles per warp; wmma: splits of K; 0 = automatic
@@ -55,8 +69,8 @@ class Variant:
         """The variant's name, e.g. ``gemv-m1-u4-p0``."""
         if self.kind == "gemv":
             return f"gemv-m{self.rows}-u{self.width}-p{self.split}"
-        if self.kind == "wmma":
-            return f"wmma-mt{self.rows}-w{self.width}-c{self.chunk}-s{self.split}"
+        if self.kind in _TENSOR_CORE_BUILT:
+            return f"{self.kind}-mt{self.rows}-w{self.width}-c{self.chunk}-s{self.split}"
         return "dequant"
 
     @staticmethod
@@ -67,10 +81,11 @@ class Variant:
         if m := re.fullmatch(r"gemv-m(\d+)-u(\d+)-p(\d+)", name):
             variant = Variant("gemv", *map(int, m.groups()))
             built = variant.width in GEMV_BUILT.get(variant.rows, ())
-        elif m := re.fullmatch(r"wmma-mt(\d+)-w(\d+)-c(\d+)-s(\d+)", name):
-            rows, width, chunk, split = map(int, m.groups())
-            variant = Variant("wmma", rows, width, split, chunk)
-            built = (width, chunk) in WMMA_BUILT.get(rows, ())
+        elif m := re.fullmatch(r"(wmmar?)-mt(\d+)-w(\d+)-c(\d+)-s(\d+)", name):
+            kind = m.group(1)
+            rows, width, chunk, split = map(int, m.groups()[1:])
+            variant = Variant(kind, rows, width, split, chunk)
+            built = (width, chunk) in _TENSOR_CORE_BUILT[kind].get(rows, ())
         else:
             raise OnecatError(f"unknown kernel variant {name!r}")
         if not built:
@@ -81,12 +96,16 @@ class Variant:
         """Whether this variant can run ``m`` rows (the GEMV has a fixed row limit)."""
         return self.kind != "gemv" or m <= self.rows
 
+    def supports_group(self, group_size: int) -> bool:
+        """Whether this variant can run weights quantized with ``group_size``."""
+        return self.kind != "wmmar" or group_size % WMMAR_GROUP == 0
+
     def kernel_name(self) -> str:
         """The ``extern "C"`` name of the kernel this variant launches."""
         if self.kind == "gemv":
             return f"w4a16_gemv_m{self.rows}_w{_GEMV_WARPS}_u{self.width}"
-        if self.kind == "wmma":
-            return f"w4a16_wmma_mt{self.rows}_w{self.width}_c{self.chunk}"
+        if self.kind in _TENSOR_CORE_BUILT:
+            return f"w4a16_{self.kind}_mt{self.rows}_w{self.width}_c{self.chunk}"
         return "w4a16_dequant"
 
 
@@ -150,6 +169,8 @@ def launch_plan(variant: Variant, m: int, n: int, k: int, group_size: int, devic
         return plan
     if not variant.supports(m):
         raise OnecatError(f"kernel variant {variant.name} cannot run {m} rows")
+    if not variant.supports_group(group_size):
+        raise OnecatError(f"kernel variant {variant.name} needs a group size that is a multiple of {WMMAR_GROUP}, got {group_size}")
     kernel = get_kernel(variant.kernel_name(), device_index)
     ktiles = k // 32
     workspace = counters = per = 0
@@ -239,5 +260,7 @@ def run_plan(
 def all_variants() -> list[Variant]:
     """Every built variant with automatic parameters (what the doctor self-tests)."""
     found = [Variant("gemv", r, u, 0) for r, us in GEMV_BUILT.items() for u in us]
-    found += [Variant("wmma", t, w, 0, c) for t, wcs in WMMA_BUILT.items() for w, c in wcs]
+    found += [
+        Variant(kind, t, w, 0, c) for kind, built in _TENSOR_CORE_BUILT.items() for t, wcs in built.items() for w, c in wcs
+    ]
     return found + [Variant("dequant")]

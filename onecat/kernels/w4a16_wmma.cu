@@ -30,28 +30,74 @@
 //   writes full 64-byte rows of y; with S > 1 they are added to a zeroed fp32 workspace (which the last block zeroes
 //   again after reading it, so one persistent workspace serves every launch) and
 //   the last block of the (column group, row tile) writes y (see arrive_last).
+//
+// Register-dequant variant (w4a16_wmmar_*, group sizes that are multiples of 64): step 1
+// above moves 4 bytes of fp16 through shared memory per weight (a store, then the wmma.load
+// of B), which on a GPU whose memory is fast next to its shared memory bounds the kernel.
+// Here the PACKED words go through shared memory instead (half a byte per weight) and the
+// dequantisation happens on the B fragment itself:
+//   - Every 64 k of a column (two k tiles, two uint4 of its lane) are stored as one column of
+//     a 16 x 32 "packed" matrix sP[w][sub][column][16] of 16-bit elements, exactly as loaded:
+//     element kk = 8t + 2v + h is half h of word v of tile t, i.e. the nibbles of
+//     k = 32t + 8v + 2j + h for j = 0..3 (the layout's nibble order, w4a16_common.cuh).
+//   - wmma.load.b of sP gives a fragment whose every 16-bit slot holds such an element, WHERE
+//     the slot's (kk, column) sits in the fragment being unknown (wmma fragment layouts are
+//     not specified, and differ between GPUs).  Only element-wise work is done on it: masking
+//     nibble j of every slot (the magic-number trick of dequant_word) and one
+//     fma.rn.f16x2(q, s, nzs) gives the B fragment of "step j": B_j[kk][n] = w[k(j, kk)][n],
+//     bit for bit the dequant contract.  Four steps per packed fragment.
+//   - The scale of a slot depends on its column: which lane owns the column of each slot is
+//     found once per launch by loading a fragment of lane ids (lane l writes l into its
+//     column), and each group's (s, nzs) pairs come from those lanes by shuffles.
+//   - A is staged permuted to match: sA[sub*4 + j][m][kk] = x[m][k(j, kk)], so step j's MMA
+//     sums over the same 16 k as B_j (the order of a dot product's terms is free).
+//   Shared-memory traffic per weight: 1 byte (store + load of the packed word) instead of 4.
 #include "w4a16_common.cuh"
 
 namespace onecat {
 
 constexpr int kLdc = 36;  // epilogue row stride in floats (144 bytes)
 
-template <int MT, int WARPS, int CT>
+template <int V>
+struct IntConst { static constexpr int value = V; };
+
+constexpr int kLdp = 24;  // register-dequant variant: row stride (halves) of sA steps and sP columns
+
+template <int MT, int WARPS, int CT, bool IN_REG>
 struct WmmaSmem {
   static constexpr int kLds = CT * kTile + 8;           // shared row stride in halves
-  static constexpr int kA = MT * kLds * 2;              // bytes of sA
-  static constexpr int kB = WARPS * kTile * kLds * 2;   // bytes of sB
+  // sA: MT rows of a chunk, or (IN_REG) 2*CT step matrices of MT rows x 16 k
+  static constexpr int kA = IN_REG ? 2 * CT * MT * kLdp * 2 : MT * kLds * 2;
+  // sB: fp16 [WARPS][32 columns][chunk k], or (IN_REG) packed [WARPS][CT/2][32 columns][16]
+  static constexpr int kB = IN_REG ? WARPS * (CT / 2) * kTile * kLdp * 2 : WARPS * kTile * kLds * 2;
   static constexpr int kC = WARPS * MT * kLdc * 4;      // bytes of the epilogue
   static constexpr int kBytes = (kA + kB) > kC ? (kA + kB) : kC;
 };
 
-template <int MT, int WARPS, int CT>
+// Nibble J (0..3) of both 16-bit elements of `r` as an fp16 pair, then fma(q, s, nzs): the
+// dequant contract applied to two slots of a packed fragment (see the top of the file).
+template <int J>
+__device__ __forceinline__ unsigned dequant_slots(unsigned r, unsigned s2, unsigned nzs2) {
+  const unsigned kMagic = 0x64006400u;
+  const unsigned v = (J >= 2) ? (r >> 8) : r;
+  half2 q;
+  if constexpr ((J & 1) == 0) {
+    q = __hsub2(as_half2(and_or(v, 0x000F000Fu, kMagic)), as_half2(kMagic));
+  } else {
+    q = __hfma2(as_half2(and_or(v, 0x00F000F0u, kMagic)), as_half2(0x2C002C00u), as_half2(0xD400D400u));
+  }
+  const half2 w = __hfma2(q, as_half2(s2), as_half2(nzs2));
+  return *reinterpret_cast<const unsigned*>(&w);
+}
+
+template <int MT, int WARPS, int CT, bool IN_REG>
 __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint4* __restrict__ qweight,
                                           const half2* __restrict__ scales_zeros,
                                           const half* __restrict__ bias, half* __restrict__ y,
                                           float* __restrict__ workspace, int* __restrict__ counters,
                                           int M, int N, int K, int group_size, int ktiles_per_split) {
-  using Smem = WmmaSmem<MT, WARPS, CT>;
+  using Smem = WmmaSmem<MT, WARPS, CT, IN_REG>;
+  static_assert(!IN_REG || CT % 2 == 0, "the register-dequant variant works in 64-k sub-chunks");
   constexpr int kChunkTiles = CT;               // k tiles per chunk
   constexpr int kChunk = CT * kTile;            // k per chunk
   constexpr int kLds = Smem::kLds;
@@ -82,7 +128,6 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
   const uint4* w_tile = qweight + (size_t)(tile_ok ? tile : 0) * ktiles * 32 + lane;
   ScaleCursor scales(scales_zeros + (size_t)(tile_ok ? tile : 0) * groups * 32 + lane, k_begin,
                      tiles_per_group);
-  half* sB_warp = sB + warp * kTile * kLds;
 
   uint4 wv[kChunkTiles];
   half2 sz[kChunkTiles];
@@ -118,49 +163,154 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
 #pragma unroll
       for (int r = 0; r < 8; ++r) acc[i][j].r[r] = 0.0f;
 
-  if (k_begin < k_end) load_chunk(k_begin);
-  for (int kc = k_begin; kc < k_end; kc += kChunkTiles) {
-    const int valid_tiles = min(kChunkTiles, k_end - kc);
-    __syncthreads();  // the previous chunk's fragments have been read
-#pragma unroll
-    for (int i = 0; i < kXPerThread; ++i) {
-      const int idx = threadIdx.x + i * kThreads;
-      if (idx < kXVecs)
-        *reinterpret_cast<uint4*>(sA + (idx / (kChunk / 8)) * kLds + (idx % (kChunk / 8)) * 8) = xv[i];
+  if constexpr (IN_REG) {
+    // Which lane owns the column of each 16-bit slot of this warp's packed B fragment(s).
+    half* sP_warp = sB + warp * (CT / 2) * kTile * kLdp;
+    {
+      const unsigned id2 = (unsigned)lane | ((unsigned)lane << 16);
+      uint4* dst = reinterpret_cast<uint4*>(sP_warp + lane_column(lane) * kLdp);
+      dst[0] = dst[1] = make_uint4(id2, id2, id2, id2);
     }
-    if (tile_ok) {
-      half* row = sB_warp + lane_column(lane) * kLds;
+    __syncthreads();
+    FragAB owner[kNFrags];
 #pragma unroll
-      for (int u = 0; u < kChunkTiles; ++u) {
-        if (u < valid_tiles) {
-          half2 w[16];
-          dequant_tile(wv[u], sz[u], w);
-          uint4* dst = reinterpret_cast<uint4*>(row + u * kTile);
+    for (int f = 0; f < kNFrags; ++f) {
+      if constexpr (kM8) load_b_m8n32k16(owner[f], sP_warp, kLdp);
+      else load_b_m16n16k16(owner[f], sP_warp + f * 16 * kLdp, kLdp);
+    }
+    FragAB s2[kNFrags], nzs2[kNFrags];  // per slot pair: (s, s) and (nzs, nzs) of its columns
+    int group = -1;
+
+    if (k_begin < k_end) load_chunk(k_begin);
+    for (int kc = k_begin; kc < k_end; kc += kChunkTiles) {
+      const int valid_tiles = min(kChunkTiles, k_end - kc);  // even: K % 64 == 0
+      __syncthreads();  // the previous chunk's fragments have been read
 #pragma unroll
-          for (int q = 0; q < 4; ++q) dst[q] = *reinterpret_cast<uint4*>(w + 4 * q);
+      for (int i = 0; i < kXPerThread; ++i) {
+        const int idx = threadIdx.x + i * kThreads;
+        if (idx < kXVecs) {
+          const int row = idx / (kChunk / 8);
+          const int c8 = (idx % (kChunk / 8)) * 8;  // k offset of these 8 values in the chunk
+          const int sub = c8 >> 6, t = (c8 >> 5) & 1, v = (c8 >> 3) & 3;
+          const unsigned words[4] = {xv[i].x, xv[i].y, xv[i].z, xv[i].w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j)  // values 2j, 2j+1 -> step j, elements kk = 8t + 2v + {0, 1}
+            *reinterpret_cast<unsigned*>(sA + ((sub * 4 + j) * MT + row) * kLdp + 8 * t + 2 * v) = words[j];
+        }
+      }
+      if (tile_ok) {
+#pragma unroll
+        for (int sub = 0; sub < CT / 2; ++sub) {
+          uint4* dst = reinterpret_cast<uint4*>(sP_warp + (sub * kTile + lane_column(lane)) * kLdp);
+          dst[0] = wv[2 * sub];
+          dst[1] = wv[2 * sub + 1];
+        }
+      }
+      half2 sz_chunk[CT / 2];
+#pragma unroll
+      for (int sub = 0; sub < CT / 2; ++sub) sz_chunk[sub] = sz[2 * sub];
+      __syncthreads();
+      if (kc + kChunkTiles < k_end) load_chunk(kc + kChunkTiles);  // overlaps the MMAs below
+      if (tile_ok) {
+#pragma unroll
+        for (int sub = 0; sub < CT / 2; ++sub) {
+          if (2 * sub < valid_tiles) {
+            const int g = (kc + 2 * sub) / tiles_per_group;
+            if (g != group) {  // warp-uniform: this group's (s, nzs) for every slot
+              group = g;
+              const unsigned mine = *reinterpret_cast<const unsigned*>(&sz_chunk[sub]);
+#pragma unroll
+              for (int f = 0; f < kNFrags; ++f)
+#pragma unroll
+                for (int r = 0; r < 8; ++r) {
+                  const unsigned lo = __shfl_sync(0xffffffffu, mine, owner[f].r[r] & 0xFFFFu);
+                  const unsigned hi = __shfl_sync(0xffffffffu, mine, owner[f].r[r] >> 16);
+                  s2[f].r[r] = __byte_perm(lo, hi, 0x5410);    // (s of lo slot, s of hi slot)
+                  nzs2[f].r[r] = __byte_perm(lo, hi, 0x7632);  // (nzs of lo, nzs of hi)
+                }
+            }
+            FragAB packed[kNFrags];
+#pragma unroll
+            for (int f = 0; f < kNFrags; ++f) {
+              if constexpr (kM8) load_b_m8n32k16(packed[f], sP_warp + sub * kTile * kLdp, kLdp);
+              else load_b_m16n16k16(packed[f], sP_warp + (sub * kTile + f * 16) * kLdp, kLdp);
+            }
+            auto step = [&](auto j_const) {
+              constexpr int J = decltype(j_const)::value;
+              FragAB b[kNFrags];
+#pragma unroll
+              for (int f = 0; f < kNFrags; ++f)
+#pragma unroll
+                for (int r = 0; r < 8; ++r) b[f].r[r] = dequant_slots<J>(packed[f].r[r], s2[f].r[r], nzs2[f].r[r]);
+              const half* a_step = sA + (sub * 4 + J) * MT * kLdp;
+              if constexpr (kM8) {
+                FragAB a;
+                load_a_m8n32k16(a, a_step, kLdp);
+                mma_m8n32k16(acc[0][0], a, b[0]);
+              } else {
+#pragma unroll
+                for (int i = 0; i < kMFrags; ++i) {
+                  FragAB a;
+                  load_a_m16n16k16(a, a_step + i * 16 * kLdp, kLdp);
+#pragma unroll
+                  for (int f = 0; f < kNFrags; ++f) mma_m16n16k16(acc[i][f], a, b[f]);
+                }
+              }
+            };
+            step(IntConst<0>{});
+            step(IntConst<1>{});
+            step(IntConst<2>{});
+            step(IntConst<3>{});
+          }
         }
       }
     }
-    __syncthreads();
-    if (kc + kChunkTiles < k_end) load_chunk(kc + kChunkTiles);  // overlaps the MMAs below
+  } else {
+    half* sB_warp = sB + warp * kTile * kLds;
+    if (k_begin < k_end) load_chunk(k_begin);
+    for (int kc = k_begin; kc < k_end; kc += kChunkTiles) {
+      const int valid_tiles = min(kChunkTiles, k_end - kc);
+      __syncthreads();  // the previous chunk's fragments have been read
 #pragma unroll
-    for (int ks = 0; ks < kChunk / 16; ++ks) {
-      if (ks < 2 * valid_tiles) {
-        if constexpr (kM8) {
-          FragAB a, b;
-          load_a_m8n32k16(a, sA + ks * 16, kLds);
-          load_b_m8n32k16(b, sB_warp + ks * 16, kLds);
-          mma_m8n32k16(acc[0][0], a, b);
-        } else {
-          FragAB b[kNFrags];
+      for (int i = 0; i < kXPerThread; ++i) {
+        const int idx = threadIdx.x + i * kThreads;
+        if (idx < kXVecs)
+          *reinterpret_cast<uint4*>(sA + (idx / (kChunk / 8)) * kLds + (idx % (kChunk / 8)) * 8) = xv[i];
+      }
+      if (tile_ok) {
+        half* row = sB_warp + lane_column(lane) * kLds;
 #pragma unroll
-          for (int j = 0; j < kNFrags; ++j) load_b_m16n16k16(b[j], sB_warp + j * 16 * kLds + ks * 16, kLds);
+        for (int u = 0; u < kChunkTiles; ++u) {
+          if (u < valid_tiles) {
+            half2 w[16];
+            dequant_tile(wv[u], sz[u], w);
+            uint4* dst = reinterpret_cast<uint4*>(row + u * kTile);
 #pragma unroll
-          for (int i = 0; i < kMFrags; ++i) {
-            FragAB a;
-            load_a_m16n16k16(a, sA + i * 16 * kLds + ks * 16, kLds);
+            for (int q = 0; q < 4; ++q) dst[q] = *reinterpret_cast<uint4*>(w + 4 * q);
+          }
+        }
+      }
+      __syncthreads();
+      if (kc + kChunkTiles < k_end) load_chunk(kc + kChunkTiles);  // overlaps the MMAs below
 #pragma unroll
-            for (int j = 0; j < kNFrags; ++j) mma_m16n16k16(acc[i][j], a, b[j]);
+      for (int ks = 0; ks < kChunk / 16; ++ks) {
+        if (ks < 2 * valid_tiles) {
+          if constexpr (kM8) {
+            FragAB a, b;
+            load_a_m8n32k16(a, sA + ks * 16, kLds);
+            load_b_m8n32k16(b, sB_warp + ks * 16, kLds);
+            mma_m8n32k16(acc[0][0], a, b);
+          } else {
+            FragAB b[kNFrags];
+#pragma unroll
+            for (int j = 0; j < kNFrags; ++j) load_b_m16n16k16(b[j], sB_warp + j * 16 * kLds + ks * 16, kLds);
+#pragma unroll
+            for (int i = 0; i < kMFrags; ++i) {
+              FragAB a;
+              load_a_m16n16k16(a, sA + i * 16 * kLds + ks * 16, kLds);
+#pragma unroll
+              for (int j = 0; j < kNFrags; ++j) mma_m16n16k16(acc[i][j], a, b[j]);
+            }
           }
         }
       }
@@ -203,14 +353,16 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
 
 }  // namespace onecat
 
-#define ONECAT_WMMA(MT, WARPS, CT)                                                             \
-  extern "C" __global__ void __launch_bounds__(32 * WARPS) w4a16_wmma_mt##MT##_w##WARPS##_c##CT( \
+#define ONECAT_WMMA_KERNEL(NAME, MT, WARPS, CT, IN_REG)                                        \
+  extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(                                \
       const half* x, const uint4* qweight, const half2* scales_zeros, const half* bias,       \
       half* y, float* workspace, int* counters, int M, int N, int K, int group_size,          \
       int ktiles_per_split) {                                                                  \
-    onecat::wmma_body<MT, WARPS, CT>(x, qweight, scales_zeros, bias, y, workspace, counters, M, N, \
-                                 K, group_size, ktiles_per_split);                             \
+    onecat::wmma_body<MT, WARPS, CT, IN_REG>(x, qweight, scales_zeros, bias, y, workspace,      \
+                                             counters, M, N, K, group_size, ktiles_per_split); \
   }
+#define ONECAT_WMMA(MT, WARPS, CT) ONECAT_WMMA_KERNEL(w4a16_wmma_mt##MT##_w##WARPS##_c##CT, MT, WARPS, CT, false)
+#define ONECAT_WMMAR(MT, WARPS, CT) ONECAT_WMMA_KERNEL(w4a16_wmmar_mt##MT##_w##WARPS##_c##CT, MT, WARPS, CT, true)
 
 ONECAT_WMMA(8, 4, 2)
 ONECAT_WMMA(8, 4, 4)
@@ -221,3 +373,11 @@ ONECAT_WMMA(16, 8, 2)
 ONECAT_WMMA(32, 4, 2)
 ONECAT_WMMA(32, 4, 4)
 ONECAT_WMMA(64, 4, 2)
+// register-dequant variants (group size a multiple of 64)
+ONECAT_WMMAR(8, 4, 2)
+ONECAT_WMMAR(8, 4, 4)
+ONECAT_WMMAR(8, 8, 2)
+ONECAT_WMMAR(16, 4, 2)
+ONECAT_WMMAR(16, 8, 2)
+ONECAT_WMMAR(32, 4, 2)
+ONECAT_WMMAR(64, 4, 2)
