@@ -28,6 +28,7 @@ import functools
 import json
 import os
 import platform
+import re
 import sys
 
 import torch
@@ -253,6 +254,45 @@ def bench_moe(tokens_list: list[int], copy_gbs: float) -> list[dict]:
     return rows
 
 
+def gather_shapes() -> dict[str, list[tuple[int, int]]]:
+    """The (warps, batch) shapes ``w4a16_moe_gemv.cu`` builds, per kernel."""
+    from onecat.kernels import build
+
+    found: dict[str, list[tuple[int, int]]] = {"gate_up": [], "down": []}
+    for name in build.kernel_names("w4a16_moe_gemv"):
+        kind, warps, batch = re.fullmatch(r"w4a16_moe_gemv_(gate_up|down)_w(\d+)_b(\d+)", name).groups()
+        found[kind].append((int(warps), int(batch)))
+    return found
+
+
+def bench_gather_shapes(tokens_list: list[int]) -> list[dict]:
+    """The gather path of the MoE op with every built (gate_up, down) kernel shape, 35B-A3B
+    layer: microseconds per op call for each pair (CUDA graphs, two weight copies)."""
+    e, h, i = MOE_EXPERTS, MOE_HIDDEN, MOE_INTER
+    packed = [(*random_experts(e, 2 * i, h), *random_experts(e, h, i)) for _ in range(2)]
+    shapes = gather_shapes()
+    rows = []
+    try:
+        for tokens in tokens_list:
+            if tokens * MOE_TOP_K > GATHER_MAX_PAIRS:
+                continue
+            x = torch.randn(tokens, h, dtype=torch.float16, device="cuda")
+            routings = [moe_routing(tokens, seed) for seed in range(8)]
+            calls = [functools.partial(w4a16_moe, x, ids, w, *packed[n % 2], GROUP) for n, (ids, w) in enumerate(routings)]
+            timings = {}
+            for gate in shapes["gate_up"]:
+                for down in shapes["down"]:
+                    moe.GATHER_SHAPE_OVERRIDE.update(gate_up=gate, down=down)
+                    timings[f"gate_up w{gate[0]} b{gate[1]} + down w{down[0]} b{down[1]}"] = graph_time_us(calls)
+            best = min(timings, key=timings.get)
+            print(f"gather T={tokens}: best {best} {timings[best]:.1f} us; " + "; ".join(
+                f"{k} {v:.1f}" for k, v in sorted(timings.items(), key=lambda kv: kv[1])), flush=True)
+            rows.append({"tokens": tokens, "timings_us": timings, "best": best})
+    finally:
+        moe.GATHER_SHAPE_OVERRIDE.clear()
+    return rows
+
+
 def moe_markdown(rows: list[dict]) -> str:
     """The MoE table and issue 11's op target (>= 60% of copy bandwidth at 1..32 tokens)."""
     out = [
@@ -322,11 +362,18 @@ def main() -> None:
         help="comma-separated token counts for the MoE op (empty: skip it)",
     )  # fmt: skip
     parser.add_argument("--moe-only", action="store_true", help="only the MoE section")
+    parser.add_argument("--moe-shapes", action="store_true", help="only the gather kernels' shapes, at --moe-tokens")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA GPU")
     ms = [int(v) for v in args.m.split(",")]
     shapes = BENCH_SHAPES[:3] if args.quick else BENCH_SHAPES
+    if args.moe_shapes:
+        rows = bench_gather_shapes([int(v) for v in args.moe_tokens.split(",") if v])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     copy_gbs = copy_bandwidth_gbs()
     name = torch.cuda.get_device_name()
     print(f"{name}: device copy {copy_gbs:.0f} GB/s", flush=True)

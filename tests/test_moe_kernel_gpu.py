@@ -339,3 +339,18 @@ def test_grouped_row_tile_sizes_match_fp64(experts_35b, tokens, small_tiles, mon
     y = moe.w4a16_moe(x, ids, weights, *experts_35b, G)
     label = f"T={tokens} {'16' if small_tiles else '64'}-row tiles"
     check_close(y, reference(x, ids, weights, experts_35b, G), label, "grouped wmma")
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 8, 32])
+def test_every_gather_kernel_shape_matches_fp64(experts_35b, tokens, monkeypatch):
+    """Every (warps, batch) shape ``w4a16_moe_gemv.cu`` builds for the gather path's two
+    kernels, one at a time beside the default of the other."""
+    from onecat.kernels import build, moe
+
+    x, ids, weights = random_routing(tokens, E, TOP_K, seed=200 + tokens)
+    ref = reference(x, ids, weights, experts_35b, G)
+    for name in build.kernel_names("w4a16_moe_gemv"):
+        kind, shape = name.removeprefix("w4a16_moe_gemv_").rsplit("_w", 1)
+        warps, batch = (int(v) for v in shape.split("_b"))
+        monkeypatch.setattr(moe, "GATHER_SHAPE_OVERRIDE", {kind: (warps, batch)})
+        check_close(run_op(x, ids, weights, experts_35b), ref, f"T={tokens} {name}", "gather-GEMV")

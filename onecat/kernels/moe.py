@@ -65,8 +65,24 @@ GATHER_MAX_PAIRS = 288
 MAX_EXPERTS = 1024
 """Most experts the align and routing kernels take (one thread / register slot per expert)."""
 
-_GATE_UP_WARPS = 8  # w4a16_moe_gemv.cu kGateUpWarps
-_DOWN_WARPS = 16  # kDownWarps
+GATHER_SHAPES: tuple[tuple[int, tuple[int, int], tuple[int, int]], ...] = (
+    (2, (8, 4), (16, 4)),
+    (8, (4, 4), (16, 4)),
+    (1 << 30, (4, 4), (8, 4)),
+)
+"""Gather-path kernel shapes by token count: ``(up to T tokens, gate_up (warps per block, k
+tiles per warp step), down (warps, k tiles))``, from ``bench/kernels.py --moe-shapes`` on the
+H200 (35B-A3B layer, 2026-12-01 14:00): smaller blocks win from 4 tokens on (more resident
+blocks hide the loads' latency): at 32 tokens 161.4 us against 180.2 for the 8- and 16-warp
+blocks used before, at 8 tokens 47.4 against 50.9; at 1-2 tokens the larger blocks stay."""
+GATHER_SHAPE_OVERRIDE: dict[str, tuple[int, int]] = {}
+"""Benchmarks and tests pin a kernel's shape here (``{"gate_up": (4, 4)}``)."""
+
+
+def gather_shapes(tokens: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The ``(gate_up, down)`` kernel shapes the gather path runs for ``tokens`` tokens."""
+    gate, down = next((g, d) for limit, g, d in GATHER_SHAPES if tokens <= limit)
+    return GATHER_SHAPE_OVERRIDE.get("gate_up", gate), GATHER_SHAPE_OVERRIDE.get("down", down)
 MAX_DOWN_SPLITS = 4
 """Most blocks one (column tile, token) of the gather path's down projection is split over."""
 SMALL_TILE_PAIRS_PER_EXPERT = 18  # H200, 35B layer (bench/kernels.py --moe-only): r16 faster up to 16 pairs/expert (426 vs 561 us), r64 from 20 (521 vs 575)
@@ -209,19 +225,20 @@ def _cuda_moe(
     pairs = t * top_k
     hidden = torch.empty((pairs, i), dtype=torch.float16, device=x.device)
     if pairs <= GATHER_MAX_PAIRS:
-        get_kernel("w4a16_moe_gemv_gate_up", device).launch(
-            (i // TILE, pairs, 1), 32 * _GATE_UP_WARPS, stream,
+        (gate_warps, gate_batch), (down_warps, down_batch) = gather_shapes(t)
+        get_kernel(f"w4a16_moe_gemv_gate_up_w{gate_warps}_b{gate_batch}", device).launch(
+            (i // TILE, pairs, 1), 32 * gate_warps, stream,
             [_ptr(x), _ptr(ids), *flags, _ptr(w13_qweight), _ptr(w13_scales_zeros), _ptr(hidden),
-             *_ints(top_k, e, h, i, group_size, math.ceil(h // TILE / _GATE_UP_WARPS))],
+             *_ints(top_k, e, h, i, group_size, math.ceil(h // TILE / gate_warps))],
         )  # fmt: skip
         splits = down_splits(t, h // TILE, device)
         partials = stream_buffer("moe_down_partials", x.device, stream, splits * t * h, zeroed=False)
         counters = stream_buffer("moe_down_counters", x.device, stream, t * (h // TILE), zeroed=True)
-        get_kernel("w4a16_moe_gemv_down", device).launch(
-            (h // TILE, t, splits), 32 * _DOWN_WARPS, stream,
+        get_kernel(f"w4a16_moe_gemv_down_w{down_warps}_b{down_batch}", device).launch(
+            (h // TILE, t, splits), 32 * down_warps, stream,
             [_ptr(hidden), _ptr(ids), *flags, _ptr(weights), *weights32, _ptr(w2_qweight),
              _ptr(w2_scales_zeros), _ptr(out),
-             *_ints(top_k, e, h, i, group_size, math.ceil(math.ceil(top_k * (i // TILE) / splits) / _DOWN_WARPS)),
+             *_ints(top_k, e, h, i, group_size, math.ceil(math.ceil(top_k * (i // TILE) / splits) / down_warps)),
              _ptr(partials), _ptr(counters)],
         )  # fmt: skip
         return out

@@ -14,7 +14,11 @@
 //   routing weights [T, top_k] fp32 or fp16.  An id outside [0, E) (another rank's expert)
 //   contributes nothing: its pair's block exits and its h row is never read.
 //
-// Thread mapping:
+// Thread mapping (kGateUpWarps / kGateUpBatch and kDownWarps / kDownBatch are template
+// parameters; the kernels are built as _w{warps}_b{batch} and moe.GATHER_SHAPES picks them by
+// token count: 8- and 16-warp blocks at 1-2 tokens, where few blocks must spread over the
+// GPU, 4- and 8-warp blocks from 4 tokens on, where more resident blocks hide the loads'
+// latency):
 //   gate_up: grid (I/32, P), block kGateUpWarps warps.  Block (c, p) computes column tile c of
 //     gate AND of up for pair p, so the lane that owns column lane_column(l) of both holds the
 //     gate and up sums of the same output column.  The H/32 k tiles are cut into equal
@@ -46,10 +50,8 @@
 
 namespace onecat {
 
-constexpr int kGateUpWarps = 8;
-constexpr int kGateUpBatch = 4;  // k tiles of gate and of up loaded per warp step (8 uint4)
-constexpr int kDownWarps = 16;
-constexpr int kDownBatch = 4;    // virtual k tiles loaded per warp step (64 registers: 2 blocks per SM)
+// Each kernel is built in a few shapes, named _w{warps}_b{batch}: warps per block and k tiles
+// loaded per warp step (gate_up: of gate and of up each); moe.py picks one per token count.
 
 // Expert of pair p, or -1 when it lies outside [0, E).
 __device__ __forceinline__ int pair_expert(const void* ids, int ids64, int p, int E) {
@@ -91,12 +93,13 @@ __device__ __forceinline__ float dot_tile(uint4 wv, half2 sz, const half* __rest
 
 }  // namespace onecat
 
-extern "C" __global__ void __launch_bounds__(32 * onecat::kGateUpWarps)
-w4a16_moe_gemv_gate_up(const half* __restrict__ x, const void* ids, int ids64,
-                       const uint4* __restrict__ w13_qweight, const half2* __restrict__ w13_scales,
-                       half* __restrict__ h, int top_k, int E, int H, int I, int group_size,
-                       int per_warp) {
-  using namespace onecat;
+namespace onecat {
+
+template <int kGateUpWarps, int kGateUpBatch>
+__device__ __forceinline__ void gate_up_body(const half* __restrict__ x, const void* ids, int ids64,
+                                             const uint4* __restrict__ w13_qweight,
+                                             const half2* __restrict__ w13_scales, half* __restrict__ h,
+                                             int top_k, int E, int H, int I, int group_size, int per_warp) {
   const int c = blockIdx.x;
   const int p = blockIdx.y;
   const int e = pair_expert(ids, ids64, p, E);
@@ -159,12 +162,13 @@ w4a16_moe_gemv_gate_up(const half* __restrict__ x, const void* ids, int ids64,
   }
 }
 
-extern "C" __global__ void __launch_bounds__(32 * onecat::kDownWarps, 2)
-w4a16_moe_gemv_down(const half* __restrict__ h, const void* ids, int ids64, const void* weights,
-                    int weights32, const uint4* __restrict__ w2_qweight,
-                    const half2* __restrict__ w2_scales, half* __restrict__ out, int top_k, int E,
-                    int H, int I, int group_size, int per_warp, float* ws, int* counters) {
-  using namespace onecat;
+template <int kDownWarps, int kDownBatch>
+__device__ __forceinline__ void down_body(const half* __restrict__ h, const void* ids, int ids64,
+                                          const void* weights, int weights32,
+                                          const uint4* __restrict__ w2_qweight,
+                                          const half2* __restrict__ w2_scales, half* __restrict__ out,
+                                          int top_k, int E, int H, int I, int group_size, int per_warp,
+                                          float* ws, int* counters) {
   const int c = blockIdx.x;
   const int t = blockIdx.y;
   const int splits = gridDim.z;
@@ -230,3 +234,27 @@ w4a16_moe_gemv_down(const half* __restrict__ h, const void* ids, int ids64, cons
   }
   if (warp == 0) out[(size_t)t * H + column] = __float2half_rn(sum);
 }
+
+}  // namespace onecat
+
+#define ONECAT_MOE_GATE_UP(WARPS, BATCH)                                                          \
+  extern "C" __global__ void __launch_bounds__(32 * WARPS) w4a16_moe_gemv_gate_up_w##WARPS##_b##BATCH( \
+      const half* x, const void* ids, int ids64, const uint4* w13_qweight, const half2* w13_scales, \
+      half* h, int top_k, int E, int H, int I, int group_size, int per_warp) {                  \
+    onecat::gate_up_body<WARPS, BATCH>(x, ids, ids64, w13_qweight, w13_scales, h, top_k, E, H, I, \
+                                       group_size, per_warp);                                  \
+  }
+// MIN_BLOCKS: resident blocks per SM the register budget is cut for
+#define ONECAT_MOE_DOWN(WARPS, BATCH, MIN_BLOCKS)                                                 \
+  extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) w4a16_moe_gemv_down_w##WARPS##_b##BATCH( \
+      const half* h, const void* ids, int ids64, const void* weights, int weights32,            \
+      const uint4* w2_qweight, const half2* w2_scales, half* out, int top_k, int E, int H, int I, \
+      int group_size, int per_warp, float* ws, int* counters) {                                 \
+    onecat::down_body<WARPS, BATCH>(h, ids, ids64, weights, weights32, w2_qweight, w2_scales, out, \
+                                    top_k, E, H, I, group_size, per_warp, ws, counters);        \
+  }
+
+ONECAT_MOE_GATE_UP(8, 4)
+ONECAT_MOE_GATE_UP(4, 4)
+ONECAT_MOE_DOWN(16, 4, 2)
+ONECAT_MOE_DOWN(8, 4, 4)
