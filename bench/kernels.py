@@ -234,21 +234,27 @@ def bench_moe(tokens_list: list[int], copy_gbs: float) -> list[dict]:
         pairs = tokens * MOE_TOP_K
         small = pairs <= moe.SMALL_TILE_PAIRS_PER_EXPERT * e
         path = "gather-GEMV" if pairs <= GATHER_MAX_PAIRS else f"grouped r{16 if small else 64}"
-        other = None
-        if pairs > GATHER_MAX_PAIRS:  # the other row-tile size, for the record
+        other = unpacked = None
+        if pairs > GATHER_MAX_PAIRS:  # the other row-tile size and fp16 staging (16-row tiles), for the record
             chosen = moe.SMALL_TILE_PAIRS_PER_EXPERT
             moe.SMALL_TILE_PAIRS_PER_EXPERT = 0 if small else 1 << 30
             try:
                 other = graph_time_us(calls)
             finally:
                 moe.SMALL_TILE_PAIRS_PER_EXPERT = chosen
+            moe.PACKED_FRAGMENTS = False
+            try:
+                unpacked = graph_time_us(calls)
+            finally:
+                moe.PACKED_FRAGMENTS = True
         rows.append(dict(tokens=tokens, path=path, us=t_ours, experts=touched, mb=moved / 1e6, gbs=gbs,
                          pct_copy=100 * gbs / copy_gbs, tflops=2 * pairs * 3 * h * i / (t_ours * 1e-6) / 1e12,
-                         fp16_us=t_fp16, fp16_how=how, vs_fp16=t_fp16 / t_ours, other_tile_us=other))  # fmt: skip
+                         fp16_us=t_fp16, fp16_how=how, vs_fp16=t_fp16 / t_ours, other_tile_us=other,
+                         fp16_staging_us=unpacked))  # fmt: skip
         print(
             f"moe T={tokens:<5d} {path:13s} {t_ours:9.1f} us  {touched:5.1f} experts {moved / 1e6:7.1f} MB "
             f"{gbs:7.0f} GB/s {100 * gbs / copy_gbs:5.1f}%  fp16 {how} {t_fp16:9.1f} us x{t_fp16 / t_ours:5.2f}"
-            + (f"  other tile size {other:9.1f} us" if other else ""),
+            + (f"  other tile size {other:9.1f} us  fp16 staging {unpacked:9.1f} us" if other else ""),
             flush=True,
         )
     return rows

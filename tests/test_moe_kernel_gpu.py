@@ -189,11 +189,14 @@ def test_moe_op_under_cuda_graph_capture(experts_35b, tokens):
                     path_of(tokens))
 
 
-def test_small_shapes_and_odd_tile_counts():
-    """Sizes off the 35B grid: E = 6, H = 96 (3 k tiles), I = 96 (3 column tiles, an odd
-    count: the grouped kernel's last column group is half empty), g = 32."""
+@pytest.mark.parametrize("h, inter, g", [(96, 96, 32), (192, 128, 64)])
+def test_small_shapes_and_odd_tile_counts(h, inter, g):
+    """Sizes off the 35B grid, E = 6: H = 96 (3 k tiles), I = 96 (3 column tiles, an odd
+    count: the grouped kernel's last column group is half empty), g = 32 (fp16 staging); and
+    H = 192 (6 output tiles: the down projection's last group of 4 is half empty), I = 128,
+    g = 64 (packed fragments)."""
     gen = torch.Generator(device="cuda").manual_seed(5)
-    h, inter, e, g = 96, 96, 6, 32
+    e = 6
     tensors = (*random_stacked(e, 2 * inter, h, g, gen), *random_stacked(e, h, inter, g, gen))
     for tokens in (3, 150):
         ids = torch.randint(-1, e + 1, (tokens, 2), device="cuda", generator=gen)
@@ -327,17 +330,19 @@ def test_runtime_experts_on_cuda_match_their_cpu_reference(tokens):
         check_close(y, ref.double().cuda(), f"{type(module).__name__} T={tokens}", path_of(tokens, 4))
 
 
-@pytest.mark.parametrize("small_tiles", [True, False])
+@pytest.mark.parametrize("small_tiles, packed", [(True, True), (True, False), (False, False)])
 @pytest.mark.parametrize("tokens", [40, 300])
-def test_grouped_row_tile_sizes_match_fp64(experts_35b, tokens, small_tiles, monkeypatch):
-    """Both row-tile sizes of the grouped path (16 rows for few pairs per expert, 64 rows)
-    on the same routings, whichever the op would pick."""
+def test_grouped_row_tile_sizes_match_fp64(experts_35b, tokens, small_tiles, packed, monkeypatch):
+    """Both row-tile sizes of the grouped path (16 rows for few pairs per expert, 64 rows),
+    16-row tiles dequantising on packed fragments and through fp16 in shared memory, on the
+    same routings, whichever the op would pick."""
     from onecat.kernels import moe
 
     monkeypatch.setattr(moe, "SMALL_TILE_PAIRS_PER_EXPERT", 1 << 30 if small_tiles else 0)
+    monkeypatch.setattr(moe, "PACKED_FRAGMENTS", packed)
     x, ids, weights = random_routing(tokens, E, TOP_K, seed=100 + tokens)
     y = moe.w4a16_moe(x, ids, weights, *experts_35b, G)
-    label = f"T={tokens} {'16' if small_tiles else '64'}-row tiles"
+    label = f"T={tokens} {'16' if small_tiles else '64'}-row tiles{' packed' if packed else ''}"
     check_close(y, reference(x, ids, weights, experts_35b, G), label, "grouped wmma")
 
 

@@ -150,6 +150,10 @@ def kernel_names(program: str) -> list[str]:
         return [f"w4a16_moe_gemv_gate_up_w{w}_b{b}" for w, b in gate_up] + [
             f"w4a16_moe_gemv_down_w{w}_b{b}" for w, b in down
         ]
+    if program == "w4a16_moe_wmma":
+        plain = re.findall(r'^extern "C" __global__ void __launch_bounds__\([^)]*\)\n\s*(\w+)\(', text, flags=re.M)
+        suffixes = re.findall(r"^ONECAT_MOE_WMMA\((\w*), \d+, \w+\)$", text, flags=re.M)
+        return plain + [f"w4a16_moe_wmma_{kind}{suffix}" for suffix in suffixes for kind in ("gate_up", "down")]
     if program.startswith(("w4a16_moe", "paged_attention", "gdn_prefill", "gdn_decode", "attention_prep", "all_reduce")):  # plain extern "C" kernels
         return re.findall(r'^extern "C" __global__ void __launch_bounds__\([^)]*\)\n\s*(\w+)\(', text, flags=re.M)
     return [program]

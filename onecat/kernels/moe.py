@@ -13,7 +13,8 @@ expert parallelism, vLLM's ``-1``) contribute nothing.
 - CUDA, more pairs (prefill): the pairs are sorted by expert on the GPU by one small kernel,
   then two grouped wmma GEMMs over row tiles of one expert each (``w4a16_moe_wmma.cu``):
   16-row tiles while the experts average at most :data:`SMALL_TILE_PAIRS_PER_EXPERT` pairs
-  (a short prompt: ~10 rows per expert would leave a 64-row tile mostly padding), else 64.
+  (a short prompt: ~10 rows per expert would leave a 64-row tile mostly padding), else 64;
+  16-row tiles dequantise on packed wmma fragments (:data:`PACKED_FRAGMENTS`).
 - CPU: the reference (:func:`reference_moe`): the dequant contract, fp32 matmuls, the hidden
   activations rounded to ``x.dtype`` as the kernels round them to fp16.
 - Meta / fake tensors: ``x``'s shape and dtype.
@@ -87,6 +88,12 @@ MAX_DOWN_SPLITS = 4
 """Most blocks one (column tile, token) of the gather path's down projection is split over."""
 SMALL_TILE_PAIRS_PER_EXPERT = 18  # H200, 35B layer (bench/kernels.py --moe-only): r16 faster up to 16 pairs/expert (426 vs 561 us), r64 from 20 (521 vs 575)
 """Up to this many (token, expert) pairs per expert on average the grouped path uses 16-row tiles."""
+PACKED_FRAGMENTS = True
+"""Grouped path, 16-row tiles: dequantise on packed wmma fragments (``_r16_pk`` kernels, group
+sizes that are multiples of 64) instead of staging fp16 weights through shared memory. H200,
+35B-A3B layer (``bench/kernels.py --moe-only``, 2026-12-01): 191 / 227 / 276 / 378 us at
+40 / 64 / 320 / 512 tokens against 218 / 256 / 309 / 426. (With 64-row tiles the packed
+kernel needs 255 registers and lost: 660 against 616 us at 1024 tokens; not built.)"""
 _GROUP_ROWS = {False: 64, True: 16}  # w4a16_moe_wmma.cu tile rows: 64, and the _r16 kernels
 _GROUP_WARPS = 4  # kMoeWarps
 _ALIGN_THREADS = 1024  # kAlignThreads
@@ -246,6 +253,8 @@ def _cuda_moe(
     # can need (each expert with pairs adds at most one partial tile), blocks beyond exit.
     small = pairs <= SMALL_TILE_PAIRS_PER_EXPERT * e
     rows, suffix = _GROUP_ROWS[small], "_r16" if small else ""
+    if small and PACKED_FRAGMENTS and group_size % 64 == 0:
+        suffix += "_pk"
     row_tiles = math.ceil(pairs / rows) + min(e, pairs)
     if row_tiles > _GRID_Y_MAX:
         raise OnecatError(

@@ -165,4 +165,86 @@ struct FragC { float r[8]; };
 ONECAT_WMMA_FUNCS(m16n16k16)
 ONECAT_WMMA_FUNCS(m8n32k16)
 
+// --- Dequantisation on packed wmma fragments (register-dequant kernels) -------------------
+// See w4a16_wmma.cu ("Register-dequant variant") for the scheme.  In short: 64 k of a column
+// (its lane's two uint4 of tiles t = 0, 1) are stored unchanged as one 16-element column of a
+// packed matrix; element kk = 8t + 2v + h is half h of word v of tile t and holds in nibble j
+// (j = 0..3) the weight at k = 32t + 8v + 2j + h.  wmma.load.b of that matrix puts packed
+// elements in fragment slots whose positions are unknown; everything done on them below is
+// slot-wise, so it holds whatever the GPU's fragment layout.
+
+template <int V>
+struct IntConst { static constexpr int value = V; };
+
+constexpr int kPackedLd = 24;  // row stride (halves) of packed columns and of permuted A steps
+
+// Nibble J (0..3) of both 16-bit elements of `r` as an fp16 pair, then fma(q, s, nzs): the
+// dequant contract applied to two slots of a packed fragment.
+template <int J>
+__device__ __forceinline__ unsigned dequant_slots(unsigned r, unsigned s2, unsigned nzs2) {
+  const unsigned kMagic = 0x64006400u;
+  const unsigned v = (J >= 2) ? (r >> 8) : r;
+  half2 q;
+  if constexpr ((J & 1) == 0) {
+    q = __hsub2(as_half2(and_or(v, 0x000F000Fu, kMagic)), as_half2(kMagic));
+  } else {
+    q = __hfma2(as_half2(and_or(v, 0x00F000F0u, kMagic)), as_half2(0x2C002C00u), as_half2(0xD400D400u));
+  }
+  const half2 w = __hfma2(q, as_half2(s2), as_half2(nzs2));
+  return *reinterpret_cast<const unsigned*>(&w);
+}
+
+// Eight activations x[m][k0 .. k0+7] (k0 = c8, a multiple of 8 inside a chunk of 64-k
+// sub-chunks) into the permuted A steps: step (sub*4 + j) is a [rows][kPackedLd] matrix and
+// holds at element kk the value of k = 32t + 8v + 2j + h.
+__device__ __forceinline__ void stage_a_permuted(half* sA, int rows, int row, int c8, uint4 x8) {
+  const int sub = c8 >> 6, t = (c8 >> 5) & 1, v = (c8 >> 3) & 3;
+  const unsigned words[4] = {x8.x, x8.y, x8.z, x8.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j)  // values 2j, 2j+1 -> step j, elements kk = 8t + 2v + {0, 1}
+    *reinterpret_cast<unsigned*>(sA + ((sub * 4 + j) * rows + row) * kPackedLd + 8 * t + 2 * v) = words[j];
+}
+
+// This lane's two packed uint4 of a 64-k sub-chunk as column lane_column(lane) of the packed
+// matrix at `sP` ([32 columns][kPackedLd] halves).
+__device__ __forceinline__ void store_packed_column(half* sP, int lane, uint4 tile0, uint4 tile1) {
+  uint4* dst = reinterpret_cast<uint4*>(sP + lane_column(lane) * kPackedLd);
+  dst[0] = tile0;
+  dst[1] = tile1;
+}
+
+// Lane ids into the packed matrix at `sP` (each lane fills its column): a fragment loaded from
+// it tells, per slot, which lane owns the slot's column.
+__device__ __forceinline__ void store_lane_ids(half* sP, int lane) {
+  const unsigned id2 = (unsigned)lane | ((unsigned)lane << 16);
+  store_packed_column(sP, lane, make_uint4(id2, id2, id2, id2), make_uint4(id2, id2, id2, id2));
+}
+
+// Per slot pair of NF fragments: (s, s) and (nzs, nzs) of the slots' columns, gathered by
+// shuffles from the owning lanes' (s, nzs) pairs `mine`.  Call from the whole warp.
+template <int NF>
+__device__ __forceinline__ void slot_scales(const FragAB (&owner)[NF], half2 mine, FragAB (&s2)[NF],
+                                            FragAB (&nzs2)[NF]) {
+  const unsigned m = *reinterpret_cast<const unsigned*>(&mine);
+#pragma unroll
+  for (int f = 0; f < NF; ++f)
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      const unsigned lo = __shfl_sync(0xffffffffu, m, owner[f].r[r] & 0xFFFFu);
+      const unsigned hi = __shfl_sync(0xffffffffu, m, owner[f].r[r] >> 16);
+      s2[f].r[r] = __byte_perm(lo, hi, 0x5410);    // (s of the low slot, s of the high slot)
+      nzs2[f].r[r] = __byte_perm(lo, hi, 0x7632);  // (nzs of the low slot, nzs of the high slot)
+    }
+}
+
+// B fragments of step J from packed fragments.
+template <int J, int NF>
+__device__ __forceinline__ void dequant_step(const FragAB (&packed)[NF], const FragAB (&s2)[NF],
+                                             const FragAB (&nzs2)[NF], FragAB (&b)[NF]) {
+#pragma unroll
+  for (int f = 0; f < NF; ++f)
+#pragma unroll
+    for (int r = 0; r < 8; ++r) b[f].r[r] = dequant_slots<J>(packed[f].r[r], s2[f].r[r], nzs2[f].r[r]);
+}
+
 }  // namespace onecat

@@ -37,6 +37,10 @@
 //   activation rows' chunk into sA[row][k] (x rows by token for gate_up, h rows by sorted
 //   position for down; rows past `rows` are zero); then each warp runs 4 x 2 wmma m16n16k16
 //   per 16 k into fp32 accumulators (64 rows x 32 columns per warp).
+//   The _r16_pk kernels instead store each lane's packed uint4 unchanged as a column of a
+//   packed matrix and the activation chunk permuted into 4 steps, and dequantise on the
+//   wmma B fragments loaded from it (w4a16_common.cuh, "Dequantisation on packed wmma
+//   fragments"; w4a16_wmma.cu explains the scheme): a quarter of the shared-memory traffic.
 //   Epilogue through shared memory (fp32, row stride 36): gate_up pairs warp w's gate sums
 //   with warp w+2's up sums and writes 64-byte rows of h; down multiplies by the routing
 //   weight and adds into ws[token] with atomicAdd.
@@ -50,10 +54,11 @@ constexpr int kMoeLds = kMoeChunk * kTile + 8;  // shared row stride in halves (
 constexpr int kMoeLdc = 36;                     // epilogue row stride in floats
 constexpr int kAlignThreads = 1024;             // also the largest E the align kernel takes
 
-template <int ROWS>
+template <int ROWS, bool PACKED>
 struct MoeSmem {  // shared memory of a ROWS-row tile: sA + sB in the main loop, sC after it
-  static constexpr int kA = ROWS * kMoeLds * 2;
-  static constexpr int kB = kMoeWarps * kTile * kMoeLds * 2;
+  // PACKED: sA holds the chunk's 4 permuted A steps, sB the warps' packed columns
+  static constexpr int kA = PACKED ? 4 * ROWS * kPackedLd * 2 : ROWS * kMoeLds * 2;
+  static constexpr int kB = PACKED ? kMoeWarps * kTile * kPackedLd * 2 : kMoeWarps * kTile * kMoeLds * 2;
   static constexpr int kC = kMoeWarps * ROWS * kMoeLdc * 4;
   static constexpr int kBytes = (kA + kB) > kC ? (kA + kB) : kC;
 };
@@ -66,7 +71,7 @@ __device__ __forceinline__ int moe_pair_expert(const void* ids, int ids64, int p
 
 // The grouped GEMM of one row tile of one expert.  GATE_UP: A = x rows by token, N = 2I
 // (gate | up), output h; otherwise A = h rows by sorted position, N = H, output ws.
-template <bool GATE_UP, int ROWS>
+template <bool GATE_UP, int ROWS, bool PACKED>
 __device__ __forceinline__ void moe_tile(const half* __restrict__ a, const int* __restrict__ meta,
                                          int E, const uint4* __restrict__ qweight,
                                          const half2* __restrict__ scales_zeros, int N, int K,
@@ -87,11 +92,11 @@ __device__ __forceinline__ void moe_tile(const half* __restrict__ a, const int* 
   const int r0 = __ldg(expert_start + e) + (tile_index - __ldg(tile_start + e)) * ROWS;
   const int rows = min(ROWS, __ldg(expert_start + e + 1) - r0);
 
-  __shared__ __align__(128) unsigned char smem[MoeSmem<ROWS>::kBytes];
+  __shared__ __align__(128) unsigned char smem[MoeSmem<ROWS, PACKED>::kBytes];
   __shared__ int row_source[ROWS];  // activation row of each tile row (-1: padding)
   __shared__ int row_pair[ROWS];    // pair index of each tile row
   half* sA = reinterpret_cast<half*>(smem);
-  half* sB = reinterpret_cast<half*>(smem + MoeSmem<ROWS>::kA);
+  half* sB = reinterpret_cast<half*>(smem + MoeSmem<ROWS, PACKED>::kA);
   float* sC = reinterpret_cast<float*>(smem);
 
   if (threadIdx.x < ROWS) {
@@ -162,43 +167,94 @@ __device__ __forceinline__ void moe_tile(const half* __restrict__ a, const int* 
 #pragma unroll
       for (int r = 0; r < 8; ++r) acc[i][j].r[r] = 0.0f;
 
-  load_chunk(0);
-  for (int kc = 0; kc < ktiles; kc += kMoeChunk) {
-    const int valid_tiles = min(kMoeChunk, ktiles - kc);
-    __syncthreads();  // the previous chunk's fragments have been read
-#pragma unroll
-    for (int i = 0; i < kXPerThread; ++i) {
-      const int idx = threadIdx.x + i * kThreads;
-      *reinterpret_cast<uint4*>(sA + (idx / kVecsPerRow) * kMoeLds + (idx % kVecsPerRow) * 8) = xv[i];
-    }
-    if (tile_ok) {
-      half* row = sB_warp + lane_column(lane) * kMoeLds;
-#pragma unroll
-      for (int u = 0; u < kMoeChunk; ++u) {
-        if (u < valid_tiles) {
-          half2 w[16];
-          dequant_tile(wv[u], sz[u], w);
-          uint4* dst = reinterpret_cast<uint4*>(row + u * kTile);
-#pragma unroll
-          for (int q = 0; q < 4; ++q) dst[q] = *reinterpret_cast<uint4*>(w + 4 * q);
-        }
-      }
-    }
+  if constexpr (PACKED) {
+    // Dequantisation on packed fragments (w4a16_common.cuh; w4a16_wmma.cu explains it):
+    // group sizes that are multiples of 64, so K is too and every chunk is whole.
+    half* sP_warp = sB + warp * kTile * kPackedLd;
+    store_lane_ids(sP_warp, lane);
     __syncthreads();
-    if (kc + kMoeChunk < ktiles) load_chunk(kc + kMoeChunk);  // overlaps the MMAs below
-    if (tile_ok) {
+    FragAB owner[2], s2[2], nzs2[2];
 #pragma unroll
-      for (int ks = 0; ks < kChunk / 16; ++ks) {
-        if (ks < 2 * valid_tiles) {
+    for (int f = 0; f < 2; ++f) load_b_m16n16k16(owner[f], sP_warp + f * 16 * kPackedLd, kPackedLd);
+    const int tiles_per_group = group_size / kTile;
+    int group = -1;
+    load_chunk(0);
+    for (int kc = 0; kc < ktiles; kc += kMoeChunk) {
+      __syncthreads();  // the previous chunk's fragments have been read
+#pragma unroll
+      for (int i = 0; i < kXPerThread; ++i) {
+        const int idx = threadIdx.x + i * kThreads;
+        stage_a_permuted(sA, ROWS, idx / kVecsPerRow, (idx % kVecsPerRow) * 8, xv[i]);
+      }
+      if (tile_ok) store_packed_column(sP_warp, lane, wv[0], wv[1]);
+      const half2 sz_chunk = sz[0];
+      __syncthreads();
+      if (kc + kMoeChunk < ktiles) load_chunk(kc + kMoeChunk);  // overlaps the MMAs below
+      if (tile_ok) {
+        if (kc / tiles_per_group != group) {  // warp-uniform: this group's (s, nzs) per slot
+          group = kc / tiles_per_group;
+          slot_scales(owner, sz_chunk, s2, nzs2);
+        }
+        FragAB packed[2];
+#pragma unroll
+        for (int f = 0; f < 2; ++f) load_b_m16n16k16(packed[f], sP_warp + f * 16 * kPackedLd, kPackedLd);
+        auto step = [&](auto j_const) {
+          constexpr int J = decltype(j_const)::value;
           FragAB b[2];
-#pragma unroll
-          for (int j = 0; j < 2; ++j) load_b_m16n16k16(b[j], sB_warp + j * 16 * kMoeLds + ks * 16, kMoeLds);
+          dequant_step<J>(packed, s2, nzs2, b);
 #pragma unroll
           for (int i = 0; i < kMFrags; ++i) {
             FragAB af;
-            load_a_m16n16k16(af, sA + i * 16 * kMoeLds + ks * 16, kMoeLds);
+            load_a_m16n16k16(af, sA + (J * ROWS + i * 16) * kPackedLd, kPackedLd);
 #pragma unroll
             for (int j = 0; j < 2; ++j) mma_m16n16k16(acc[i][j], af, b[j]);
+          }
+        };
+        step(IntConst<0>{});
+        step(IntConst<1>{});
+        step(IntConst<2>{});
+        step(IntConst<3>{});
+      }
+    }
+  } else {
+    load_chunk(0);
+    for (int kc = 0; kc < ktiles; kc += kMoeChunk) {
+      const int valid_tiles = min(kMoeChunk, ktiles - kc);
+      __syncthreads();  // the previous chunk's fragments have been read
+  #pragma unroll
+      for (int i = 0; i < kXPerThread; ++i) {
+        const int idx = threadIdx.x + i * kThreads;
+        *reinterpret_cast<uint4*>(sA + (idx / kVecsPerRow) * kMoeLds + (idx % kVecsPerRow) * 8) = xv[i];
+      }
+      if (tile_ok) {
+        half* row = sB_warp + lane_column(lane) * kMoeLds;
+  #pragma unroll
+        for (int u = 0; u < kMoeChunk; ++u) {
+          if (u < valid_tiles) {
+            half2 w[16];
+            dequant_tile(wv[u], sz[u], w);
+            uint4* dst = reinterpret_cast<uint4*>(row + u * kTile);
+  #pragma unroll
+            for (int q = 0; q < 4; ++q) dst[q] = *reinterpret_cast<uint4*>(w + 4 * q);
+          }
+        }
+      }
+      __syncthreads();
+      if (kc + kMoeChunk < ktiles) load_chunk(kc + kMoeChunk);  // overlaps the MMAs below
+      if (tile_ok) {
+  #pragma unroll
+        for (int ks = 0; ks < kChunk / 16; ++ks) {
+          if (ks < 2 * valid_tiles) {
+            FragAB b[2];
+  #pragma unroll
+            for (int j = 0; j < 2; ++j) load_b_m16n16k16(b[j], sB_warp + j * 16 * kMoeLds + ks * 16, kMoeLds);
+  #pragma unroll
+            for (int i = 0; i < kMFrags; ++i) {
+              FragAB af;
+              load_a_m16n16k16(af, sA + i * 16 * kMoeLds + ks * 16, kMoeLds);
+  #pragma unroll
+              for (int j = 0; j < 2; ++j) mma_m16n16k16(acc[i][j], af, b[j]);
+            }
           }
         }
       }
@@ -292,37 +348,25 @@ w4a16_moe_wmma_align(const void* ids, int ids64, int P, int E, int rows_per_tile
   }
 }
 
-// 64-row tiles (many pairs per expert) and 16-row tiles (a few: less padding per tile).
-extern "C" __global__ void __launch_bounds__(32 * onecat::kMoeWarps)
-w4a16_moe_wmma_gate_up(const half* __restrict__ x, const int* __restrict__ meta, int E,
-                       const uint4* __restrict__ w13_qweight, const half2* __restrict__ w13_scales,
-                       half* __restrict__ h, int top_k, int H, int I, int group_size) {
-  onecat::moe_tile<true, 64>(x, meta, E, w13_qweight, w13_scales, 2 * I, H, group_size, top_k, h, I,
-                             nullptr, 0, nullptr);
-}
+// 64-row tiles (many pairs per expert) and 16-row tiles (a few: less padding per tile); _pk:
+// dequantisation on packed fragments (group sizes that are multiples of 64; with 64-row
+// tiles it needs 255 registers and measured slower, so only 16-row tiles are built).
+#define ONECAT_MOE_WMMA(SUFFIX, ROWS, PACKED)                                                     \
+  extern "C" __global__ void __launch_bounds__(32 * onecat::kMoeWarps) w4a16_moe_wmma_gate_up##SUFFIX( \
+      const half* __restrict__ x, const int* __restrict__ meta, int E,                          \
+      const uint4* __restrict__ w13_qweight, const half2* __restrict__ w13_scales,             \
+      half* __restrict__ h, int top_k, int H, int I, int group_size) {                          \
+    onecat::moe_tile<true, ROWS, PACKED>(x, meta, E, w13_qweight, w13_scales, 2 * I, H, group_size, \
+                                         top_k, h, I, nullptr, 0, nullptr);                      \
+  }                                                                                             \
+  extern "C" __global__ void __launch_bounds__(32 * onecat::kMoeWarps) w4a16_moe_wmma_down##SUFFIX( \
+      const half* __restrict__ h, const int* __restrict__ meta, int E, const void* weights,     \
+      int weights32, const uint4* __restrict__ w2_qweight, const half2* __restrict__ w2_scales, \
+      float* __restrict__ ws, int top_k, int H, int I, int group_size) {                        \
+    onecat::moe_tile<false, ROWS, PACKED>(h, meta, E, w2_qweight, w2_scales, H, I, group_size, top_k, \
+                                          nullptr, I, weights, weights32, ws);                   \
+  }
 
-extern "C" __global__ void __launch_bounds__(32 * onecat::kMoeWarps)
-w4a16_moe_wmma_down(const half* __restrict__ h, const int* __restrict__ meta, int E,
-                    const void* weights, int weights32, const uint4* __restrict__ w2_qweight,
-                    const half2* __restrict__ w2_scales, float* __restrict__ ws, int top_k, int H,
-                    int I, int group_size) {
-  onecat::moe_tile<false, 64>(h, meta, E, w2_qweight, w2_scales, H, I, group_size, top_k, nullptr, I,
-                              weights, weights32, ws);
-}
-
-extern "C" __global__ void __launch_bounds__(32 * onecat::kMoeWarps)
-w4a16_moe_wmma_gate_up_r16(const half* __restrict__ x, const int* __restrict__ meta, int E,
-                       const uint4* __restrict__ w13_qweight, const half2* __restrict__ w13_scales,
-                       half* __restrict__ h, int top_k, int H, int I, int group_size) {
-  onecat::moe_tile<true, 16>(x, meta, E, w13_qweight, w13_scales, 2 * I, H, group_size, top_k, h, I,
-                             nullptr, 0, nullptr);
-}
-
-extern "C" __global__ void __launch_bounds__(32 * onecat::kMoeWarps)
-w4a16_moe_wmma_down_r16(const half* __restrict__ h, const int* __restrict__ meta, int E,
-                    const void* weights, int weights32, const uint4* __restrict__ w2_qweight,
-                    const half2* __restrict__ w2_scales, float* __restrict__ ws, int top_k, int H,
-                    int I, int group_size) {
-  onecat::moe_tile<false, 16>(h, meta, E, w2_qweight, w2_scales, H, I, group_size, top_k, nullptr, I,
-                              weights, weights32, ws);
-}
+ONECAT_MOE_WMMA(, 64, false)
+ONECAT_MOE_WMMA(_r16, 16, false)
+ONECAT_MOE_WMMA(_r16_pk, 16, true)

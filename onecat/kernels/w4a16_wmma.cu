@@ -58,37 +58,16 @@ namespace onecat {
 
 constexpr int kLdc = 36;  // epilogue row stride in floats (144 bytes)
 
-template <int V>
-struct IntConst { static constexpr int value = V; };
-
-constexpr int kLdp = 24;  // register-dequant variant: row stride (halves) of sA steps and sP columns
-
 template <int MT, int WARPS, int CT, bool IN_REG>
 struct WmmaSmem {
   static constexpr int kLds = CT * kTile + 8;           // shared row stride in halves
   // sA: MT rows of a chunk, or (IN_REG) 2*CT step matrices of MT rows x 16 k
-  static constexpr int kA = IN_REG ? 2 * CT * MT * kLdp * 2 : MT * kLds * 2;
+  static constexpr int kA = IN_REG ? 2 * CT * MT * kPackedLd * 2 : MT * kLds * 2;
   // sB: fp16 [WARPS][32 columns][chunk k], or (IN_REG) packed [WARPS][CT/2][32 columns][16]
-  static constexpr int kB = IN_REG ? WARPS * (CT / 2) * kTile * kLdp * 2 : WARPS * kTile * kLds * 2;
+  static constexpr int kB = IN_REG ? WARPS * (CT / 2) * kTile * kPackedLd * 2 : WARPS * kTile * kLds * 2;
   static constexpr int kC = WARPS * MT * kLdc * 4;      // bytes of the epilogue
   static constexpr int kBytes = (kA + kB) > kC ? (kA + kB) : kC;
 };
-
-// Nibble J (0..3) of both 16-bit elements of `r` as an fp16 pair, then fma(q, s, nzs): the
-// dequant contract applied to two slots of a packed fragment (see the top of the file).
-template <int J>
-__device__ __forceinline__ unsigned dequant_slots(unsigned r, unsigned s2, unsigned nzs2) {
-  const unsigned kMagic = 0x64006400u;
-  const unsigned v = (J >= 2) ? (r >> 8) : r;
-  half2 q;
-  if constexpr ((J & 1) == 0) {
-    q = __hsub2(as_half2(and_or(v, 0x000F000Fu, kMagic)), as_half2(kMagic));
-  } else {
-    q = __hfma2(as_half2(and_or(v, 0x00F000F0u, kMagic)), as_half2(0x2C002C00u), as_half2(0xD400D400u));
-  }
-  const half2 w = __hfma2(q, as_half2(s2), as_half2(nzs2));
-  return *reinterpret_cast<const unsigned*>(&w);
-}
 
 template <int MT, int WARPS, int CT, bool IN_REG>
 __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint4* __restrict__ qweight,
@@ -165,18 +144,14 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
 
   if constexpr (IN_REG) {
     // Which lane owns the column of each 16-bit slot of this warp's packed B fragment(s).
-    half* sP_warp = sB + warp * (CT / 2) * kTile * kLdp;
-    {
-      const unsigned id2 = (unsigned)lane | ((unsigned)lane << 16);
-      uint4* dst = reinterpret_cast<uint4*>(sP_warp + lane_column(lane) * kLdp);
-      dst[0] = dst[1] = make_uint4(id2, id2, id2, id2);
-    }
+    half* sP_warp = sB + warp * (CT / 2) * kTile * kPackedLd;
+    store_lane_ids(sP_warp, lane);
     __syncthreads();
     FragAB owner[kNFrags];
 #pragma unroll
     for (int f = 0; f < kNFrags; ++f) {
-      if constexpr (kM8) load_b_m8n32k16(owner[f], sP_warp, kLdp);
-      else load_b_m16n16k16(owner[f], sP_warp + f * 16 * kLdp, kLdp);
+      if constexpr (kM8) load_b_m8n32k16(owner[f], sP_warp, kPackedLd);
+      else load_b_m16n16k16(owner[f], sP_warp + f * 16 * kPackedLd, kPackedLd);
     }
     FragAB s2[kNFrags], nzs2[kNFrags];  // per slot pair: (s, s) and (nzs, nzs) of its columns
     int group = -1;
@@ -188,23 +163,11 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
 #pragma unroll
       for (int i = 0; i < kXPerThread; ++i) {
         const int idx = threadIdx.x + i * kThreads;
-        if (idx < kXVecs) {
-          const int row = idx / (kChunk / 8);
-          const int c8 = (idx % (kChunk / 8)) * 8;  // k offset of these 8 values in the chunk
-          const int sub = c8 >> 6, t = (c8 >> 5) & 1, v = (c8 >> 3) & 3;
-          const unsigned words[4] = {xv[i].x, xv[i].y, xv[i].z, xv[i].w};
-#pragma unroll
-          for (int j = 0; j < 4; ++j)  // values 2j, 2j+1 -> step j, elements kk = 8t + 2v + {0, 1}
-            *reinterpret_cast<unsigned*>(sA + ((sub * 4 + j) * MT + row) * kLdp + 8 * t + 2 * v) = words[j];
-        }
+        if (idx < kXVecs) stage_a_permuted(sA, MT, idx / (kChunk / 8), (idx % (kChunk / 8)) * 8, xv[i]);
       }
       if (tile_ok) {
 #pragma unroll
-        for (int sub = 0; sub < CT / 2; ++sub) {
-          uint4* dst = reinterpret_cast<uint4*>(sP_warp + (sub * kTile + lane_column(lane)) * kLdp);
-          dst[0] = wv[2 * sub];
-          dst[1] = wv[2 * sub + 1];
-        }
+        for (int sub = 0; sub < CT / 2; ++sub) store_packed_column(sP_warp + sub * kTile * kPackedLd, lane, wv[2 * sub], wv[2 * sub + 1]);
       }
       half2 sz_chunk[CT / 2];
 #pragma unroll
@@ -218,40 +181,28 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
             const int g = (kc + 2 * sub) / tiles_per_group;
             if (g != group) {  // warp-uniform: this group's (s, nzs) for every slot
               group = g;
-              const unsigned mine = *reinterpret_cast<const unsigned*>(&sz_chunk[sub]);
-#pragma unroll
-              for (int f = 0; f < kNFrags; ++f)
-#pragma unroll
-                for (int r = 0; r < 8; ++r) {
-                  const unsigned lo = __shfl_sync(0xffffffffu, mine, owner[f].r[r] & 0xFFFFu);
-                  const unsigned hi = __shfl_sync(0xffffffffu, mine, owner[f].r[r] >> 16);
-                  s2[f].r[r] = __byte_perm(lo, hi, 0x5410);    // (s of lo slot, s of hi slot)
-                  nzs2[f].r[r] = __byte_perm(lo, hi, 0x7632);  // (nzs of lo, nzs of hi)
-                }
+              slot_scales(owner, sz_chunk[sub], s2, nzs2);
             }
             FragAB packed[kNFrags];
 #pragma unroll
             for (int f = 0; f < kNFrags; ++f) {
-              if constexpr (kM8) load_b_m8n32k16(packed[f], sP_warp + sub * kTile * kLdp, kLdp);
-              else load_b_m16n16k16(packed[f], sP_warp + (sub * kTile + f * 16) * kLdp, kLdp);
+              if constexpr (kM8) load_b_m8n32k16(packed[f], sP_warp + sub * kTile * kPackedLd, kPackedLd);
+              else load_b_m16n16k16(packed[f], sP_warp + (sub * kTile + f * 16) * kPackedLd, kPackedLd);
             }
             auto step = [&](auto j_const) {
               constexpr int J = decltype(j_const)::value;
               FragAB b[kNFrags];
-#pragma unroll
-              for (int f = 0; f < kNFrags; ++f)
-#pragma unroll
-                for (int r = 0; r < 8; ++r) b[f].r[r] = dequant_slots<J>(packed[f].r[r], s2[f].r[r], nzs2[f].r[r]);
-              const half* a_step = sA + (sub * 4 + J) * MT * kLdp;
+              dequant_step<J>(packed, s2, nzs2, b);
+              const half* a_step = sA + (sub * 4 + J) * MT * kPackedLd;
               if constexpr (kM8) {
                 FragAB a;
-                load_a_m8n32k16(a, a_step, kLdp);
+                load_a_m8n32k16(a, a_step, kPackedLd);
                 mma_m8n32k16(acc[0][0], a, b[0]);
               } else {
 #pragma unroll
                 for (int i = 0; i < kMFrags; ++i) {
                   FragAB a;
-                  load_a_m16n16k16(a, a_step + i * 16 * kLdp, kLdp);
+                  load_a_m16n16k16(a, a_step + i * 16 * kPackedLd, kPackedLd);
 #pragma unroll
                   for (int f = 0; f < kNFrags; ++f) mma_m16n16k16(acc[i][f], a, b[f]);
                 }
