@@ -142,4 +142,5 @@ def test_folded_shared_expert_matches_the_separate_mlp(device, tokens):
     scale = separate.float().abs().max()
     assert (folded.float() - separate.float()).abs().max() <= 5e-3 * scale, "folded vs separate shared expert"
     assert fold_shared_experts(layer) == 1, "folding again changes nothing"
-    assert torch.equal(layer(x), folded)
+    # the grouped GPU path sums a token's experts with fp32 atomics, in no fixed order
+    assert (layer(x).float() - folded.float()).abs().max() <= 1e-3 * scale
