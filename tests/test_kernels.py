@@ -199,3 +199,25 @@ def test_tuning_buckets():
     assert [bucket(m) for m in (1, 2, 3, 5, 17, 64, 65, 100, 257, 9000)] == [
         1, 2, 4, 8, 32, 64, 128, 128, 512, 8192,
     ]  # fmt: skip
+
+
+def test_packed_fragment_elements_hold_the_documented_k():
+    """The register-dequant kernels' contract with the packed layout (w4a16_common.cuh,
+    "Dequantisation on packed wmma fragments"): a lane's two uint4 of k tiles 2c, 2c+1, read
+    as 16 16-bit elements kk = 8t + 2v + h, hold in nibble j the q of k = 64c + 32t + 8v + 2j + h
+    of the lane's column (stage_a_permuted stages x by the same rule; the GPU tests check the
+    products)."""
+    from onecat.pack.volta_layout import lane_to_column
+
+    n, k, g = 32, 128, 64
+    q, z, s = random_layer(n, k, g, seed=11)
+    qweight, _ = pack_volta(q, z, s)  # [N/32, K/32, 32 lanes, 4 words]
+    words = qweight[0].to(torch.int64) & 0xFFFFFFFF  # [K/32, 32, 4]
+    for lane in range(32):
+        column = int(lane_to_column(lane))
+        for c in range(k // 64):
+            for kk in range(16):
+                t, v, h = kk // 8, (kk % 8) // 2, kk % 2
+                element = (int(words[2 * c + t, lane, v]) >> (16 * h)) & 0xFFFF
+                for j in range(4):
+                    assert (element >> (4 * j)) & 0xF == int(q[column, 64 * c + 32 * t + 8 * v + 2 * j + h])
