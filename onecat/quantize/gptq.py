@@ -34,6 +34,18 @@ the codes are chosen, :func:`refit_scales` solves each row's least-squares probl
 group scales under the same damped Hessian (codes and zero points kept). On SmolLM2-135M g64
 this took AWQ+GPTQ from 54.8% / 59.2% to 60.2% / 65.7% of round-to-nearest's perplexity gap
 on the two text settings (BENCHMARKS.md).
+
+Sequential inputs (``gptq.sequential``, layer_search.py): within a decoder layer the linears
+are quantized input by input in execution order (q/k/v, o, gate/up, down). A later linear's
+calibration inputs are then recomputed through the layer whose earlier linears are already
+quantized (``X~``), while its output should still match the full-precision layer's, whose
+inputs are ``X``: the objective becomes ``|| X W^T - X~ Q^T ||^2`` (GPTAQ, arXiv 2504.02692).
+With ``H~ = X~^T X~`` and ``D = (X - X~)^T X~`` it equals ``|| X~ (W' - Q)^T ||^2`` plus a
+constant for ``W' = W + W D H~^-1``, so :func:`input_error_target` moves the weight to ``W'``
+(``H~`` damped like GPTQ's) and GPTQ then rounds ``W'`` under ``H~`` unchanged: the linear
+compensates the rounding error of the linears before it. On SmolLM2-135M g64 this took
+AWQ+GPTQ from 63.5% / 66.2% to 66.6% / 74.5% of round-to-nearest's perplexity gap on the two
+text settings (BENCHMARKS.md, 2026-12-01).
 """
 
 from __future__ import annotations
@@ -231,6 +243,21 @@ def best_range(
             better = err < best[0]
             best = [torch.where(better, err, best[0]), torch.where(better, s, best[1]), torch.where(better, z, best[2])]
     return best[1], best[2]
+
+
+def input_error_target(w: torch.Tensor, hessian: torch.Tensor, delta: torch.Tensor, damp: float) -> torch.Tensor:
+    """The weight ``W' = W + W D (H~ + damp * mean(diag H~) I)^-1`` whose GPTQ under ``H~``
+    minimises ``|| X W^T - X~ Q^T ||^2``: ``w [N, K]``, ``hessian`` ``H~ = X~^T X~ / T`` and
+    ``delta`` ``D = (X - X~)^T X~ / T`` (both ``[K, K]``) of the linear's full-precision inputs
+    ``X`` and its inputs ``X~`` through already-quantized linears. ``W' = W`` when
+    ``X~ = X``; ``W`` itself when the damped ``H~`` cannot be solved. float32."""
+    h = hessian.float().clone()
+    h.diagonal().add_(damp * float(h.diagonal().mean()))
+    wf = w.float()
+    solution, info = torch.linalg.solve_ex(h, delta.float().t())  # (D (H~ + lambda I)^-1)^T: H~ symmetric
+    if int(info) != 0 or not bool(torch.isfinite(solution).all()):
+        return wf  # a singular or zero H~: nothing to correct against
+    return wf + wf @ solution.t()
 
 
 def hessian_from_factor(upper: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:

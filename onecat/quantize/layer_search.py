@@ -20,7 +20,11 @@ Steps for layer i (built by :class:`~onecat.quantize.layer_build.LayerFactory`):
    the group scales for those codes by least squares against the unclipped weight under the
    token sample's Hessian (damped by ``gptq.damp``; :func:`~onecat.quantize.gptq.refit_scales`).
    ``awq+gptq``: no clip search; GPTQ (:mod:`onecat.quantize.gptq`), then the least-squares
-   refit of its group scales, against the Hessian of the linear's inputs after smoothing (on SmolLM2-135M g64, over 10 layers, GPTQ on the
+   refit of its group scales, against the Hessian of the linear's inputs after smoothing; with
+   ``gptq.sequential`` (the recipes' default) input by input in execution order, each later
+   input recomputed through the already-quantized linears before it (two forwards of the
+   layer per input, each stopped at that input) and its linears' target corrected for their
+   error (gptq.py, "Sequential inputs") (on SmolLM2-135M g64, over 10 layers, GPTQ on the
    unclipped weights left 15% less layer-output error than GPTQ within AWQ's clip ranges,
    and saves the clip search). The calibration pass accumulates
    ``X^T X`` of every quantized linear's input over all tokens (experts: over their token
@@ -55,6 +59,7 @@ from onecat.quantize.gptq import (
     enough_rows,
     gptq_round,
     hessian_from_factor,
+    input_error_target,
     inverse_hessian_factor,
     permute_hessian,
     refit_scales,
@@ -250,7 +255,8 @@ class LayerQuantizer:
             if self.gptq:  # GPTQ replaces the clip search (see the module docstring)
                 awq_weights = {n: pseudo_quantize(modules[n].weight.data, self.group_size)
                                for n in quantized}
-                packed, report["gptq"] = self._quantize_gptq(quantized, modules, cap, input_scale, where)
+                packed, report["gptq"] = self._quantize_gptq(quantized, modules, cap, input_scale, where,
+                                                             layer, hidden)
             else:
                 unclipped = {n: modules[n].weight.data for n in quantized}  # clipping makes new tensors
                 if rcp.clip:
@@ -382,53 +388,138 @@ class LayerQuantizer:
                 for name in quantized}
 
     def _quantize_gptq(self, quantized: list[str], modules: dict, cap: _Capture,
-                       input_scale: dict, where: str) -> tuple[dict, dict]:
+                       input_scale: dict, where: str, layer: nn.Module,
+                       hidden: torch.Tensor) -> tuple[dict, dict]:
         """GPTQ of every quantized linear against its smoothed Hessian (plain rounding where
         there are too few calibration rows); returns (packed, report).
 
         Linears that share an input (q/k/v, gate/up, every expert's gate/up) share one
         Hessian factor and are stacked along their rows; inputs with distinct Hessians but
         equal shapes (each expert's down_proj) run as one batch; both within
-        ``GPTQ_BATCH_BYTES`` per call."""
+        ``GPTQ_BATCH_BYTES`` per call.
+
+        With ``gptq.sequential`` the inputs are taken in the order the forward pass reached
+        them (:func:`gptq_stages`); from the second stage on, a stage's input is recomputed
+        (:meth:`_stage_inputs`) from the calibration tokens run through the layer whose
+        earlier linears are already quantized, and its linears are moved to the target
+        :func:`~onecat.quantize.gptq.input_error_target` before GPTQ under the recomputed
+        Hessian, so each compensates the rounding error of those before it. Expert inputs
+        keep the Hessians of the calibration pass."""
         settings = self.recipe.gptq
         by_key: dict[str, list[str]] = {}
         for name in quantized:
             by_key.setdefault(cap.key_of[name], []).append(name)
+        rank = {key: i for i, key in enumerate(cap.order)}
+        keys = sorted(by_key, key=lambda key: rank.get(key, len(rank)))
+        recomputed = {key for key in keys if cap.stride.get(key) and key in rank}  # not experts
+        stages = gptq_stages(keys, recomputed) if settings.sequential else [keys]
+        # the full-precision (smoothed) weights: the targets of every stage's inputs
+        fp_weights = {n: modules[n].weight.data for n in quantized} if len(stages) > 1 else {}
         ints: dict[str, tuple] = {}
         fallback: dict[str, str] = {}
-        jobs: dict[tuple[int, int], list] = {}  # (rows, K) -> [(names, upper, dead, order)]
-        for key, names in by_key.items():
-            k = modules[names[0]].weight.shape[1]
-            h, rows = cap.hessian(key)
-            why = None
-            if h is None or not enough_rows(rows, k):
-                why = f"{rows} calibration rows for {k} in-features"
-            else:
-                if key in input_scale:
-                    h = smoothed_hessian(h, input_scale[key])
-                order = activation_order(h) if settings.act_order else None
-                if order is not None:
-                    h = permute_hessian(h, order)
+        packed: dict[str, dict] = {}
+        for number, stage in enumerate(stages):
+            fresh = None
+            if number:
+                h, rows, delta = self._stage_inputs(layer, hidden, stage[0], modules, fp_weights)
+                if h is not None:  # else (never reached) the calibration pass's Hessian
+                    fresh = (h, rows)
+                    for name in by_key[stage[0]]:
+                        w = modules[name].weight.data
+                        modules[name].weight.data = input_error_target(w, h, delta, settings.damp).to(w.dtype)
+                del delta
+            jobs: dict[tuple[int, int], list] = {}  # (rows, K) -> [(names, upper, dead, order)]
+            for key in stage:
+                names = by_key[key]
+                k = modules[names[0]].weight.shape[1]
+                if fresh is not None and key == stage[0]:
+                    h, rows = fresh  # inputs of the smoothed, partly quantized layer
+                    cap.hessian(key)  # the calibration pass's one is not needed: free it
+                else:
+                    h, rows = cap.hessian(key)
+                    if h is not None and key in input_scale:
+                        h = smoothed_hessian(h, input_scale[key])
+                why = None
+                if h is None or not enough_rows(rows, k):
+                    why = f"{rows} calibration rows for {k} in-features"
+                else:
+                    order = activation_order(h) if settings.act_order else None
+                    if order is not None:
+                        h = permute_hessian(h, order)
+                    try:
+                        upper, dead = inverse_hessian_factor(h, settings.damp)
+                    except HessianNotPositiveDefinite as exc:
+                        why = f"Hessian: {exc}"
+                    del h
+                if why is not None:
+                    for name in names:
+                        fallback[name] = why
+                        ints[name] = quantize_groups(modules[name].weight.data, self.group_size)
+                    continue
+                rows_total = sum(modules[n].weight.shape[0] for n in names)
+                jobs.setdefault((rows_total, k), []).append((names, upper, dead, order))
+            for (rows_total, k), same_shape in jobs.items():
+                per_job = (rows_total * k * 2 + 2 * k * k) * 4  # weights + working copy + factor + Hessian
+                per_call = max(1, GPTQ_BATCH_BYTES // per_job)
+                for c in range(0, len(same_shape), per_call):
+                    batch = same_shape[c : c + per_call]
+                    ints.update(self._gptq_batch(batch, modules, rows_total, k))
+            # the modules take their dequantized weights: the next stage's inputs see them
+            packed.update({name: self._store(modules[name], ints[name], where + name)
+                           for key in stage for name in by_key[key]})
+        return {name: packed[name] for name in quantized}, {"linears": len(quantized) - len(fallback),
+                                                           "fallback_rtn": fallback}
+
+    @torch.no_grad()
+    def _stage_inputs(self, layer: nn.Module, hidden: torch.Tensor, key: str, modules: dict,
+                      fp_weights: dict[str, torch.Tensor]
+                      ) -> tuple[torch.Tensor | None, int, torch.Tensor | None]:
+        """``(H~, rows, D)`` of module ``key``'s input over every calibration token:
+        ``H~ = X~^T X~ / T`` of its inputs ``X~`` through ``layer`` as it is now (earlier
+        linears quantized) and ``D = (X - X~)^T X~ / T`` against its inputs ``X`` through the
+        full-precision weights ``fp_weights`` (:func:`~onecat.quantize.gptq.input_error_target`).
+        Each chunk runs twice, each forward stopping at that input; ``(None, 0, None)`` when
+        the forward never reaches it."""
+        seen: list[torch.Tensor] = []
+
+        def hook(module, args, kwargs):
+            x = args[0] if args else next(iter(kwargs.values()))
+            seen.append(x.reshape(-1, x.shape[-1]).float())
+            raise _InputReached
+
+        def run(chunk: list[int]) -> None:
+            try:
+                self.factory.run(layer, hidden[chunk])
+            except _InputReached:
+                pass
+
+        h = delta = None
+        rows = 0
+        handle = modules[key].register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            _, chunks = plan_chunks(hidden.shape[0], hidden.shape[1], self.recipe.loss_tokens)
+            for chunk in chunks:
+                seen.clear()
+                current = {n: modules[n].weight.data for n in fp_weights}
                 try:
-                    upper, dead = inverse_hessian_factor(h, settings.damp)
-                except HessianNotPositiveDefinite as exc:
-                    why = f"Hessian: {exc}"
-                del h
-            if why is not None:
-                for name in names:
-                    fallback[name] = why
-                    ints[name] = quantize_groups(modules[name].weight.data, self.group_size)
-                continue
-            rows_total = sum(modules[n].weight.shape[0] for n in names)
-            jobs.setdefault((rows_total, k), []).append((names, upper, dead, order))
-        for (rows_total, k), same_shape in jobs.items():
-            per_job = (rows_total * k * 2 + 2 * k * k) * 4  # weights + working copy + factor + Hessian
-            per_call = max(1, GPTQ_BATCH_BYTES // per_job)
-            for c in range(0, len(same_shape), per_call):
-                batch = same_shape[c : c + per_call]
-                ints.update(self._gptq_batch(batch, modules, rows_total, k))
-        packed = {name: self._store(modules[name], ints[name], where + name) for name in quantized}
-        return packed, {"linears": len(quantized) - len(fallback), "fallback_rtn": fallback}
+                    for n, w in fp_weights.items():
+                        modules[n].weight.data = w
+                    run(chunk)
+                finally:
+                    for n, w in current.items():
+                        modules[n].weight.data = w
+                run(chunk)
+                if len(seen) != 2:
+                    return None, 0, None
+                x, xq = seen
+                h = add_to_hessian(h, xq)
+                delta = (x - xq).t() @ xq if delta is None else delta.addmm_((x - xq).t(), xq)
+                rows += xq.shape[0]
+        finally:
+            handle.remove()
+        if h is None:
+            return None, 0, None
+        return h.div_(rows), rows, delta.div_(rows)
 
     def _gptq_batch(self, batch: list, modules: dict, rows_total: int, k: int) -> dict[str, tuple]:
         """Run GPTQ on jobs of equal shape, ``batch = [(names, upper, dead, order)]``, in row slices."""
@@ -516,6 +607,23 @@ class LayerQuantizer:
         return out
 
 
+class _InputReached(Exception):
+    """Raised by :meth:`LayerQuantizer._stage_inputs`' hook to end a forward pass early."""
+
+
+def gptq_stages(keys: list[str], recomputed: set[str]) -> list[list[str]]:
+    """Split the inputs ``keys`` (in execution order) into sequential GPTQ stages: each key of
+    ``recomputed`` after the first key opens a new stage (its Hessian is recomputed with the
+    stages before it quantized); any other key joins the stage before it."""
+    stages: list[list[str]] = []
+    for key in keys:
+        if not stages or key in recomputed:
+            stages.append([key])
+        else:
+            stages[-1].append(key)
+    return stages
+
+
 def _rows(weights: list[torch.Tensor], r0: int, r1: int) -> torch.Tensor:
     """Rows ``r0:r1`` of the row-wise concatenation of ``weights`` (without building it)."""
     parts, start = [], 0
@@ -570,6 +678,7 @@ class _Capture:
         # X^T X of each input over all tokens, for GPTQ (experts: from their sample, later)
         self.hessians: dict[str, torch.Tensor] | None = {} if lq.gptq else None
         self.hessian_rows: dict[str, int] = {}
+        self.order: list[str] = []  # inputs in the order the forward pass first reached them
         self.handles = []
         for key in self.stride:
             self.handles.append(modules[key].register_forward_pre_hook(self._input_hook(key), with_kwargs=True))
@@ -589,6 +698,8 @@ class _Capture:
     def _input_hook(self, key: str):
         def hook(module, args, kwargs):
             x = args[0] if args else next(iter(kwargs.values()))
+            if key not in self.absmax:
+                self.order.append(key)
             flat = x.reshape(-1, x.shape[-1])
             xf = flat.float()
             if key in self.stats_keys:

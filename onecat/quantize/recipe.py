@@ -39,11 +39,15 @@ class GptqSettings:
     """The GPTQ stage of ``method: awq+gptq`` (onecat/quantize/gptq.py): ``damp`` is the
     fraction of the Hessian's mean diagonal added to its diagonal, ``block_size`` the columns
     updated together before the lazy update of the rest, ``act_order`` rounds columns by
-    decreasing Hessian diagonal with static groups (same output format)."""
+    decreasing Hessian diagonal with static groups (same output format), ``sequential``
+    quantizes a layer's linears input by input in execution order, each against its inputs
+    recomputed through the linears before it already quantized, its target corrected for
+    their error (gptq.py, "Sequential inputs")."""
 
     damp: float = 0.5
     block_size: int = 128
     act_order: bool = False
+    sequential: bool = True
 
 
 @dataclass(frozen=True)
@@ -305,7 +309,8 @@ def load_recipe(path: str | Path) -> Recipe:
         if not 0 < damp < 1:
             gptq_f.fail("gptq.damp", f"must be in (0, 1) (a fraction of the mean Hessian diagonal), found {damp}")
         gptq = GptqSettings(float(damp), gptq_f.positive("block_size", default=gptq.block_size),
-                            gptq_f.get("act_order", bool, default=gptq.act_order))
+                            gptq_f.get("act_order", bool, default=gptq.act_order),
+                            gptq_f.get("sequential", bool, default=gptq.sequential))
         gptq_f.finish()
     top.finish()
 
