@@ -30,6 +30,7 @@ import os
 import platform
 import re
 import sys
+from unittest import mock
 
 import torch
 
@@ -236,17 +237,10 @@ def bench_moe(tokens_list: list[int], copy_gbs: float) -> list[dict]:
         path = "gather-GEMV" if pairs <= GATHER_MAX_PAIRS else f"grouped r{16 if small else 64}"
         other = unpacked = None
         if pairs > GATHER_MAX_PAIRS:  # the other row-tile size and fp16 staging (16-row tiles), for the record
-            chosen = moe.SMALL_TILE_PAIRS_PER_EXPERT
-            moe.SMALL_TILE_PAIRS_PER_EXPERT = 0 if small else 1 << 30
-            try:
+            with mock.patch.object(moe, "SMALL_TILE_PAIRS_PER_EXPERT", 0 if small else 1 << 30):
                 other = graph_time_us(calls)
-            finally:
-                moe.SMALL_TILE_PAIRS_PER_EXPERT = chosen
-            moe.PACKED_FRAGMENTS = False
-            try:
+            with mock.patch.object(moe, "PACKED_FRAGMENTS", False):
                 unpacked = graph_time_us(calls)
-            finally:
-                moe.PACKED_FRAGMENTS = True
         rows.append(dict(tokens=tokens, path=path, us=t_ours, experts=touched, mb=moved / 1e6, gbs=gbs,
                          pct_copy=100 * gbs / copy_gbs, tflops=2 * pairs * 3 * h * i / (t_ours * 1e-6) / 1e12,
                          fp16_us=t_fp16, fp16_how=how, vs_fp16=t_fp16 / t_ours, other_tile_us=other,
@@ -278,24 +272,21 @@ def bench_gather_shapes(tokens_list: list[int]) -> list[dict]:
     packed = [(*random_experts(e, 2 * i, h), *random_experts(e, h, i)) for _ in range(2)]
     shapes = gather_shapes()
     rows = []
-    try:
-        for tokens in tokens_list:
-            if tokens * MOE_TOP_K > GATHER_MAX_PAIRS:
-                continue
-            x = torch.randn(tokens, h, dtype=torch.float16, device="cuda")
-            routings = [moe_routing(tokens, seed) for seed in range(8)]
-            calls = [functools.partial(w4a16_moe, x, ids, w, *packed[n % 2], GROUP) for n, (ids, w) in enumerate(routings)]
-            timings = {}
-            for gate in shapes["gate_up"]:
-                for down in shapes["down"]:
-                    moe.GATHER_SHAPE_OVERRIDE.update(gate_up=gate, down=down)
+    for tokens in tokens_list:
+        if tokens * MOE_TOP_K > GATHER_MAX_PAIRS:
+            continue
+        x = torch.randn(tokens, h, dtype=torch.float16, device="cuda")
+        routings = [moe_routing(tokens, seed) for seed in range(8)]
+        calls = [functools.partial(w4a16_moe, x, ids, w, *packed[n % 2], GROUP) for n, (ids, w) in enumerate(routings)]
+        timings = {}
+        for gate in shapes["gate_up"]:
+            for down in shapes["down"]:
+                with mock.patch.object(moe, "GATHER_SHAPES", ((1 << 30, gate, down),)):
                     timings[f"gate_up w{gate[0]} b{gate[1]} + down w{down[0]} b{down[1]}"] = graph_time_us(calls)
-            best = min(timings, key=timings.get)
-            print(f"gather T={tokens}: best {best} {timings[best]:.1f} us; " + "; ".join(
-                f"{k} {v:.1f}" for k, v in sorted(timings.items(), key=lambda kv: kv[1])), flush=True)
-            rows.append({"tokens": tokens, "timings_us": timings, "best": best})
-    finally:
-        moe.GATHER_SHAPE_OVERRIDE.clear()
+        best = min(timings, key=timings.get)
+        print(f"gather T={tokens}: best {best} {timings[best]:.1f} us; " + "; ".join(
+            f"{k} {v:.1f}" for k, v in sorted(timings.items(), key=lambda kv: kv[1])), flush=True)
+        rows.append({"tokens": tokens, "timings_us": timings, "best": best})
     return rows
 
 

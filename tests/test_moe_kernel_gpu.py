@@ -357,5 +357,7 @@ def test_every_gather_kernel_shape_matches_fp64(experts_35b, tokens, monkeypatch
     for name in build.kernel_names("w4a16_moe_gemv"):
         kind, shape = name.removeprefix("w4a16_moe_gemv_").rsplit("_w", 1)
         warps, batch = (int(v) for v in shape.split("_b"))
-        monkeypatch.setattr(moe, "GATHER_SHAPE_OVERRIDE", {kind: (warps, batch)})
+        gate, down = moe.gather_shapes(tokens)
+        pinned = {"gate_up": gate, "down": down, kind: (warps, batch)}
+        monkeypatch.setattr(moe, "GATHER_SHAPES", ((1 << 30, pinned["gate_up"], pinned["down"]),))
         check_close(run_op(x, ids, weights, experts_35b), ref, f"T={tokens} {name}", "gather-GEMV")

@@ -144,18 +144,16 @@ def kernel_names(program: str) -> list[str]:
     if program == "w4a16_wmma":
         found = re.findall(r"^ONECAT_(WMMAR?)\((\d+), (\d+), (\d+)\)$", text, flags=re.M)
         return [f"w4a16_{kind.lower()}_mt{t}_w{w}_c{c}" for kind, t, w, c in found]
-    if program == "w4a16_moe_gemv":
-        gate_up = re.findall(r"^ONECAT_MOE_GATE_UP\((\d+), (\d+)\)$", text, flags=re.M)
-        down = re.findall(r"^ONECAT_MOE_DOWN\((\d+), (\d+), \d+\)$", text, flags=re.M)
-        return [f"w4a16_moe_gemv_gate_up_w{w}_b{b}" for w, b in gate_up] + [
-            f"w4a16_moe_gemv_down_w{w}_b{b}" for w, b in down
-        ]
-    if program == "w4a16_moe_wmma":
-        plain = re.findall(r'^extern "C" __global__ void __launch_bounds__\([^)]*\)\n\s*(\w+)\(', text, flags=re.M)
-        suffixes = re.findall(r"^ONECAT_MOE_WMMA\((\w*), \d+, \w+\)$", text, flags=re.M)
-        return plain + [f"w4a16_moe_wmma_{kind}{suffix}" for suffix in suffixes for kind in ("gate_up", "down")]
-    if program.startswith(("w4a16_moe", "paged_attention", "gdn_prefill", "gdn_decode", "attention_prep", "all_reduce")):  # plain extern "C" kernels
-        return re.findall(r'^extern "C" __global__ void __launch_bounds__\([^)]*\)\n\s*(\w+)\(', text, flags=re.M)
+    if program.startswith(("w4a16_moe", "paged_attention", "gdn_prefill", "gdn_decode", "attention_prep", "all_reduce")):
+        # plain extern "C" kernels, then the MoE programs' macro-built ones
+        names = re.findall(r'^extern "C" __global__ void __launch_bounds__\([^)]*\)\n\s*(\w+)\(', text, flags=re.M)
+        for w, b in re.findall(r"^ONECAT_MOE_GATE_UP\((\d+), (\d+)\)$", text, flags=re.M):
+            names.append(f"w4a16_moe_gemv_gate_up_w{w}_b{b}")
+        for w, b in re.findall(r"^ONECAT_MOE_DOWN\((\d+), (\d+), \d+\)$", text, flags=re.M):
+            names.append(f"w4a16_moe_gemv_down_w{w}_b{b}")
+        for suffix in re.findall(r"^ONECAT_MOE_WMMA\((\w*), \d+, \w+\)$", text, flags=re.M):
+            names += [f"w4a16_moe_wmma_gate_up{suffix}", f"w4a16_moe_wmma_down{suffix}"]
+        return names
     return [program]
 
 

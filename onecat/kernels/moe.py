@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from onecat.errors import OnecatError
 from onecat.kernels.loader import get_kernel
+from onecat.kernels.variants import WMMAR_GROUP
 from onecat.kernels.workspace import stream_buffer
 from onecat.pack.volta_layout import TILE, dequantize_volta
 
@@ -73,17 +74,14 @@ GATHER_SHAPES: tuple[tuple[int, tuple[int, int], tuple[int, int]], ...] = (
 )
 """Gather-path kernel shapes by token count: ``(up to T tokens, gate_up (warps per block, k
 tiles per warp step), down (warps, k tiles))``, from ``bench/kernels.py --moe-shapes`` on the
-H200 (35B-A3B layer, 2026-12-01 14:00): smaller blocks win from 4 tokens on (more resident
+H200 (35B-A3B layer, 2026-12-01 12:40): smaller blocks win from 4 tokens on (more resident
 blocks hide the loads' latency): at 32 tokens 161.4 us against 180.2 for the 8- and 16-warp
 blocks used before, at 8 tokens 47.4 against 50.9; at 1-2 tokens the larger blocks stay."""
-GATHER_SHAPE_OVERRIDE: dict[str, tuple[int, int]] = {}
-"""Benchmarks and tests pin a kernel's shape here (``{"gate_up": (4, 4)}``)."""
 
 
 def gather_shapes(tokens: int) -> tuple[tuple[int, int], tuple[int, int]]:
     """The ``(gate_up, down)`` kernel shapes the gather path runs for ``tokens`` tokens."""
-    gate, down = next((g, d) for limit, g, d in GATHER_SHAPES if tokens <= limit)
-    return GATHER_SHAPE_OVERRIDE.get("gate_up", gate), GATHER_SHAPE_OVERRIDE.get("down", down)
+    return next((gate, down) for limit, gate, down in GATHER_SHAPES if tokens <= limit)
 MAX_DOWN_SPLITS = 4
 """Most blocks one (column tile, token) of the gather path's down projection is split over."""
 SMALL_TILE_PAIRS_PER_EXPERT = 18  # H200, 35B layer (bench/kernels.py --moe-only): r16 faster up to 16 pairs/expert (426 vs 561 us), r64 from 20 (521 vs 575)
@@ -253,7 +251,7 @@ def _cuda_moe(
     # can need (each expert with pairs adds at most one partial tile), blocks beyond exit.
     small = pairs <= SMALL_TILE_PAIRS_PER_EXPERT * e
     rows, suffix = _GROUP_ROWS[small], "_r16" if small else ""
-    if small and PACKED_FRAGMENTS and group_size % 64 == 0:
+    if small and PACKED_FRAGMENTS and group_size % WMMAR_GROUP == 0:
         suffix += "_pk"
     row_tiles = math.ceil(pairs / rows) + min(e, pairs)
     if row_tiles > _GRID_Y_MAX:

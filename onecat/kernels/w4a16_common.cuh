@@ -237,14 +237,50 @@ __device__ __forceinline__ void slot_scales(const FragAB (&owner)[NF], half2 min
     }
 }
 
-// B fragments of step J from packed fragments.
-template <int J, int NF>
-__device__ __forceinline__ void dequant_step(const FragAB (&packed)[NF], const FragAB (&s2)[NF],
-                                             const FragAB (&nzs2)[NF], FragAB (&b)[NF]) {
+// The NF B fragments of a warp's 32 columns from the packed matrix at `sP`: one m8n32k16
+// fragment (M8), else two m16n16k16 fragments (columns 0-15, 16-31).
+template <bool M8, int NF>
+__device__ __forceinline__ void load_packed_b(FragAB (&f)[NF], const half* sP) {
 #pragma unroll
-  for (int f = 0; f < NF; ++f)
+  for (int i = 0; i < NF; ++i) {
+    if constexpr (M8) load_b_m8n32k16(f[i], sP, kPackedLd);
+    else load_b_m16n16k16(f[i], sP + i * 16 * kPackedLd, kPackedLd);
+  }
+}
+
+// The four k-steps of one packed 64-k sub-chunk: step J's B fragments dequantised slot-wise
+// from `packed`, its A fragments from the permuted step matrix sA + J * rows * kPackedLd
+// (MF of 16 rows, or one of 8 rows with M8), accumulated into acc.
+template <bool M8, int MF, int NF>
+__device__ __forceinline__ void mma_packed_steps(const FragAB (&packed)[NF], const FragAB (&s2)[NF],
+                                                 const FragAB (&nzs2)[NF], const half* sA, int rows,
+                                                 FragC (&acc)[MF][NF]) {
+  auto step = [&](auto j_const) {
+    constexpr int J = decltype(j_const)::value;
+    FragAB b[NF];
 #pragma unroll
-    for (int r = 0; r < 8; ++r) b[f].r[r] = dequant_slots<J>(packed[f].r[r], s2[f].r[r], nzs2[f].r[r]);
+    for (int f = 0; f < NF; ++f)
+#pragma unroll
+      for (int r = 0; r < 8; ++r) b[f].r[r] = dequant_slots<J>(packed[f].r[r], s2[f].r[r], nzs2[f].r[r]);
+    const half* a_step = sA + J * rows * kPackedLd;
+    if constexpr (M8) {
+      FragAB a;
+      load_a_m8n32k16(a, a_step, kPackedLd);
+      mma_m8n32k16(acc[0][0], a, b[0]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < MF; ++i) {
+        FragAB a;
+        load_a_m16n16k16(a, a_step + i * 16 * kPackedLd, kPackedLd);
+#pragma unroll
+        for (int f = 0; f < NF; ++f) mma_m16n16k16(acc[i][f], a, b[f]);
+      }
+    }
+  };
+  step(IntConst<0>{});
+  step(IntConst<1>{});
+  step(IntConst<2>{});
+  step(IntConst<3>{});
 }
 
 }  // namespace onecat

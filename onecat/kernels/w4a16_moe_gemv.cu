@@ -50,9 +50,6 @@
 
 namespace onecat {
 
-// Each kernel is built in a few shapes, named _w{warps}_b{batch}: warps per block and k tiles
-// loaded per warp step (gate_up: of gate and of up each); moe.py picks one per token count.
-
 // Expert of pair p, or -1 when it lies outside [0, E).
 __device__ __forceinline__ int pair_expert(const void* ids, int ids64, int p, int E) {
   const long long e = ids64 ? reinterpret_cast<const long long*>(ids)[p]
@@ -90,10 +87,6 @@ __device__ __forceinline__ float dot_tile(uint4 wv, half2 sz, const half* __rest
   }
   return acc;
 }
-
-}  // namespace onecat
-
-namespace onecat {
 
 template <int kGateUpWarps, int kGateUpBatch>
 __device__ __forceinline__ void gate_up_body(const half* __restrict__ x, const void* ids, int ids64,

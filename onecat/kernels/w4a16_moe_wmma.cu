@@ -174,8 +174,7 @@ __device__ __forceinline__ void moe_tile(const half* __restrict__ a, const int* 
     store_lane_ids(sP_warp, lane);
     __syncthreads();
     FragAB owner[2], s2[2], nzs2[2];
-#pragma unroll
-    for (int f = 0; f < 2; ++f) load_b_m16n16k16(owner[f], sP_warp + f * 16 * kPackedLd, kPackedLd);
+    load_packed_b<false>(owner, sP_warp);
     const int tiles_per_group = group_size / kTile;
     int group = -1;
     load_chunk(0);
@@ -196,24 +195,8 @@ __device__ __forceinline__ void moe_tile(const half* __restrict__ a, const int* 
           slot_scales(owner, sz_chunk, s2, nzs2);
         }
         FragAB packed[2];
-#pragma unroll
-        for (int f = 0; f < 2; ++f) load_b_m16n16k16(packed[f], sP_warp + f * 16 * kPackedLd, kPackedLd);
-        auto step = [&](auto j_const) {
-          constexpr int J = decltype(j_const)::value;
-          FragAB b[2];
-          dequant_step<J>(packed, s2, nzs2, b);
-#pragma unroll
-          for (int i = 0; i < kMFrags; ++i) {
-            FragAB af;
-            load_a_m16n16k16(af, sA + (J * ROWS + i * 16) * kPackedLd, kPackedLd);
-#pragma unroll
-            for (int j = 0; j < 2; ++j) mma_m16n16k16(acc[i][j], af, b[j]);
-          }
-        };
-        step(IntConst<0>{});
-        step(IntConst<1>{});
-        step(IntConst<2>{});
-        step(IntConst<3>{});
+        load_packed_b<false>(packed, sP_warp);
+        mma_packed_steps<false>(packed, s2, nzs2, sA, ROWS, acc);
       }
     }
   } else {

@@ -58,25 +58,25 @@ namespace onecat {
 
 constexpr int kLdc = 36;  // epilogue row stride in floats (144 bytes)
 
-template <int MT, int WARPS, int CT, bool IN_REG>
+template <int MT, int WARPS, int CT, bool PACKED>
 struct WmmaSmem {
   static constexpr int kLds = CT * kTile + 8;           // shared row stride in halves
-  // sA: MT rows of a chunk, or (IN_REG) 2*CT step matrices of MT rows x 16 k
-  static constexpr int kA = IN_REG ? 2 * CT * MT * kPackedLd * 2 : MT * kLds * 2;
-  // sB: fp16 [WARPS][32 columns][chunk k], or (IN_REG) packed [WARPS][CT/2][32 columns][16]
-  static constexpr int kB = IN_REG ? WARPS * (CT / 2) * kTile * kPackedLd * 2 : WARPS * kTile * kLds * 2;
+  // sA: MT rows of a chunk, or (PACKED) 2*CT step matrices of MT rows x 16 k
+  static constexpr int kA = PACKED ? 2 * CT * MT * kPackedLd * 2 : MT * kLds * 2;
+  // sB: fp16 [WARPS][32 columns][chunk k], or (PACKED) packed [WARPS][CT/2][32 columns][16]
+  static constexpr int kB = PACKED ? WARPS * (CT / 2) * kTile * kPackedLd * 2 : WARPS * kTile * kLds * 2;
   static constexpr int kC = WARPS * MT * kLdc * 4;      // bytes of the epilogue
   static constexpr int kBytes = (kA + kB) > kC ? (kA + kB) : kC;
 };
 
-template <int MT, int WARPS, int CT, bool IN_REG>
+template <int MT, int WARPS, int CT, bool PACKED>
 __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint4* __restrict__ qweight,
                                           const half2* __restrict__ scales_zeros,
                                           const half* __restrict__ bias, half* __restrict__ y,
                                           float* __restrict__ workspace, int* __restrict__ counters,
                                           int M, int N, int K, int group_size, int ktiles_per_split) {
-  using Smem = WmmaSmem<MT, WARPS, CT, IN_REG>;
-  static_assert(!IN_REG || CT % 2 == 0, "the register-dequant variant works in 64-k sub-chunks");
+  using Smem = WmmaSmem<MT, WARPS, CT, PACKED>;
+  static_assert(!PACKED || CT % 2 == 0, "the register-dequant variant works in 64-k sub-chunks");
   constexpr int kChunkTiles = CT;               // k tiles per chunk
   constexpr int kChunk = CT * kTile;            // k per chunk
   constexpr int kLds = Smem::kLds;
@@ -142,17 +142,13 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
 #pragma unroll
       for (int r = 0; r < 8; ++r) acc[i][j].r[r] = 0.0f;
 
-  if constexpr (IN_REG) {
+  if constexpr (PACKED) {
     // Which lane owns the column of each 16-bit slot of this warp's packed B fragment(s).
     half* sP_warp = sB + warp * (CT / 2) * kTile * kPackedLd;
     store_lane_ids(sP_warp, lane);
     __syncthreads();
     FragAB owner[kNFrags];
-#pragma unroll
-    for (int f = 0; f < kNFrags; ++f) {
-      if constexpr (kM8) load_b_m8n32k16(owner[f], sP_warp, kPackedLd);
-      else load_b_m16n16k16(owner[f], sP_warp + f * 16 * kPackedLd, kPackedLd);
-    }
+    load_packed_b<kM8>(owner, sP_warp);
     FragAB s2[kNFrags], nzs2[kNFrags];  // per slot pair: (s, s) and (nzs, nzs) of its columns
     int group = -1;
 
@@ -184,34 +180,8 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
               slot_scales(owner, sz_chunk[sub], s2, nzs2);
             }
             FragAB packed[kNFrags];
-#pragma unroll
-            for (int f = 0; f < kNFrags; ++f) {
-              if constexpr (kM8) load_b_m8n32k16(packed[f], sP_warp + sub * kTile * kPackedLd, kPackedLd);
-              else load_b_m16n16k16(packed[f], sP_warp + (sub * kTile + f * 16) * kPackedLd, kPackedLd);
-            }
-            auto step = [&](auto j_const) {
-              constexpr int J = decltype(j_const)::value;
-              FragAB b[kNFrags];
-              dequant_step<J>(packed, s2, nzs2, b);
-              const half* a_step = sA + (sub * 4 + J) * MT * kPackedLd;
-              if constexpr (kM8) {
-                FragAB a;
-                load_a_m8n32k16(a, a_step, kPackedLd);
-                mma_m8n32k16(acc[0][0], a, b[0]);
-              } else {
-#pragma unroll
-                for (int i = 0; i < kMFrags; ++i) {
-                  FragAB a;
-                  load_a_m16n16k16(a, a_step + i * 16 * kPackedLd, kPackedLd);
-#pragma unroll
-                  for (int f = 0; f < kNFrags; ++f) mma_m16n16k16(acc[i][f], a, b[f]);
-                }
-              }
-            };
-            step(IntConst<0>{});
-            step(IntConst<1>{});
-            step(IntConst<2>{});
-            step(IntConst<3>{});
+            load_packed_b<kM8>(packed, sP_warp + sub * kTile * kPackedLd);
+            mma_packed_steps<kM8>(packed, s2, nzs2, sA + sub * 4 * MT * kPackedLd, MT, acc);
           }
         }
       }
@@ -304,12 +274,12 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
 
 }  // namespace onecat
 
-#define ONECAT_WMMA_KERNEL(NAME, MT, WARPS, CT, IN_REG)                                        \
+#define ONECAT_WMMA_KERNEL(NAME, MT, WARPS, CT, PACKED)                                        \
   extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(                                \
       const half* x, const uint4* qweight, const half2* scales_zeros, const half* bias,       \
       half* y, float* workspace, int* counters, int M, int N, int K, int group_size,          \
       int ktiles_per_split) {                                                                  \
-    onecat::wmma_body<MT, WARPS, CT, IN_REG>(x, qweight, scales_zeros, bias, y, workspace,      \
+    onecat::wmma_body<MT, WARPS, CT, PACKED>(x, qweight, scales_zeros, bias, y, workspace,      \
                                              counters, M, N, K, group_size, ktiles_per_split); \
   }
 #define ONECAT_WMMA(MT, WARPS, CT) ONECAT_WMMA_KERNEL(w4a16_wmma_mt##MT##_w##WARPS##_c##CT, MT, WARPS, CT, false)
