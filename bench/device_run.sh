@@ -46,6 +46,8 @@ for section in ${@:-tests e2e}; do
     moe-tiles) (cd bench && run 200 moe-tiles python3 kernels.py --moe-only --moe-tokens 40,64,128,320,512,1024,2048) ;;
     moe-shapes) (cd bench && run 150 moe-shapes python3 kernels.py --moe-shapes --moe-tokens 1,2,4,8,16,32 --json "$out/moe_shapes.json") ;;
     wmmar) (cd bench && run 300 wmmar python3 wmma_dequant.py --ms 8,16,32,64 --out "$out/wmmar.json") ;;
+    quantize) run 560 quantize python3 bench/quantize.py --device cuda --samples 64 --seqlen 512 \
+                --dense-layers 2 4 --method awq awq+gptq --json "$out/quantize.json" ;;
     serve32) (cd bench && run 500 serve32 python3 serve_h200.py --models 35b-a3b,27b --concurrency 32 --out "$out/serve32.json") ;;
     router) (cd bench && run 120 router python3 router.py --warps 8,4) ;;
     gdn) (cd bench && run 120 gdn python3 gdn_decode.py --batches 1,4,8,9,16,32,64 --positions 1,4) ;;
@@ -54,6 +56,6 @@ for section in ${@:-tests e2e}; do
     serve) (cd bench && run 600 serve python3 serve_h200.py --models 35b-a3b,27b --concurrency 1,8,32,64 --out "$out/serve.json") ;;
     serve-decode) (cd bench && run 400 serve-decode python3 serve_h200.py --models 35b-a3b,27b --concurrency 32 \
                      --input-len 128 --range-ratio 0 --output-len 256 --out "$out/serve_decode.json") ;;
-    *) echo "unknown section $section (tests, tp-tests, tp, profile, mixed, moe-tiles, moe-shapes, wmmar, serve32, router, gdn, attention, e2e, serve, serve-decode)" >&2; exit 2 ;;
+    *) echo "unknown section $section (tests, tp-tests, tp, profile, mixed, quantize, moe-tiles, moe-shapes, wmmar, serve32, router, gdn, attention, e2e, serve, serve-decode)" >&2; exit 2 ;;
   esac
 done

@@ -26,7 +26,7 @@ Usage::
 
     python bench/quantize.py --device cpu --samples 16 --seqlen 256 --json out.json
     python bench/quantize.py --device cuda --samples 128 --seqlen 512
-    python bench/quantize.py --device cuda --samples 128 --seqlen 512 --method awq+gptq
+    python bench/quantize.py --device cuda --samples 128 --seqlen 512 --method awq awq+gptq
 """
 
 from __future__ import annotations
@@ -279,8 +279,9 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def measure_one(model: Path, out: Path, device: str, samples: int, seqlen: int,
-                method: str = "awq") -> dict:
+def measure_one(
+    model: Path, out: Path, device: str, samples: int, seqlen: int, method: str = "awq"
+) -> dict:
     """Quantize ``model`` into ``out`` once and return times and peak memory."""
     from onecat.quantize.pipeline import REPORT_NAME, quantize_model
 
@@ -330,8 +331,9 @@ def measure_one(model: Path, out: Path, device: str, samples: int, seqlen: int,
     }
 
 
-def run_child(model: Path, out: Path, device: str, samples: int, seqlen: int,
-              method: str = "awq") -> dict:
+def run_child(
+    model: Path, out: Path, device: str, samples: int, seqlen: int, method: str = "awq"
+) -> dict:
     """Run :func:`measure_one` in a fresh interpreter so that its peak RSS is its own."""
     cmd = [
         sys.executable,
@@ -387,7 +389,13 @@ def main() -> None:
     parser.add_argument("--dense-layers", type=int, nargs="*", default=[2, 4])
     parser.add_argument("--no-moe", action="store_true", help="skip the 35B-A3B MoE layer")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
-    parser.add_argument("--method", default="awq", choices=["awq", "awq+gptq"])
+    parser.add_argument(
+        "--method",
+        nargs="+",
+        default=["awq"],
+        choices=["awq", "awq+gptq"],
+        help="one or more methods, each run on the same checkpoints",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints")
     args = parser.parse_args()
 
@@ -414,17 +422,22 @@ def main() -> None:
         print(f"wrote {ckpt} in {time.perf_counter() - t0:.0f} s", flush=True)
         runs.append(("qwen3_5_moe", ckpt))
 
-    results: dict[str, list[dict]] = {}
+    results: dict[tuple[str, str], list[dict]] = {}
     for family, ckpt in runs:
-        r = run_child(
-            ckpt, args.workdir / f"{ckpt.name}-awq", args.device, args.samples, args.seqlen,
-            args.method,
-        )
-        results.setdefault(family, []).append(r)
-        print(json.dumps(r), flush=True)
-        if args.json:
-            with args.json.with_suffix(".runs.jsonl").open("a") as fh:
-                fh.write(json.dumps(r) + "\n")
+        for method in args.method:
+            r = run_child(
+                ckpt,
+                args.workdir / f"{ckpt.name}-quantized",
+                args.device,
+                args.samples,
+                args.seqlen,
+                method,
+            )
+            results.setdefault((family, method), []).append(r)
+            print(json.dumps(r), flush=True)
+            if args.json:
+                with args.json.with_suffix(".runs.jsonl").open("a") as fh:
+                    fh.write(json.dumps(r) + "\n")
     if not args.keep:
         for _, ckpt in runs:
             shutil.rmtree(ckpt, ignore_errors=True)
@@ -435,18 +448,24 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
         "cpus": os.cpu_count(),
         "runs": [r for rs in results.values() for r in rs],
-        "projections": [project(rs, fam) for fam, rs in results.items()],
+        "projections": [
+            {"method": method, **project(rs, fam)} for (fam, method), rs in results.items()
+        ],
     }
     print(
-        "\nmodel                          dev   layers  wall s  per-layer s          peak RSS GiB  peak GPU GiB"
+        "\nmodel                          method    dev   layers  wall s  per-layer s          "
+        "peak RSS GiB  peak GPU GiB"
     )
     for r in summary["runs"]:
         print(
-            f"{r['model']:<30} {r['device']:<5} {r['layers']:>6}  {r['wall_s']:>6}  "
+            f"{r['model']:<30} {r['method']:<9} {r['device']:<5} {r['layers']:>6}  {r['wall_s']:>6}  "
             f"{' '.join(str(t) for t in r['layer_s']):<20} {r['peak_rss_gib']:>12}  {r['peak_gpu_gib']}"
         )
     for p in summary["projections"]:
-        print(f"projection {p['family']}: {p['layers']} layers ~ {p['projected_min']} min ({p})")
+        print(
+            f"projection {p['family']} {p['method']}: {p['layers']} layers ~ "
+            f"{p['projected_min']} min ({p})"
+        )
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2))
 
@@ -454,7 +473,10 @@ def main() -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 8 and sys.argv[1] == "--child":
         model, out, device, samples, seqlen, method = sys.argv[2:]
-        print(json.dumps(measure_one(Path(model), Path(out), device, int(samples), int(seqlen),
-                                     method)))
+        print(
+            json.dumps(
+                measure_one(Path(model), Path(out), device, int(samples), int(seqlen), method)
+            )
+        )
     else:
         main()
