@@ -234,7 +234,10 @@ def bench_moe(tokens_list: list[int], copy_gbs: float) -> list[dict]:
             t_fp16 = eager_time_us(baseline)
         pairs = tokens * MOE_TOP_K
         small = pairs <= moe.SMALL_TILE_PAIRS_PER_EXPERT * e
-        path = "gather-GEMV" if pairs <= GATHER_MAX_PAIRS else f"grouped r{16 if small else 64}"
+        if pairs > GATHER_MAX_PAIRS:
+            path = f"grouped r{16 if small else 64}"
+        else:
+            path = "grouped-GEMV" if tokens >= moe.GROUPED_GEMV_MIN_TOKENS else "gather-GEMV"
         other = unpacked = None
         if pairs > GATHER_MAX_PAIRS:  # the other row-tile size and fp16 staging (16-row tiles), for the record
             with mock.patch.object(moe, "SMALL_TILE_PAIRS_PER_EXPERT", 0 if small else 1 << 30):
@@ -254,20 +257,25 @@ def bench_moe(tokens_list: list[int], copy_gbs: float) -> list[dict]:
     return rows
 
 
-def gather_shapes() -> dict[str, list[tuple[int, int]]]:
-    """The (warps, batch) shapes ``w4a16_moe_gemv.cu`` builds, per kernel."""
+def gather_shapes() -> dict[str, list]:
+    """The (warps, batch) shapes ``w4a16_moe_gemv.cu`` builds per gather kernel, and the rows
+    per block of its grouped decode kernels."""
     from onecat.kernels import build
 
-    found: dict[str, list[tuple[int, int]]] = {"gate_up": [], "down": []}
+    found: dict[str, list[tuple[int, int]]] = {"gate_up": [], "down": [], "grouped_rows": []}
     for name in build.kernel_names("w4a16_moe_gemv"):
-        kind, warps, batch = re.fullmatch(r"w4a16_moe_gemv_(gate_up|down)_w(\d+)_b(\d+)", name).groups()
-        found[kind].append((int(warps), int(batch)))
+        if match := re.fullmatch(r"w4a16_moe_gemv_(gate_up|down)_w(\d+)_b(\d+)", name):
+            kind, warps, batch = match.groups()
+            found[kind].append((int(warps), int(batch)))
+        elif match := re.fullmatch(r"w4a16_moe_gemv_grouped_gate_up_w\d+_b\d+_r(\d+)", name):
+            found["grouped_rows"].append(int(match.group(1)))
     return found
 
 
 def bench_gather_shapes(tokens_list: list[int]) -> list[dict]:
-    """The gather path of the MoE op with every built (gate_up, down) kernel shape, 35B-A3B
-    layer: microseconds per op call for each pair (CUDA graphs, two weight copies)."""
+    """The gather path of the MoE op with every built (gate_up, down) kernel shape, and the
+    grouped decode path with every built rows-per-block, 35B-A3B layer: microseconds per op
+    call for each (CUDA graphs, two weight copies)."""
     e, h, i = MOE_EXPERTS, MOE_HIDDEN, MOE_INTER
     packed = [(*random_experts(e, 2 * i, h), *random_experts(e, h, i)) for _ in range(2)]
     shapes = gather_shapes()
@@ -279,10 +287,15 @@ def bench_gather_shapes(tokens_list: list[int]) -> list[dict]:
         routings = [moe_routing(tokens, seed) for seed in range(8)]
         calls = [functools.partial(w4a16_moe, x, ids, w, *packed[n % 2], GROUP) for n, (ids, w) in enumerate(routings)]
         timings = {}
-        for gate in shapes["gate_up"]:
-            for down in shapes["down"]:
-                with mock.patch.object(moe, "GATHER_SHAPES", ((1 << 30, gate, down),)):
-                    timings[f"gate_up w{gate[0]} b{gate[1]} + down w{down[0]} b{down[1]}"] = graph_time_us(calls)
+        with mock.patch.object(moe, "GROUPED_GEMV_MIN_TOKENS", 1 << 30):
+            for gate in shapes["gate_up"]:
+                for down in shapes["down"]:
+                    with mock.patch.object(moe, "GATHER_SHAPES", ((1 << 30, gate, down),)):
+                        timings[f"gate_up w{gate[0]} b{gate[1]} + down w{down[0]} b{down[1]}"] = graph_time_us(calls)
+        for rows_per_block in shapes["grouped_rows"]:
+            with mock.patch.object(moe, "GROUPED_GEMV_MIN_TOKENS", 1), \
+                    mock.patch.object(moe, "GROUPED_GEMV_ROWS", rows_per_block):
+                timings[f"grouped {rows_per_block} rows"] = graph_time_us(calls)
         best = min(timings, key=timings.get)
         print(f"gather T={tokens}: best {best} {timings[best]:.1f} us; " + "; ".join(
             f"{k} {v:.1f}" for k, v in sorted(timings.items(), key=lambda kv: kv[1])), flush=True)
@@ -359,7 +372,8 @@ def main() -> None:
         help="comma-separated token counts for the MoE op (empty: skip it)",
     )  # fmt: skip
     parser.add_argument("--moe-only", action="store_true", help="only the MoE section")
-    parser.add_argument("--moe-shapes", action="store_true", help="only the gather kernels' shapes, at --moe-tokens")
+    parser.add_argument("--moe-shapes", action="store_true",
+                        help="only the decode MoE kernels' shapes (gather and grouped), at --moe-tokens")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA GPU")

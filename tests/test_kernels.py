@@ -74,6 +74,14 @@ def test_parse_ptxas_report_reads_registers_and_spills():
     assert (k2.name, k2.registers, k2.spill_stores, k2.shared_bytes) == ("k2", 32, 0, 0)
 
 
+@pytest.mark.parametrize("program", build.PROGRAMS)
+def test_every_kernel_name_leads_the_loader_to_its_program(program):
+    """The loader finds a kernel's program by its name (build.program_of): a kernel named
+    outside its program's prefix could never be launched."""
+    for name in build.kernel_names(program):
+        assert build.program_of(name) == program, name
+
+
 def test_every_variant_names_a_built_kernel():
     names = {n for p in build.PROGRAMS for n in build.kernel_names(p)}
     for variant in all_variants():

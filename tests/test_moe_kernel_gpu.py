@@ -10,16 +10,19 @@ Run on a GPU (the H200 runs a V100's code with ``ONECAT_KERNEL_ARCH=70``):
 summed with the routing weights. Tolerance: every output finite, elementwise
 ``|y - ref| <= 4e-3 * |ref| + c * rms(ref)`` and ``||y - ref|| / ||ref|| <= n`` with
 c = 4e-3, n = 2e-3 on the grouped wmma path (fp32 accumulation, as the linear op's tests)
-and c = 1e-2, n = 3e-3 on the gather-GEMV path: its two chained projections each form fp16
+and c = 1e-2, n = 3e-3 on the gather-GEMV and grouped-GEMV paths (same dot products): its two chained projections each form fp16
 partial sums of 8 products (about 5e-4 of the rms per projection, estimated from the linear
 GEMV's measured 2e-3 worst case at K = 128), and the worst of 10^4..10^5 outputs lies
 about 4.5 sigma out. A wrong expert, column or routing weight is off by O(rms). The caching allocator's free blocks are filled with NaN before
 each call, so an output or hidden row the kernels never write fails the finiteness check.
 Shapes are Qwen3.5-35B-A3B's (E = 256, H = 2048, I = 512, top-8, g = 128) unless noted;
-T <= 32 takes the gather-GEMV path, more tokens the grouped wmma path.
+T < 16 takes the gather-GEMV path, 16..32 the grouped-GEMV path, more tokens the grouped wmma
+path.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -32,7 +35,7 @@ pytestmark = [
 
 E, H, INTER, TOP_K, G = 256, 2048, 512, 8, 128
 RTOL = 4e-3  # elementwise, relative to |ref|
-TOLERANCES = {"grouped wmma": (4e-3, 2e-3), "gather-GEMV": (1e-2, 3e-3)}  # (x rms(ref), norm)
+TOLERANCES = {"grouped wmma": (4e-3, 2e-3), "gather-GEMV": (1e-2, 3e-3), "grouped-GEMV": (1e-2, 3e-3)}  # (x rms(ref), norm)
 
 
 def random_stacked(e: int, n: int, k: int, g: int, gen: torch.Generator):
@@ -80,9 +83,11 @@ def poison_allocator() -> None:
 
 
 def path_of(tokens: int, top_k: int = TOP_K) -> str:
-    from onecat.kernels.moe import GATHER_MAX_PAIRS
+    from onecat.kernels.moe import GATHER_MAX_PAIRS, GROUPED_GEMV_MIN_TOKENS
 
-    return "gather-GEMV" if tokens * top_k <= GATHER_MAX_PAIRS else "grouped wmma"
+    if tokens * top_k > GATHER_MAX_PAIRS:
+        return "grouped wmma"
+    return "grouped-GEMV" if tokens >= GROUPED_GEMV_MIN_TOKENS else "gather-GEMV"
 
 
 def check_close(y: torch.Tensor, ref: torch.Tensor, what: str, path: str) -> None:
@@ -122,7 +127,7 @@ def run_op(x, ids, weights, tensors, g=G):
     return y
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 32, 256, 2048])  # 1 and 2: the down projection split (down_splits)
+@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 16, 32, 256, 2048])  # 1 and 2: the down projection split (down_splits)
 def test_moe_op_matches_fp64_at_35b_shapes(experts_35b, tokens):
     x, ids, weights = random_routing(tokens, E, TOP_K, seed=tokens)
     y = run_op(x, ids, weights, experts_35b)
@@ -139,7 +144,7 @@ def test_moe_op_id_and_weight_dtypes(experts_35b, tokens, ids_dtype, weights_dty
                 path_of(tokens))
 
 
-@pytest.mark.parametrize("tokens", [8, 300])
+@pytest.mark.parametrize("tokens", [8, 24, 300])
 def test_all_tokens_on_one_expert_others_empty(experts_35b, tokens):
     """Slot 0 of every token is expert 7 (300 rows: several row tiles of one expert), the
     other slots are spread over experts 200..203; the other 251 experts are empty."""
@@ -151,7 +156,7 @@ def test_all_tokens_on_one_expert_others_empty(experts_35b, tokens):
     check_close(y, reference(x, ids, weights, experts_35b, G), f"T={tokens}, one expert for all", path_of(tokens))
 
 
-@pytest.mark.parametrize("tokens", [4, 100])
+@pytest.mark.parametrize("tokens", [4, 20, 100])
 def test_ids_outside_the_experts_contribute_nothing(experts_35b, tokens):
     """Other ranks' experts (ids < 0 or >= E, as expert parallelism and vLLM's -1 give) add
     nothing; a token whose every id is outside gets zeros."""
@@ -165,7 +170,7 @@ def test_ids_outside_the_experts_contribute_nothing(experts_35b, tokens):
     check_close(y[1:], ref[1:], f"T={tokens}, ids outside [0, E)", path_of(tokens))
 
 
-@pytest.mark.parametrize("tokens", [1, 4, 64])
+@pytest.mark.parametrize("tokens", [1, 4, 32, 64])
 def test_moe_op_under_cuda_graph_capture(experts_35b, tokens):
     """Captured once; replayed after new inputs and routing are copied into the static
     tensors: the results follow the new routing (nothing was read on the host)."""
@@ -354,10 +359,32 @@ def test_every_gather_kernel_shape_matches_fp64(experts_35b, tokens, monkeypatch
 
     x, ids, weights = random_routing(tokens, E, TOP_K, seed=200 + tokens)
     ref = reference(x, ids, weights, experts_35b, G)
+    monkeypatch.setattr(moe, "GROUPED_GEMV_MIN_TOKENS", 1 << 30)
     for name in build.kernel_names("w4a16_moe_gemv"):
+        if not re.fullmatch(r"w4a16_moe_gemv_(gate_up|down)_w\d+_b\d+", name):
+            continue  # the grouped decode kernels and the pair sum: tested below
         kind, shape = name.removeprefix("w4a16_moe_gemv_").rsplit("_w", 1)
         warps, batch = (int(v) for v in shape.split("_b"))
         gate, down = moe.gather_shapes(tokens)
         pinned = {"gate_up": gate, "down": down, kind: (warps, batch)}
         monkeypatch.setattr(moe, "GATHER_SHAPES", ((1 << 30, pinned["gate_up"], pinned["down"]),))
         check_close(run_op(x, ids, weights, experts_35b), ref, f"T={tokens} {name}", "gather-GEMV")
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8, 32])
+def test_every_grouped_gemv_row_count_matches_fp64(experts_35b, tokens, monkeypatch):
+    """The grouped decode kernels at every built rows-per-block, forced on from one token:
+    one pair per expert (1 token), partial row tiles, and experts with more pairs than a
+    block holds (every token's slot 0 on expert 5: several row tiles of one expert)."""
+    from onecat.kernels import build, moe
+
+    built = sorted({int(n.rsplit("_r", 1)[1]) for n in build.kernel_names("w4a16_moe_gemv")
+                    if n.startswith("w4a16_moe_gemv_grouped_gate_up_")})
+    assert built, "no grouped decode kernels are built"
+    x, ids, weights = random_routing(tokens, E, TOP_K, seed=300 + tokens)
+    ids[:, 0] = 5
+    ref = reference(x, ids, weights, experts_35b, G)
+    monkeypatch.setattr(moe, "GROUPED_GEMV_MIN_TOKENS", 1)
+    for rows in built:
+        monkeypatch.setattr(moe, "GROUPED_GEMV_ROWS", rows)
+        check_close(run_op(x, ids, weights, experts_35b), ref, f"T={tokens} {rows} rows a block", "grouped-GEMV")

@@ -135,6 +135,11 @@ def sources_hash() -> str:
     return h.hexdigest()[:16]
 
 
+def program_of(kernel: str) -> str | None:
+    """The program that defines ``kernel``: kernels are named with their program's name first."""
+    return next((p for p in PROGRAMS if kernel.startswith(p)), None)
+
+
 def kernel_names(program: str) -> list[str]:
     """The ``extern "C"`` kernel names a program defines (read from its source)."""
     text = source_text(program)
@@ -151,6 +156,8 @@ def kernel_names(program: str) -> list[str]:
             names.append(f"w4a16_moe_gemv_gate_up_w{w}_b{b}")
         for w, b in re.findall(r"^ONECAT_MOE_DOWN\((\d+), (\d+), \d+\)$", text, flags=re.M):
             names.append(f"w4a16_moe_gemv_down_w{w}_b{b}")
+        for w, b, r in re.findall(r"^ONECAT_MOE_GROUPED\((\d+), (\d+), (\d+)\)$", text, flags=re.M):
+            names += [f"w4a16_moe_gemv_grouped_{part}_w{w}_b{b}_r{r}" for part in ("gate_up", "down")]
         for suffix in re.findall(r"^ONECAT_MOE_WMMA\((\w*), \d+, \w+\)$", text, flags=re.M):
             names += [f"w4a16_moe_wmma_gate_up{suffix}", f"w4a16_moe_wmma_down{suffix}"]
         return names

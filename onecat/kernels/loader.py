@@ -101,7 +101,7 @@ def _module(program: str, device_index: int) -> driver.Module:
 @functools.cache
 def get_kernel(name: str, device_index: int) -> driver.Kernel:
     """The loaded kernel ``name`` (e.g. ``w4a16_gemv_m1_w4``) for CUDA device ``device_index``."""
-    program = next((p for p in build.PROGRAMS if name.startswith(p)), None)
+    program = build.program_of(name)
     if program is None:
         raise OnecatError(f"no kernel program defines {name!r}")
     return _module(program, device_index).function(name)

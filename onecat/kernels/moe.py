@@ -10,6 +10,10 @@ expert parallelism, vLLM's ``-1``) contribute nothing.
 - CUDA, up to :data:`GATHER_MAX_PAIRS` (token, expert) pairs (decode): two CUDA-core
   gather-GEMV launches (``w4a16_moe_gemv.cu``): gate+up with SiLU-and-multiply per pair,
   then the down projection per token over its experts with the routing weights applied.
+  From :data:`GROUPED_GEMV_MIN_TOKENS` tokens on, the pairs are first sorted by expert on
+  the GPU and each block serves up to :data:`GROUPED_GEMV_ROWS` pairs of one expert, so a
+  chosen expert's weights are read once per step however many tokens chose it; a last
+  launch adds each token's pairs in a fixed order.
 - CUDA, more pairs (prefill): the pairs are sorted by expert on the GPU by one small kernel,
   then two grouped wmma GEMMs over row tiles of one expert each (``w4a16_moe_wmma.cu``):
   16-row tiles while the experts average at most :data:`SMALL_TILE_PAIRS_PER_EXPERT` pairs
@@ -82,6 +86,50 @@ blocks used before, at 8 tokens 47.4 against 50.9; at 1-2 tokens the larger bloc
 def gather_shapes(tokens: int) -> tuple[tuple[int, int], tuple[int, int]]:
     """The ``(gate_up, down)`` kernel shapes the gather path runs for ``tokens`` tokens."""
     return next((gate, down) for limit, gate, down in GATHER_SHAPES if tokens <= limit)
+GROUPED_GEMV_MIN_TOKENS = 16
+"""From this many tokens the decode path groups the pairs by expert first (one align launch),
+so that each chosen expert's weights are read and dequantised once for all its tokens
+(``w4a16_moe_gemv_grouped_*``), and a last launch adds each token's pairs; below it, one
+block per pair (``w4a16_moe_gemv_gate_up`` / ``_down``)."""
+GROUPED_GEMV_ROWS = 4
+"""Pairs of one expert per block of the grouped decode kernels (built: 2 and 4)."""
+_GROUPED_GEMV_WARPS, _GROUPED_GEMV_BATCH = 4, 4
+
+
+def _launch_grouped_gemv(
+    x: torch.Tensor, ids: torch.Tensor, flags: list, weights: torch.Tensor, weights32: list,
+    w13_qweight: torch.Tensor, w13_scales_zeros: torch.Tensor, w2_qweight: torch.Tensor,
+    w2_scales_zeros: torch.Tensor, hidden: torch.Tensor, out: torch.Tensor, top_k: int, e: int,
+    group_size: int, device: int, stream: int,
+) -> None:
+    """The grouped decode path: align the pairs by expert, then gate_up and down per (column
+    tile, row tile of one expert), then each token's sum over its pairs."""
+    t, h = x.shape
+    i, pairs = hidden.shape[1], hidden.shape[0]
+    rows, warps, batch = GROUPED_GEMV_ROWS, _GROUPED_GEMV_WARPS, _GROUPED_GEMV_BATCH
+    shape = f"w{warps}_b{batch}_r{rows}"
+    meta = torch.empty(2 * (e + 1) + pairs, dtype=torch.int32, device=x.device)
+    row_tiles = math.ceil(pairs / rows) + min(e, pairs)
+    pair_out = stream_buffer("moe_pair_out", x.device, stream, pairs * h, zeroed=False)
+    get_kernel("w4a16_moe_wmma_align", device).launch(
+        (1, 1, 1), _ALIGN_THREADS, stream, [_ptr(ids), *flags, *_ints(pairs, e, rows), _ptr(meta)]
+    )
+    get_kernel(f"w4a16_moe_gemv_grouped_gate_up_{shape}", device).launch(
+        (i // TILE, row_tiles, 1), 32 * warps, stream,
+        [_ptr(x), _ptr(meta), *_ints(e), _ptr(w13_qweight), _ptr(w13_scales_zeros), _ptr(hidden),
+         *_ints(top_k, h, i, group_size, math.ceil(h // TILE / warps))],
+    )  # fmt: skip
+    get_kernel(f"w4a16_moe_gemv_grouped_down_{shape}", device).launch(
+        (h // TILE, row_tiles, 1), 32 * warps, stream,
+        [_ptr(hidden), _ptr(meta), *_ints(e), _ptr(weights), *weights32, _ptr(w2_qweight),
+         _ptr(w2_scales_zeros), _ptr(pair_out), *_ints(h, i, group_size, math.ceil(i // TILE / warps))],
+    )  # fmt: skip
+    get_kernel("w4a16_moe_gemv_pair_sum", device).launch(
+        (math.ceil(h / 1024), t, 1), 256, stream,
+        [_ptr(pair_out), _ptr(ids), *flags, *_ints(e), _ptr(out), *_ints(top_k, h)],
+    )
+
+
 MAX_DOWN_SPLITS = 4
 """Most blocks one (column tile, token) of the gather path's down projection is split over."""
 SMALL_TILE_PAIRS_PER_EXPERT = 18  # H200, 35B layer (bench/kernels.py --moe-only): r16 faster up to 16 pairs/expert (426 vs 561 us), r64 from 20 (521 vs 575)
@@ -229,6 +277,11 @@ def _cuda_moe(
     stream = torch.cuda.current_stream(x.device).cuda_stream
     pairs = t * top_k
     hidden = torch.empty((pairs, i), dtype=torch.float16, device=x.device)
+    if pairs <= GATHER_MAX_PAIRS and t >= GROUPED_GEMV_MIN_TOKENS:
+        _launch_grouped_gemv(x, ids, flags, weights, weights32, w13_qweight, w13_scales_zeros,
+                             w2_qweight, w2_scales_zeros, hidden, out, top_k, e, group_size,
+                             device, stream)  # fmt: skip
+        return out
     if pairs <= GATHER_MAX_PAIRS:
         (gate_warps, gate_batch), (down_warps, down_batch) = gather_shapes(t)
         get_kernel(f"w4a16_moe_gemv_gate_up_w{gate_warps}_b{gate_batch}", device).launch(

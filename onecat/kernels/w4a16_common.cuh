@@ -117,6 +117,30 @@ __device__ __forceinline__ bool arrive_last(int* counter, int arrivals) {
   return is_last != 0;
 }
 
+// A row tile of the MoE align kernel's meta (w4a16_moe_wmma.cu: expert_start [E+1] |
+// tile_start [E+1] | sorted_pairs [P]): the expert `e` whose tiles hold `tile_index` and the
+// sorted positions r0 .. r0+rows-1 (rows <= rows_per_tile) of its rows.  False for a tile
+// past tile_start[E] (the grids are sized by a bound on the tile count).
+struct RowTile {
+  int e, r0, rows;
+};
+__device__ __forceinline__ bool find_row_tile(const int* __restrict__ meta, int E, int rows_per_tile,
+                                              int tile_index, RowTile& rt) {
+  const int* expert_start = meta;
+  const int* tile_start = meta + E + 1;
+  if (tile_index >= __ldg(tile_start + E)) return false;
+  // Largest e with tile_start[e] <= tile_index (experts without pairs have empty ranges).
+  int lo = 0, hi = E - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (__ldg(tile_start + mid) <= tile_index) lo = mid; else hi = mid - 1;
+  }
+  rt.e = lo;
+  rt.r0 = __ldg(expert_start + lo) + (tile_index - __ldg(tile_start + lo)) * rows_per_tile;
+  rt.rows = min(rows_per_tile, __ldg(expert_start + lo + 1) - rt.r0);
+  return true;
+}
+
 // wmma through inline PTX (wmma.load / wmma.mma / wmma.store on shared memory), so NVRTC
 // needs only cuda_fp16.h, not the crt/ headers behind mma.h.  A and B fragments are 8 u32
 // (fp16 pairs), accumulators 8 floats; A row-major, B col-major, C/D row-major fp32.

@@ -62,11 +62,9 @@ __device__ __forceinline__ float pair_weight(const void* w, int w32, int p) {
              : __half2float(reinterpret_cast<const half*>(w)[p]);
 }
 
-// Dot product of this lane's 32 k of one tile (dequantised from `wv`, `sz`) with x[k],
-// `xk` pointing at the tile's first k (16-byte aligned; broadcast loads).
-__device__ __forceinline__ float dot_tile(uint4 wv, half2 sz, const half* __restrict__ xk) {
-  half2 w[16];
-  dequant_tile(wv, sz, w);
+// Dot product of this lane's 32 dequantised k of one tile `w` with x[k], `xk` pointing at
+// the tile's first k (16-byte aligned; broadcast loads).
+__device__ __forceinline__ float dot_dequantised(const half2 (&w)[16], const half* __restrict__ xk) {
   const uint4* xp = reinterpret_cast<const uint4*>(xk);
   float acc = 0.0f;
 #pragma unroll
@@ -86,6 +84,13 @@ __device__ __forceinline__ float dot_tile(uint4 wv, half2 sz, const half* __rest
     acc += f.x + f.y;
   }
   return acc;
+}
+
+// The same for a packed tile (`wv`, `sz`), dequantised first.
+__device__ __forceinline__ float dot_tile(uint4 wv, half2 sz, const half* __restrict__ xk) {
+  half2 w[16];
+  dequant_tile(wv, sz, w);
+  return dot_dequantised(w, xk);
 }
 
 template <int kGateUpWarps, int kGateUpBatch>
@@ -228,7 +233,214 @@ __device__ __forceinline__ void down_body(const half* __restrict__ h, const void
   if (warp == 0) out[(size_t)t * H + column] = __float2half_rn(sum);
 }
 
+// --- grouped decode: one block per (column tile, row tile of one expert) ------------------
+
+// Grouped gate_up: block (c, tile) computes column tile c of gate and up for the R (or fewer)
+// sorted positions of one row tile, the k tiles split over the warps as in gate_up_body;
+// each weight tile is loaded and dequantised once and multiplied with every row's x.
+template <int kWarps, int kBatch, int R>
+__device__ __forceinline__ void grouped_gate_up_body(const half* __restrict__ x, const int* __restrict__ meta,
+                                                     int E, const uint4* __restrict__ w13_qweight,
+                                                     const half2* __restrict__ w13_scales, half* __restrict__ h,
+                                                     int top_k, int H, int I, int group_size, int per_warp) {
+  RowTile rt;
+  if (!find_row_tile(meta, E, R, blockIdx.y, rt)) return;
+  const int* sorted_pairs = meta + 2 * (E + 1);
+  const int c = blockIdx.x;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int ktiles = H / kTile;
+  const int groups = H / group_size;
+  const int tiles_per_group = group_size / kTile;
+  const int itiles = I / kTile;
+  const size_t gate_tile = (size_t)rt.e * 2 * itiles + c;
+  const size_t up_tile = gate_tile + itiles;
+  const uint4* gate_w = w13_qweight + gate_tile * ktiles * 32 + lane;
+  const uint4* up_w = w13_qweight + up_tile * ktiles * 32 + lane;
+  const half* xr[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i)  // padding rows repeat the last row (computed, never stored)
+    xr[i] = x + (size_t)(__ldg(sorted_pairs + rt.r0 + min(i, rt.rows - 1)) / top_k) * H;
+
+  const int kt_begin = warp * per_warp;
+  const int kt_end = min(ktiles, kt_begin + per_warp);
+  float g[R], u[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) g[i] = u[i] = 0.0f;
+  if (kt_begin < kt_end) {
+    ScaleCursor gate_s(w13_scales + gate_tile * groups * 32 + lane, kt_begin, tiles_per_group);
+    ScaleCursor up_s(w13_scales + up_tile * groups * 32 + lane, kt_begin, tiles_per_group);
+#pragma unroll 1
+    for (int kt = kt_begin; kt < kt_end; kt += kBatch) {
+      uint4 wg[kBatch], wu[kBatch];
+      half2 sg[kBatch], su[kBatch];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        if (kt + b < kt_end) {
+          wg[b] = load_weights_streaming(gate_w + (size_t)(kt + b) * 32);
+          wu[b] = load_weights_streaming(up_w + (size_t)(kt + b) * 32);
+          sg[b] = gate_s.next();
+          su[b] = up_s.next();
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        if (kt + b < kt_end) {
+          half2 wgd[16], wud[16];
+          dequant_tile(wg[b], sg[b], wgd);
+          dequant_tile(wu[b], su[b], wud);
+#pragma unroll
+          for (int i = 0; i < R; ++i) {
+            if (i < rt.rows) {
+              const half* xk = xr[i] + (size_t)(kt + b) * kTile;
+              g[i] += dot_dequantised(wgd, xk);
+              u[i] += dot_dequantised(wud, xk);
+            }
+          }
+        }
+      }
+    }
+  }
+
+  __shared__ float partial[kWarps][2][R][32];
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    partial[warp][0][i][lane] = g[i];
+    partial[warp][1][i][lane] = u[i];
+  }
+  __syncthreads();
+  if (warp == 0) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      if (i < rt.rows) {
+        float gs = 0.0f, us = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) {
+          gs += partial[w][0][i][lane];
+          us += partial[w][1][i][lane];
+        }
+        const float silu = gs / (1.0f + __expf(-gs));
+        h[(size_t)(rt.r0 + i) * I + c * kTile + lane_column(lane)] = __float2half_rn(silu * us);
+      }
+    }
+  }
+}
+
+// Grouped down: block (c, tile) computes output column tile c of down_e(h[s]) for the sorted
+// positions s of one row tile (h in sorted order, as the grouped gate_up writes it), the
+// I/32 k tiles split over the warps, and stores w[p] * that, fp32, at row p (the pair of s)
+// of pair_out [P, H]; w4a16_moe_gemv_pair_sum adds each token's rows in j order.
+template <int kWarps, int kBatch, int R>
+__device__ __forceinline__ void grouped_down_body(const half* __restrict__ h, const int* __restrict__ meta,
+                                                  int E, const void* weights, int weights32,
+                                                  const uint4* __restrict__ w2_qweight,
+                                                  const half2* __restrict__ w2_scales,
+                                                  float* __restrict__ pair_out, int H, int I, int group_size,
+                                                  int per_warp) {
+  RowTile rt;
+  if (!find_row_tile(meta, E, R, blockIdx.y, rt)) return;
+  const int* sorted_pairs = meta + 2 * (E + 1);
+  const int c = blockIdx.x;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int ktiles = I / kTile;
+  const int groups = I / group_size;
+  const int tiles_per_group = group_size / kTile;
+  const size_t tile = (size_t)rt.e * (H / kTile) + c;
+  const uint4* w_tile = w2_qweight + tile * ktiles * 32 + lane;
+  const half* hr[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) hr[i] = h + (size_t)(rt.r0 + min(i, rt.rows - 1)) * I;
+
+  const int kt_begin = warp * per_warp;
+  const int kt_end = min(ktiles, kt_begin + per_warp);
+  float acc[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) acc[i] = 0.0f;
+  if (kt_begin < kt_end) {
+    ScaleCursor scales(w2_scales + tile * groups * 32 + lane, kt_begin, tiles_per_group);
+#pragma unroll 1
+    for (int kt = kt_begin; kt < kt_end; kt += kBatch) {
+      uint4 wv[kBatch];
+      half2 sz[kBatch];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        if (kt + b < kt_end) {
+          wv[b] = load_weights_streaming(w_tile + (size_t)(kt + b) * 32);
+          sz[b] = scales.next();
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        if (kt + b < kt_end) {
+          half2 w[16];
+          dequant_tile(wv[b], sz[b], w);
+#pragma unroll
+          for (int i = 0; i < R; ++i)
+            if (i < rt.rows) acc[i] += dot_dequantised(w, hr[i] + (size_t)(kt + b) * kTile);
+        }
+      }
+    }
+  }
+
+  __shared__ float partial[kWarps][R][32];
+#pragma unroll
+  for (int i = 0; i < R; ++i) partial[warp][i][lane] = acc[i];
+  __syncthreads();
+  if (warp == 0) {
+    const int column = c * kTile + lane_column(lane);
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      if (i < rt.rows) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) sum += partial[w][i][lane];
+        const int p = __ldg(sorted_pairs + rt.r0 + i);
+        pair_out[(size_t)p * H + column] = pair_weight(weights, weights32, p) * sum;
+      }
+    }
+  }
+}
+
 }  // namespace onecat
+
+// out[t, :] = fp16(sum over j of pair_out[t*top_k + j, :]) in j order, pairs whose id lies
+// outside [0, E) left out.  grid (ceil(H / 1024), T), 256 threads, 4 columns each.
+extern "C" __global__ void __launch_bounds__(256)
+w4a16_moe_gemv_pair_sum(const float* __restrict__ pair_out, const void* ids, int ids64, int E, half* __restrict__ out,
+                   int top_k, int H) {
+  const int t = blockIdx.y;
+  const int col = (blockIdx.x * 256 + threadIdx.x) * 4;
+  if (col >= H) return;
+  float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int j = 0; j < top_k; ++j) {
+    const int p = t * top_k + j;
+    if (onecat::pair_expert(ids, ids64, p, E) < 0) continue;
+    const float4 v = __ldg(reinterpret_cast<const float4*>(pair_out + (size_t)p * H + col));
+    sum.x += v.x;
+    sum.y += v.y;
+    sum.z += v.z;
+    sum.w += v.w;
+  }
+  half2* o = reinterpret_cast<half2*>(out + (size_t)t * H + col);
+  o[0] = __floats2half2_rn(sum.x, sum.y);
+  o[1] = __floats2half2_rn(sum.z, sum.w);
+}
+
+#define ONECAT_MOE_GROUPED(WARPS, BATCH, R)                                                       \
+  extern "C" __global__ void __launch_bounds__(32 * WARPS) w4a16_moe_gemv_grouped_gate_up_w##WARPS##_b##BATCH##_r##R( \
+      const half* x, const int* meta, int E, const uint4* w13_qweight, const half2* w13_scales,   \
+      half* h, int top_k, int H, int I, int group_size, int per_warp) {                         \
+    onecat::grouped_gate_up_body<WARPS, BATCH, R>(x, meta, E, w13_qweight, w13_scales, h, top_k, H, I, \
+                                                  group_size, per_warp);                        \
+  }                                                                                             \
+  extern "C" __global__ void __launch_bounds__(32 * WARPS) w4a16_moe_gemv_grouped_down_w##WARPS##_b##BATCH##_r##R( \
+      const half* h, const int* meta, int E, const void* weights, int weights32,                 \
+      const uint4* w2_qweight, const half2* w2_scales, float* pair_out, int H, int I, int group_size, \
+      int per_warp) {                                                                           \
+    onecat::grouped_down_body<WARPS, BATCH, R>(h, meta, E, weights, weights32, w2_qweight, w2_scales, \
+                                               pair_out, H, I, group_size, per_warp);           \
+  }
 
 #define ONECAT_MOE_GATE_UP(WARPS, BATCH)                                                          \
   extern "C" __global__ void __launch_bounds__(32 * WARPS) w4a16_moe_gemv_gate_up_w##WARPS##_b##BATCH( \
@@ -251,3 +463,5 @@ ONECAT_MOE_GATE_UP(8, 4)
 ONECAT_MOE_GATE_UP(4, 4)
 ONECAT_MOE_DOWN(16, 4, 2)
 ONECAT_MOE_DOWN(8, 4, 4)
+ONECAT_MOE_GROUPED(4, 4, 4)
+ONECAT_MOE_GROUPED(4, 4, 2)

@@ -77,20 +77,10 @@ __device__ __forceinline__ void moe_tile(const half* __restrict__ a, const int* 
                                          const half2* __restrict__ scales_zeros, int N, int K,
                                          int group_size, int top_k, half* __restrict__ h, int I,
                                          const void* weights, int weights32, float* __restrict__ ws) {
-  const int* expert_start = meta;
-  const int* tile_start = meta + E + 1;
   const int* sorted_pairs = meta + 2 * (E + 1);
-  const int tile_index = blockIdx.y;
-  if (tile_index >= __ldg(tile_start + E)) return;
-  // Largest e with tile_start[e] <= tile_index (experts without pairs have empty ranges).
-  int lo = 0, hi = E - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (__ldg(tile_start + mid) <= tile_index) lo = mid; else hi = mid - 1;
-  }
-  const int e = lo;
-  const int r0 = __ldg(expert_start + e) + (tile_index - __ldg(tile_start + e)) * ROWS;
-  const int rows = min(ROWS, __ldg(expert_start + e + 1) - r0);
+  RowTile rt;
+  if (!find_row_tile(meta, E, ROWS, blockIdx.y, rt)) return;
+  const int e = rt.e, r0 = rt.r0, rows = rt.rows;
 
   __shared__ __align__(128) unsigned char smem[MoeSmem<ROWS, PACKED>::kBytes];
   __shared__ int row_source[ROWS];  // activation row of each tile row (-1: padding)
