@@ -91,7 +91,7 @@ GROUPED_GEMV_MIN_TOKENS = 16
 so that each chosen expert's weights are read and dequantised once for all its tokens
 (``w4a16_moe_gemv_grouped_*``), and a last launch adds each token's pairs; below it, one
 block per pair (``w4a16_moe_gemv_gate_up`` / ``_down``)."""
-GROUPED_GEMV_ROWS = 4
+GROUPED_GEMV_ROWS = 2
 """Pairs of one expert per block of the grouped decode kernels (built: 2 and 4)."""
 _GROUPED_GEMV_WARPS, _GROUPED_GEMV_BATCH = 4, 4
 
@@ -120,9 +120,9 @@ def _launch_grouped_gemv(
          *_ints(top_k, h, i, group_size, math.ceil(h // TILE / warps))],
     )  # fmt: skip
     get_kernel(f"w4a16_moe_gemv_grouped_down_{shape}", device).launch(
-        (h // TILE, row_tiles, 1), 32 * warps, stream,
+        (math.ceil(h // TILE / warps), row_tiles, 1), 32 * warps, stream,
         [_ptr(hidden), _ptr(meta), *_ints(e), _ptr(weights), *weights32, _ptr(w2_qweight),
-         _ptr(w2_scales_zeros), _ptr(pair_out), *_ints(h, i, group_size, math.ceil(i // TILE / warps))],
+         _ptr(w2_scales_zeros), _ptr(pair_out), *_ints(h, i, group_size)],
     )  # fmt: skip
     get_kernel("w4a16_moe_gemv_pair_sum", device).launch(
         (math.ceil(h / 1024), t, 1), 256, stream,

@@ -40,6 +40,20 @@
 //     arrive (a counter, left zeroed) adds them in split order and writes out.  No memset,
 //     a deterministic summation order, one write of out.
 //
+// Grouped decode (from moe.GROUPED_GEMV_MIN_TOKENS tokens): with one block per pair, an
+// expert chosen by n tokens (the folded shared expert: by every token) is read n times.
+// Instead the pairs are first sorted by expert (w4a16_moe_wmma_align, row tiles of R pairs of
+// one expert), then:
+//   grouped gate_up: grid (I/32, row-tile bound), block kWarps warps, the k tiles split over
+//     the warps as above; each lane's gate and up tiles are loaded and dequantised once and
+//     multiplied with the x rows of the tile's R (or fewer) tokens; h is written in sorted
+//     order.
+//   grouped down: grid (H/32/kWarps, row-tile bound); warp w owns output column tile
+//     b*kWarps + w over all I/32 k tiles, dequantises each tile once for the R h rows, and
+//     writes w[p] * sum (fp32) to row p of pair_out [P, H].
+//   w4a16_moe_gemv_pair_sum: grid (ceil(H/1024), T), 256 threads of 4 columns: out[t] = the
+//     sum of the token's pair rows in j order (deterministic), ids outside [0, E) skipped.
+//
 // Why not fp32 atomics into a workspace for the sum over experts: they need a memset and a
 // conversion pass per step (two more launches at decode, where launches dominate) and
 // their order varies from run to run; the virtual-K walk needs neither.
@@ -326,78 +340,62 @@ __device__ __forceinline__ void grouped_gate_up_body(const half* __restrict__ x,
   }
 }
 
-// Grouped down: block (c, tile) computes output column tile c of down_e(h[s]) for the sorted
-// positions s of one row tile (h in sorted order, as the grouped gate_up writes it), the
-// I/32 k tiles split over the warps, and stores w[p] * that, fp32, at row p (the pair of s)
-// of pair_out [P, H]; w4a16_moe_gemv_pair_sum adds each token's rows in j order.
+// Grouped down: warp w of block (b, tile) computes output column tile c = b * kWarps + w of
+// down_e(h[s]) over all I/32 k tiles for the sorted positions s of one row tile (h in sorted
+// order, as the grouped gate_up writes it), and stores w[p] * that, fp32, at row p (the pair
+// of s) of pair_out [P, H]; w4a16_moe_gemv_pair_sum adds each token's rows in j order.
 template <int kWarps, int kBatch, int R>
 __device__ __forceinline__ void grouped_down_body(const half* __restrict__ h, const int* __restrict__ meta,
                                                   int E, const void* weights, int weights32,
                                                   const uint4* __restrict__ w2_qweight,
                                                   const half2* __restrict__ w2_scales,
-                                                  float* __restrict__ pair_out, int H, int I, int group_size,
-                                                  int per_warp) {
+                                                  float* __restrict__ pair_out, int H, int I, int group_size) {
   RowTile rt;
   if (!find_row_tile(meta, E, R, blockIdx.y, rt)) return;
-  const int* sorted_pairs = meta + 2 * (E + 1);
-  const int c = blockIdx.x;
   const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
+  const int c = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  if (c >= H / kTile) return;  // no block-wide synchronisation below
+  const int* sorted_pairs = meta + 2 * (E + 1);
   const int ktiles = I / kTile;
   const int groups = I / group_size;
-  const int tiles_per_group = group_size / kTile;
   const size_t tile = (size_t)rt.e * (H / kTile) + c;
   const uint4* w_tile = w2_qweight + tile * ktiles * 32 + lane;
+  ScaleCursor scales(w2_scales + tile * groups * 32 + lane, 0, group_size / kTile);
   const half* hr[R];
 #pragma unroll
   for (int i = 0; i < R; ++i) hr[i] = h + (size_t)(rt.r0 + min(i, rt.rows - 1)) * I;
 
-  const int kt_begin = warp * per_warp;
-  const int kt_end = min(ktiles, kt_begin + per_warp);
   float acc[R];
 #pragma unroll
   for (int i = 0; i < R; ++i) acc[i] = 0.0f;
-  if (kt_begin < kt_end) {
-    ScaleCursor scales(w2_scales + tile * groups * 32 + lane, kt_begin, tiles_per_group);
 #pragma unroll 1
-    for (int kt = kt_begin; kt < kt_end; kt += kBatch) {
-      uint4 wv[kBatch];
-      half2 sz[kBatch];
+  for (int kt = 0; kt < ktiles; kt += kBatch) {
+    uint4 wv[kBatch];
+    half2 sz[kBatch];
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        if (kt + b < kt_end) {
-          wv[b] = load_weights_streaming(w_tile + (size_t)(kt + b) * 32);
-          sz[b] = scales.next();
-        }
+    for (int b = 0; b < kBatch; ++b) {
+      if (kt + b < ktiles) {
+        wv[b] = load_weights_streaming(w_tile + (size_t)(kt + b) * 32);
+        sz[b] = scales.next();
       }
+    }
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        if (kt + b < kt_end) {
-          half2 w[16];
-          dequant_tile(wv[b], sz[b], w);
+    for (int b = 0; b < kBatch; ++b) {
+      if (kt + b < ktiles) {
+        half2 w[16];
+        dequant_tile(wv[b], sz[b], w);
 #pragma unroll
-          for (int i = 0; i < R; ++i)
-            if (i < rt.rows) acc[i] += dot_dequantised(w, hr[i] + (size_t)(kt + b) * kTile);
-        }
+        for (int i = 0; i < R; ++i)
+          if (i < rt.rows) acc[i] += dot_dequantised(w, hr[i] + (size_t)(kt + b) * kTile);
       }
     }
   }
-
-  __shared__ float partial[kWarps][R][32];
+  const int column = c * kTile + lane_column(lane);
 #pragma unroll
-  for (int i = 0; i < R; ++i) partial[warp][i][lane] = acc[i];
-  __syncthreads();
-  if (warp == 0) {
-    const int column = c * kTile + lane_column(lane);
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-      if (i < rt.rows) {
-        float sum = 0.0f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) sum += partial[w][i][lane];
-        const int p = __ldg(sorted_pairs + rt.r0 + i);
-        pair_out[(size_t)p * H + column] = pair_weight(weights, weights32, p) * sum;
-      }
+  for (int i = 0; i < R; ++i) {
+    if (i < rt.rows) {
+      const int p = __ldg(sorted_pairs + rt.r0 + i);
+      pair_out[(size_t)p * H + column] = pair_weight(weights, weights32, p) * acc[i];
     }
   }
 }
@@ -436,10 +434,9 @@ w4a16_moe_gemv_pair_sum(const float* __restrict__ pair_out, const void* ids, int
   }                                                                                             \
   extern "C" __global__ void __launch_bounds__(32 * WARPS) w4a16_moe_gemv_grouped_down_w##WARPS##_b##BATCH##_r##R( \
       const half* h, const int* meta, int E, const void* weights, int weights32,                 \
-      const uint4* w2_qweight, const half2* w2_scales, float* pair_out, int H, int I, int group_size, \
-      int per_warp) {                                                                           \
+      const uint4* w2_qweight, const half2* w2_scales, float* pair_out, int H, int I, int group_size) { \
     onecat::grouped_down_body<WARPS, BATCH, R>(h, meta, E, weights, weights32, w2_qweight, w2_scales, \
-                                               pair_out, H, I, group_size, per_warp);           \
+                                               pair_out, H, I, group_size);                     \
   }
 
 #define ONECAT_MOE_GATE_UP(WARPS, BATCH)                                                          \
