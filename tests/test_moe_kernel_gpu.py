@@ -234,6 +234,27 @@ def test_route_kernel_matches_reference(dtype, tokens):
     assert torch.allclose(weights, top / top.sum(-1, keepdim=True), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 32, 300])
+def test_route_kernel_appends_the_shared_expert(dtype, tokens):
+    """Logits [T, E+1] whose last column is the shared expert's gate (a view of a wider
+    projection): the routed choices as without it, then (shared id, sigmoid(gate))."""
+    from onecat.kernels.moe import moe_route, reference_route
+
+    gen = torch.Generator(device="cuda").manual_seed(50 + tokens)
+    wide = (torch.randn(tokens, E + 9, device="cuda", generator=gen) * 2).to(dtype)
+    logits = wide[:, : E + 1]
+    weights, ids = moe_route(logits, TOP_K, E)
+    assert weights.shape == ids.shape == (tokens, TOP_K + 1)
+    routed_w, routed_ids = moe_route(logits[:, :E], TOP_K)
+    assert torch.equal(ids[:, :TOP_K], routed_ids) and torch.equal(weights[:, :TOP_K], routed_w)
+    assert (ids[:, TOP_K] == E).all()
+    shared = torch.sigmoid(logits[:, E].double()).float()
+    assert (weights[:, TOP_K] - shared).abs().max() <= 1e-6
+    ref_w, ref_ids = reference_route(logits.cpu(), TOP_K, E)
+    assert torch.equal(ids.cpu(), ref_ids) and (weights.cpu() - ref_w).abs().max() <= 2e-6
+
+
 def test_route_kernel_breaks_ties_lowest_index_first():
     from onecat.kernels.moe import moe_route
 

@@ -54,7 +54,7 @@ _MOE_SCHEMA = (
     "w4a16_moe(Tensor x, Tensor expert_ids, Tensor weights, Tensor w13_qweight, "
     "Tensor w13_scales_zeros, Tensor w2_qweight, Tensor w2_scales_zeros, int group_size) -> Tensor"
 )
-_ROUTE_SCHEMA = "moe_route(Tensor logits, int top_k) -> (Tensor, Tensor)"
+_ROUTE_SCHEMA = "moe_route(Tensor logits, int top_k, int shared_expert=-1) -> (Tensor, Tensor)"
 _ROUTER_SCHEMA = (
     "moe_router(Tensor x, Tensor router_weight, Tensor? shared_gate_weight, int top_k, int shared_expert=-1) "
     "-> (Tensor, Tensor, Tensor)"
@@ -413,31 +413,39 @@ def w4a16_moe(
 # --- router ------------------------------------------------------------------------------
 
 
-def _check_route(logits: torch.Tensor, top_k: int) -> None:
+def _check_route(logits: torch.Tensor, top_k: int, shared_expert: int = -1) -> int:
+    """Raise on bad router inputs; returns the number of routed experts E."""
     where = "onecat.kernels.moe.moe_route"
     if logits.dim() != 2 or not logits.is_floating_point():
         raise OnecatError(f"{where}: logits must be floating point [T, E], got {logits.dtype} {tuple(logits.shape)}")
-    experts = logits.shape[1]
+    experts = logits.shape[1] - (1 if shared_expert >= 0 else 0)
     if not 1 <= top_k <= min(experts, _MAX_TOP_K):
         raise OnecatError(f"{where}: top_k {top_k} must be in 1..{min(experts, _MAX_TOP_K)} for {experts} experts")
     if logits.device.type == "cuda" and experts > MAX_EXPERTS:
         raise OnecatError(f"{where}: at most {MAX_EXPERTS} experts on the GPU, got {experts}")
+    return experts
 
 
-def reference_route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_route(logits: torch.Tensor, top_k: int, shared_expert: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """The router on any device: the ``top_k`` largest logits (equal logits: lowest expert
     index first) and a softmax over them, in fp32 (equal to softmax, top-k, renormalise).
-    Returns ``(weights fp32 [T, k], ids int32 [T, k])``, experts in decreasing weight order."""
-    _check_route(logits, top_k)
-    values, ids = torch.sort(logits.float(), dim=-1, descending=True, stable=True)
-    return torch.softmax(values[:, :top_k], dim=-1), ids[:, :top_k].to(torch.int32)
+    Returns ``(weights fp32 [T, k], ids int32 [T, k])``, experts in decreasing weight order;
+    with ``shared_expert >= 0`` the last logit column is the shared expert's gate and that
+    expert is appended (:func:`append_shared_expert`)."""
+    experts = _check_route(logits, top_k, shared_expert)
+    values, ids = torch.sort(logits[:, :experts].float(), dim=-1, descending=True, stable=True)
+    weights, ids = torch.softmax(values[:, :top_k], dim=-1), ids[:, :top_k].to(torch.int32)
+    if shared_expert >= 0:
+        return append_shared_expert(weights, ids, logits[:, experts], shared_expert)
+    return weights, ids
 
 
-def _cuda_route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_route(logits, top_k)
-    tokens, experts = logits.shape
-    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
-    ids = torch.empty((tokens, top_k), dtype=torch.int32, device=logits.device)
+def _cuda_route(logits: torch.Tensor, top_k: int, shared_expert: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    experts = _check_route(logits, top_k, shared_expert)
+    tokens = logits.shape[0]
+    choices = top_k + (1 if shared_expert >= 0 else 0)
+    weights = torch.empty((tokens, choices), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((tokens, choices), dtype=torch.int32, device=logits.device)
     if tokens == 0:
         return weights, ids
     if logits.dtype not in (torch.float16, torch.float32):
@@ -447,8 +455,8 @@ def _cuda_route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.T
     get_kernel("w4a16_moe_route_topk", _device_index(logits)).launch(
         (math.ceil(tokens / _ROUTE_WARPS), 1, 1), 32 * _ROUTE_WARPS,
         torch.cuda.current_stream(logits.device).cuda_stream,
-        [_ptr(logits), *_ints(int(logits.dtype == torch.float32), logits.stride(0), tokens, experts, top_k),
-         _ptr(weights), _ptr(ids)],
+        [_ptr(logits), *_ints(int(logits.dtype == torch.float32), logits.stride(0), tokens, experts, top_k,
+                              shared_expert), _ptr(weights), _ptr(ids)],
     )  # fmt: skip
     return weights, ids
 
@@ -458,20 +466,24 @@ _LIB.impl("moe_route", reference_route, "CPU")
 
 
 @torch.library.register_fake("onecat::moe_route")
-def _fake_route(logits, top_k):
-    shape = (logits.shape[0], top_k)
+def _fake_route(logits, top_k, shared_expert=-1):
+    shape = (logits.shape[0], top_k + (1 if shared_expert >= 0 else 0))
     return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.int32)
 
 
-def moe_route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route(logits: torch.Tensor, top_k: int, shared_expert: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3.5's router: softmax over the experts, the ``top_k`` best, renormalised to sum 1.
 
     ``logits [T, E]`` (fp16 or fp32; on the GPU E <= 1024, top_k <= 32) -> ``(weights fp32
     [T, top_k], expert ids int32 [T, top_k])``, in decreasing weight order; equal logits
     are taken lowest expert index first. Computed as a softmax over the selected logits
     (the same numbers: the full softmax's denominator cancels in the renormalisation).
+    With ``shared_expert >= 0``, ``logits [T, E+1]`` end with the shared expert's gate logit
+    and the result is ``[T, top_k + 1]``, choice ``top_k`` of every token being
+    ``(shared_expert, sigmoid(gate logit))`` (as :func:`append_shared_expert`), in the same
+    launch.
     """
-    return torch.ops.onecat.moe_route(logits, top_k)
+    return torch.ops.onecat.moe_route(logits, top_k, shared_expert)
 
 
 # --- router with its projection (decode) -------------------------------------------------

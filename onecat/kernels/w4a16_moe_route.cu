@@ -11,7 +11,9 @@
 //
 // w4a16_moe_route_topk: the selection over given logits.
 //   Data layout: logits [T, E] fp16 or fp32 with row stride `row_stride` (elements), unit
-//   column stride; weights [T, k] fp32 and ids [T, k] int32, contiguous.
+//   column stride; weights [T, k] fp32 and ids [T, k] int32, contiguous.  With shared_id >= 0
+//   column E of the logits is the shared expert's gate logit g and, as in the decode kernel
+//   below, ids/weights are [T, k+1] with column k = (shared_id, sigmoid(g)).
 //   Thread mapping: one warp per token (4 warps per block), see select_top_k.
 //
 // w4a16_moe_route_decode: the router's projection AND the selection in one launch, for a few
@@ -257,11 +259,19 @@ __device__ __forceinline__ void load_row(uint4 (&wv)[kRowVecs], const half* __re
 
 extern "C" __global__ void __launch_bounds__(32 * onecat::kRouteWarps)
 w4a16_moe_route_topk(const void* logits, int logits32, int row_stride, int T, int E, int top_k,
-                     float* __restrict__ weights, int* __restrict__ ids) {
+                     int shared_id, float* __restrict__ weights, int* __restrict__ ids) {
   using namespace onecat;
   const int lane = threadIdx.x & 31;
   const int t = blockIdx.x * kRouteWarps + (threadIdx.x >> 5);
   if (t >= T) return;
+  const int stride = top_k + (shared_id >= 0 ? 1 : 0);  // choices per token in weights / ids
+  if (shared_id >= 0 && lane == 0) {  // column E of the logits: the shared expert's gate
+    const size_t at = (size_t)t * row_stride + E;
+    const float g = logits32 ? reinterpret_cast<const float*>(logits)[at]
+                             : __half2float(reinterpret_cast<const half*>(logits)[at]);
+    weights[(size_t)t * stride + top_k] = 1.0f / (1.0f + expf(-g));
+    ids[(size_t)t * stride + top_k] = shared_id;
+  }
   float v[kSlots];
 #pragma unroll
   for (int s = 0; s < kSlots; ++s) {
@@ -273,7 +283,7 @@ w4a16_moe_route_topk(const void* logits, int logits32, int row_stride, int T, in
                       : __half2float(reinterpret_cast<const half*>(logits)[at]);
     }
   }
-  select_top_k(v, E, top_k, weights + (size_t)t * top_k, ids + (size_t)t * top_k);
+  select_top_k(v, E, top_k, weights + (size_t)t * stride, ids + (size_t)t * stride);
 }
 
 extern "C" __global__ void __launch_bounds__(32 * onecat::kRouterMaxWarps)

@@ -548,6 +548,7 @@ class SparseMoE(nn.Module):
             spare_slots=int(foldable),
         )  # fmt: skip
         self.shared_slot: int | None = None  # set by fold_shared_expert
+        self.router_rows: torch.Tensor | None = None  # [E+1, H]: router and shared gate rows, when folded
         self.experts.prefix = f"{prefix}.experts"
         self.shared_expert = MLP(
             hidden, cfg.shared_expert_intermediate_size, f"{prefix}.shared_expert", plan, dtype
@@ -564,20 +565,35 @@ class SparseMoE(nn.Module):
             self.experts.num_experts, self.shared_expert.gate_up_proj, self.shared_expert.down_proj
         ):
             self.shared_slot = self.experts.num_experts
+            self._stack_router_rows()
         return self.shared_slot is not None
+
+    def _stack_router_rows(self) -> None:
+        """Keep the router's rows and the shared gate's row in one ``[E+1, H]`` tensor (the two
+        layers then view it), so that a batch above the one-launch router's size projects both
+        with one GEMM and routes with one kernel (``moe_route`` with the shared expert)."""
+        gate, shared_gate = self.gate, self.shared_expert_gate
+        if gate.is_packed or shared_gate.is_packed or gate.bias is not None or shared_gate.bias is not None:
+            return
+        stacked = torch.cat([gate.weight.data, shared_gate.weight.data.reshape(1, -1)])
+        gate.weight.data, shared_gate.weight.data = stacked[:-1], stacked[-1:]
+        self.router_rows = stacked
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``. On CUDA the routing is one kernel (``moe_route``:
         the same softmax / top-k / renormalisation, ties lowest index first); for decode
         batches one kernel also computes the router's and the shared gate's projections
         (``moe_router``). A folded shared expert (:meth:`fold_shared_expert`) is one more
-        choice per token: the whole block is then the router and the grouped MoE op."""
+        choice per token: the whole block is then the router and the grouped MoE op (above
+        the one-launch router's batch: one GEMM of both projections and one routing kernel)."""
         gate, shared_gate, slot = self.gate, self.shared_expert_gate, self.shared_slot
         if not gate.is_packed and not shared_gate.is_packed and gate.bias is None and shared_gate.bias is None \
                 and router_fits(x, gate.weight, shared_gate.weight):  # decode: one launch
             weights, expert_ids, shared_logit = moe_router(
                 x, gate.weight, shared_gate.weight, self.top_k, -1 if slot is None else slot
             )
+        elif slot is not None and self.router_rows is not None and x.is_cuda:
+            weights, expert_ids = moe_route(F.linear(x, self.router_rows), self.top_k, slot)
         else:
             logits, shared_logit = gate(x), shared_gate(x)
             weights, expert_ids = moe_route(logits, self.top_k) if logits.is_cuda else route(logits, self.top_k)
