@@ -24,7 +24,9 @@ from onecat.quantize.gptq import (
     activation_order,
     add_to_hessian,
     best_range,
+    damped_inverse_factor,
     enough_rows,
+    error_product_target,
     gptq_quantize,
     gptq_round,
     hessian_from_factor,
@@ -33,6 +35,7 @@ from onecat.quantize.gptq import (
     permute_hessian,
     refit_scales,
     smoothed_hessian,
+    unpermute_hessian,
 )
 from onecat.quantize.layer_search import gptq_stages
 from onecat.quantize.pipeline import REPORT_NAME, quantize_model
@@ -109,6 +112,46 @@ def test_hessian_from_factor_undoes_the_damped_factorisation_and_act_order() -> 
     permuted, _ = inverse_hessian_factor(permute_hessian(h, order), 0.1)
     for got in (hessian_from_factor(plain), hessian_from_factor(permuted, order)):
         assert torch.allclose(got, damped, rtol=1e-4, atol=1e-4 * float(damped.abs().max()))
+
+
+def test_damped_inverse_factor_keeps_the_damped_hessian_in_place() -> None:
+    """The in-place variant gives inverse_hessian_factor's factor bit for bit, and the damped
+    Hessian it returns (its own input, dead channel and damping raised until the factorisation
+    succeeded) is what hessian_from_factor recomputes from the factor, within float rounding."""
+    x = correlated_inputs(512, 64, rank=8, seed=5)
+    x[:, 7] = 0.0  # a dead channel
+    h = add_to_hessian(None, x) / x.shape[0]
+    order = activation_order(h)
+    for source, back in ((h, None), (permute_hessian(h, order), order)):
+        upper, dead = inverse_hessian_factor(source, 0.1)
+        work = source.clone()
+        upper2, dead2, damped = damped_inverse_factor(work, 0.1)
+        assert damped.data_ptr() == work.data_ptr()
+        assert torch.equal(upper2, upper) and torch.equal(dead2, dead)
+        expected = hessian_from_factor(upper) if back is None else hessian_from_factor(upper, back)
+        got = damped if back is None else unpermute_hessian(damped, back)
+        assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    assert torch.equal(unpermute_hessian(permute_hessian(h, order), order), h)
+    with pytest.raises(TypeError):
+        damped_inverse_factor(h.double(), 0.1)
+
+
+def test_error_product_target_matches_input_error_target_and_restores_the_hessian() -> None:
+    k, n, t = 96, 40, 1024
+    x = correlated_inputs(t, k, 12, 21)
+    g = torch.Generator().manual_seed(22)
+    xq = x + 0.05 * torch.randn(t, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    h = add_to_hessian(None, xq) / t
+    delta = (x - xq).t() @ xq / t
+    before = h.clone()
+    got = error_product_target(w, h, w @ delta, 0.5)
+    assert torch.equal(h, before)  # damped for the solve, diagonal restored exactly
+    damped = h + 0.5 * h.diagonal().mean() * torch.eye(k)
+    expected = w.double() + w.double() @ delta.double() @ torch.linalg.inv(damped.double())
+    assert torch.allclose(got.double(), expected, rtol=1e-4, atol=1e-4 * float((expected - w).abs().max()))
+    assert torch.allclose(input_error_target(w, h, delta, 0.5), got, rtol=0, atol=1e-6 * float(w.abs().max()))
+    assert torch.equal(error_product_target(w, torch.zeros(k, k), w @ delta, 0.5), w)  # nothing to solve against
 
 
 def test_gptq_integers_are_valid_and_match_their_dequantization() -> None:

@@ -94,7 +94,19 @@ def smoothed_hessian(h: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 def inverse_hessian_factor(h: torch.Tensor, damp: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(U, dead)``: the upper Cholesky factor of the damped ``H^-1`` and the mask of input
     channels whose ``H[j, j]`` is 0. Raises :class:`HessianNotPositiveDefinite`."""
-    h = h.float().clone()
+    upper, dead, _ = damped_inverse_factor(h.float().clone(), damp)
+    return upper, dead
+
+
+def damped_inverse_factor(h: torch.Tensor, damp: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(U, dead, H)`` of :func:`inverse_hessian_factor` without its copy of ``h``: the float32
+    ``h [K, K]`` is damped in place (dead channels' ``H[j, j] = 1``, the damping that let the
+    factorisation succeed) and returned as ``H``, the damped Hessian whose inverse ``U``
+    factorises (what :func:`refit_scales` wants; :func:`hessian_from_factor` recomputes it
+    from ``U``). At most three ``[K, K]`` tensors live at once, ``h`` included. Raises
+    :class:`HessianNotPositiveDefinite` (``h`` is then left damped)."""
+    if h.dtype != torch.float32:
+        raise TypeError(f"damped_inverse_factor damps a float32 Hessian in place, got {h.dtype}")
     diag = h.diagonal()
     dead = diag == 0
     h[dead, dead] = 1.0
@@ -102,7 +114,7 @@ def inverse_hessian_factor(h: torch.Tensor, damp: float) -> tuple[torch.Tensor, 
     if not mean > 0 or not bool(torch.isfinite(h).all()):
         raise HessianNotPositiveDefinite("the Hessian is zero or not finite")
     added = 0.0
-    for attempt in range(4):  # damping in place: at most three [K, K] tensors live at once
+    for attempt in range(4):  # damping in place
         diag.add_(damp * 10**attempt * mean - added)
         added = damp * 10**attempt * mean
         lower, info = torch.linalg.cholesky_ex(h)
@@ -111,7 +123,7 @@ def inverse_hessian_factor(h: torch.Tensor, damp: float) -> tuple[torch.Tensor, 
             del lower
             upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
             if int(info) == 0:
-                return upper, dead
+                return upper, dead, h
     raise HessianNotPositiveDefinite(f"not positive definite even with damping {damp * 1000}")
 
 
@@ -150,6 +162,12 @@ def permute_hessian(h: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return h[order][:, order]
 
 
+def unpermute_hessian(h: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`permute_hessian`: ``H`` back in the original column order."""
+    back = torch.argsort(order)
+    return h[back][:, back]
+
+
 @torch.no_grad()
 def gptq_round(
     w: torch.Tensor,
@@ -176,7 +194,7 @@ def gptq_round(
     batch, n, k = w.shape
     if k % group_size:
         raise ValueError(f"in-features {k} do not divide by group size {group_size}")
-    weight = w.float().clone()
+    weight = w.to(torch.float32, copy=True)  # the working copy (one copy, whatever w's dtype)
     groups = k // group_size
     scales = torch.empty(batch, n, groups, dtype=torch.float32, device=weight.device)
     zeros = torch.empty_like(scales)
@@ -209,13 +227,13 @@ def gptq_round(
                     cost = ub[:, i : i + group_size, i : i + group_size].diagonal(dim1=-2, dim2=-1).pow(-2)
                     scales[:, :, g], zeros[:, :, g] = best_range(part, RANGE_GRID, cost.unsqueeze(1))
                 s, z = scales[:, :, g], zeros[:, :, g]
+            # one kernel per step on a GPU, where this loop is launch-bound (10 per column)
             x = wb[:, :, i]
-            qi = (torch.round(x / s) + z).clamp(0, MAX_INT)
-            q[:, :, col] = qi.to(torch.uint8)
-            e = (x - (qi - z) * s) / ub[:, i, i].unsqueeze(1)  # [B, N]
+            qi = torch.round(x / s).add_(z).clamp_(0, MAX_INT)
+            q[:, :, col] = qi  # integral floats in 0..15: the uint8 copy converts exactly
+            e = torch.div(x - (qi - z).mul_(s), ub[:, i, i].unsqueeze(1), out=err[:, :, i])  # [B, N]
             if i + 1 < b1 - b0:
                 wb[:, :, i + 1 :].baddbmm_(e.unsqueeze(2), ub[:, i : i + 1, i + 1 :], alpha=-1.0)
-            err[:, :, i] = e
         if b1 < k:
             weight[:, :, b1:].baddbmm_(err, upper[:, b0:b1, b1:], alpha=-1.0)
     if order is not None:  # back to the original column order
@@ -250,14 +268,29 @@ def input_error_target(w: torch.Tensor, hessian: torch.Tensor, delta: torch.Tens
     minimises ``|| X W^T - X~ Q^T ||^2``: ``w [N, K]``, ``hessian`` ``H~ = X~^T X~ / T`` and
     ``delta`` ``D = (X - X~)^T X~ / T`` (both ``[K, K]``) of the linear's full-precision inputs
     ``X`` and its inputs ``X~`` through already-quantized linears. ``W' = W`` when
-    ``X~ = X``; ``W`` itself when the damped ``H~`` cannot be solved. float32."""
-    h = hessian.float().clone()
-    h.diagonal().add_(damp * float(h.diagonal().mean()))
+    ``X~ = X``; ``W`` itself when the damped ``H~`` cannot be solved. float32.
+    (:func:`error_product_target` from ``W D``, which lets a caller free ``D`` first.)"""
     wf = w.float()
-    solution, info = torch.linalg.solve_ex(h, delta.float().t())  # (D (H~ + lambda I)^-1)^T: H~ symmetric
+    return error_product_target(wf, hessian, wf @ delta.float(), damp)
+
+
+def error_product_target(w: torch.Tensor, hessian: torch.Tensor, wd: torch.Tensor, damp: float) -> torch.Tensor:
+    """:func:`input_error_target` from the product ``wd = W D [N, K]`` instead of ``D``:
+    ``W' = W + W D (H~ + damp * mean(diag H~) I)^-1``, solved as
+    ``(H~ + lambda I) Z = (W D)^T`` (``[K, N]`` right-hand sides; ``H~`` symmetric). A float32
+    ``hessian`` is damped in place for the solve and its diagonal restored exactly afterwards,
+    so the solve holds one ``[K, K]`` tensor (the LU factors) beside it. float32."""
+    h = hessian if hessian.dtype == torch.float32 else hessian.float()
+    diag = h.diagonal()
+    undamped = diag.clone()
+    try:
+        diag.add_(damp * float(undamped.mean()))
+        solution, info = torch.linalg.solve_ex(h, wd.float().t())  # Z = (W D (H~ + lambda I)^-1)^T
+    finally:
+        diag.copy_(undamped)
     if int(info) != 0 or not bool(torch.isfinite(solution).all()):
-        return wf  # a singular or zero H~: nothing to correct against
-    return wf + wf @ solution.t()
+        return w.float()  # a singular or zero H~: nothing to correct against
+    return solution.t().add_(w)  # W + Z^T in Z's memory (float32 whatever W's dtype)
 
 
 def hessian_from_factor(upper: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:

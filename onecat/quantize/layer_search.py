@@ -28,7 +28,8 @@ Steps for layer i (built by :class:`~onecat.quantize.layer_build.LayerFactory`):
    unclipped weights left 15% less layer-output error than GPTQ within AWQ's clip ranges,
    and saves the clip search). The calibration pass accumulates
    ``X^T X`` of every quantized linear's input over all tokens (experts: over their token
-   sample) before the scale search; smoothing divides the inputs by the chosen scale s, so
+   sample; with ``gptq.sequential`` only the first input's, the others being recomputed)
+   before the scale search; smoothing divides the inputs by the chosen scale s, so
    the smoothed Hessian is ``diag(1/s) H diag(1/s)`` and no second pass is needed. A linear
    with fewer than K/4 calibration rows (an MoE expert that saw few tokens) or whose Hessian
    cannot be factorised is rounded plainly, and the report names it.
@@ -56,14 +57,14 @@ from onecat.quantize.gptq import (
     HessianNotPositiveDefinite,
     activation_order,
     add_to_hessian,
+    damped_inverse_factor,
     enough_rows,
+    error_product_target,
     gptq_round,
-    hessian_from_factor,
-    input_error_target,
-    inverse_hessian_factor,
     permute_hessian,
     refit_scales,
     smoothed_hessian,
+    unpermute_hessian,
 )
 from onecat.quantize.layer_build import LayerFactory
 from onecat.quantize.moe import ExpertList, split_fused_experts
@@ -72,7 +73,9 @@ from onecat.quantize.recipe import Mapping, Recipe
 from onecat.quantize.smoothing import fold_into_balance, fold_into_smooth
 
 CHUNK_TOKENS = 4096  # tokens per forward chunk of the calibration pass
-GPTQ_BATCH_BYTES = 1 << 30  # weights, working copy and factors of one batched GPTQ call
+# weights, working copies, factors and damped Hessians of one batched GPTQ call (row slices
+# beyond it); 1.5 GiB keeps Qwen3.5-27B's stacked gate/up (34816 x 5120) in one slice
+GPTQ_BATCH_BYTES = 3 << 29
 
 
 @dataclass
@@ -404,7 +407,16 @@ class LayerQuantizer:
         earlier linears are already quantized, and its linears are moved to the target
         :func:`~onecat.quantize.gptq.input_error_target` before GPTQ under the recomputed
         Hessian, so each compensates the rounding error of those before it. Expert inputs
-        keep the Hessians of the calibration pass."""
+        keep the Hessians of the calibration pass.
+
+        Memory: the widest input (Qwen3.5-27B's down_proj, K = 17408: one float32 ``[K, K]``
+        is 1.2 GB) holds at most three or four ``[K, K]`` tensors at once: ``H~`` and ``D``
+        (plus a chunk's inputs) while recomputing them; ``H~`` and the LU factors while
+        solving for the target from ``W D`` (``D`` freed first); ``H~`` damped in place, the
+        Cholesky factor and the inverse (plus the cuSOLVER inverse's working copy on a GPU)
+        while factorising; then the factor and the damped ``H~``, which the scale refit
+        takes directly. Jobs run as soon as a call's worth is ready, so their factors never
+        pile up (every MoE expert's gate/up input has its own)."""
         settings = self.recipe.gptq
         by_key: dict[str, list[str]] = {}
         for name in quantized:
@@ -423,18 +435,27 @@ class LayerQuantizer:
             if number:
                 h, rows, delta = self._stage_inputs(layer, hidden, stage[0], modules, fp_weights)
                 if h is not None:  # else (never reached) the calibration pass's Hessian
-                    fresh = (h, rows)
-                    for name in by_key[stage[0]]:
+                    fresh = [h, rows]
+                    names = by_key[stage[0]]
+                    products = {n: modules[n].weight.data.float() @ delta for n in names}  # W D [N, K]
+                    del delta  # before the solves: at most h, the LU factors and [N, K] tensors live
+                    for name in names:
                         w = modules[name].weight.data
-                        modules[name].weight.data = input_error_target(w, h, delta, settings.damp).to(w.dtype)
-                del delta
-            jobs: dict[tuple[int, int], list] = {}  # (rows, K) -> [(names, upper, dead, order)]
+                        target = error_product_target(w, h, products.pop(name), settings.damp)
+                        modules[name].weight.data = target.to(w.dtype)
+                        del target
+                    del h
+                else:
+                    del delta
+            # (rows, K) -> [(names, upper, dead, order, damped Hessian)], run whenever a call's worth is ready
+            jobs: dict[tuple[int, int], list] = {}
             for key in stage:
                 names = by_key[key]
                 k = modules[names[0]].weight.shape[1]
                 if fresh is not None and key == stage[0]:
                     h, rows = fresh  # inputs of the smoothed, partly quantized layer
-                    cap.hessian(key)  # the calibration pass's one is not needed: free it
+                    fresh.clear()  # h's one reference is ours: damped in place below, then kept for the refit
+                    cap.drop_hessian(key)  # the calibration pass's one, if any, is not needed
                 else:
                     h, rows = cap.hessian(key)
                     if h is not None and key in input_scale:
@@ -447,23 +468,28 @@ class LayerQuantizer:
                     if order is not None:
                         h = permute_hessian(h, order)
                     try:
-                        upper, dead = inverse_hessian_factor(h, settings.damp)
+                        upper, dead, h = damped_inverse_factor(h.float(), settings.damp)
                     except HessianNotPositiveDefinite as exc:
                         why = f"Hessian: {exc}"
-                    del h
                 if why is not None:
+                    del h
                     for name in names:
                         fallback[name] = why
                         ints[name] = quantize_groups(modules[name].weight.data, self.group_size)
                     continue
+                if order is not None:  # the refit wants the damped Hessian in the original column order
+                    h = unpermute_hessian(h, order)
                 rows_total = sum(modules[n].weight.shape[0] for n in names)
-                jobs.setdefault((rows_total, k), []).append((names, upper, dead, order))
-            for (rows_total, k), same_shape in jobs.items():
-                per_job = (rows_total * k * 2 + 2 * k * k) * 4  # weights + working copy + factor + Hessian
-                per_call = max(1, GPTQ_BATCH_BYTES // per_job)
-                for c in range(0, len(same_shape), per_call):
-                    batch = same_shape[c : c + per_call]
-                    ints.update(self._gptq_batch(batch, modules, rows_total, k))
+                pending = jobs.setdefault((rows_total, k), [])
+                pending.append((names, upper, dead, order, h))
+                del upper, h
+                if len(pending) == self._gptq_per_call(rows_total, k):
+                    ints.update(self._gptq_batch(pending, modules, rows_total, k))
+                    pending.clear()
+            for (rows_total, k), pending in jobs.items():
+                if pending:
+                    ints.update(self._gptq_batch(pending, modules, rows_total, k))
+                    pending.clear()
             # the modules take their dequantized weights: the next stage's inputs see them
             packed.update({name: self._store(modules[name], ints[name], where + name)
                            for key in stage for name in by_key[key]})
@@ -512,36 +538,54 @@ class LayerQuantizer:
                 if len(seen) != 2:
                     return None, 0, None
                 x, xq = seen
+                seen.clear()
                 h = add_to_hessian(h, xq)
-                delta = (x - xq).t() @ xq if delta is None else delta.addmm_((x - xq).t(), xq)
+                diff = x - xq
+                del x  # two of the chunk's [T, K] float32 tensors live during the product
+                delta = diff.t() @ xq if delta is None else delta.addmm_(diff.t(), xq)
                 rows += xq.shape[0]
+                del xq, diff
         finally:
             handle.remove()
         if h is None:
             return None, 0, None
         return h.div_(rows), rows, delta.div_(rows)
 
+    @staticmethod
+    def _gptq_per_call(rows_total: int, k: int) -> int:
+        """Jobs of shape ``(rows_total, k)`` run per :meth:`_gptq_batch` call: their weights,
+        working copies, factors and damped Hessians within ``GPTQ_BATCH_BYTES``."""
+        per_job = (rows_total * k * 2 + 2 * k * k) * 4
+        return max(1, GPTQ_BATCH_BYTES // per_job)
+
     def _gptq_batch(self, batch: list, modules: dict, rows_total: int, k: int) -> dict[str, tuple]:
-        """Run GPTQ on jobs of equal shape, ``batch = [(names, upper, dead, order)]``, in row slices."""
+        """Run GPTQ on jobs of equal shape, ``batch = [(names, upper, dead, order, hessian)]``
+        (``hessian``: the damped Hessian ``upper`` factorises, in the original column order),
+        in row slices."""
         settings, g = self.recipe.gptq, self.group_size
-        upper = torch.stack([u for _, u, _, _ in batch])
-        dead = torch.stack([d for _, _, d, _ in batch])
-        order = torch.stack([o for _, _, _, o in batch]) if settings.act_order else None
-        hessian = hessian_from_factor(upper, order)  # damped, original column order: the scale refit
-        weights = [[modules[n].weight.data for n in names] for names, _, _, _ in batch]
+
+        def stacked(i: int) -> torch.Tensor:  # one job: a view, no copy of its [K, K] tensors
+            parts = [job[i] for job in batch]
+            return parts[0].unsqueeze(0) if len(parts) == 1 else torch.stack(parts)
+
+        upper, dead, hessian = stacked(1), stacked(2), stacked(4)
+        order = stacked(3) if settings.act_order else None
+        weights = [[modules[n].weight.data for n in job[0]] for job in batch]
         out = {n: (torch.empty(w.shape, dtype=torch.uint8, device=w.device),
                    torch.empty(w.shape[0], k // g, dtype=torch.uint8, device=w.device),
                    torch.empty(w.shape[0], k // g, dtype=torch.float32, device=w.device))
-               for (names, _, _, _), ws in zip(batch, weights, strict=True) for n, w in zip(names, ws, strict=True)}
+               for job, ws in zip(batch, weights, strict=True) for n, w in zip(job[0], ws, strict=True)}
         step = max(1, GPTQ_BATCH_BYTES // (len(batch) * k * 8))
         for r0 in range(0, rows_total, step):
             r1 = min(r0 + step, rows_total)
-            w = torch.stack([_rows(ws, r0, r1) for ws in weights])
+            parts = [_rows(ws, r0, r1) for ws in weights]
+            w = parts[0].unsqueeze(0) if len(parts) == 1 else torch.stack(parts)
+            del parts
             q, z, s = gptq_round(w, upper, dead, g, block_size=settings.block_size, order=order)
             s = refit_scales(w, hessian, q, z, s, g)
-            for b, (names, _, _, _) in enumerate(batch):
+            for b, job in enumerate(batch):
                 start = 0
-                for n in names:
+                for n in job[0]:
                     lo, hi = max(r0, start), min(r1, start + out[n][0].shape[0])
                     if lo < hi:
                         for dst, src in zip(out[n], (q, z, s), strict=True):
@@ -632,7 +676,7 @@ def _rows(weights: list[torch.Tensor], r0: int, r1: int) -> torch.Tensor:
         if lo < hi:
             parts.append(w[lo - start : hi - start])
         start += w.shape[0]
-    return torch.cat(parts)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _first(output):
@@ -675,8 +719,11 @@ class _Capture:
         self.samples: dict[str, list[torch.Tensor]] = {k: [] for k in self.stride}
         self.scored: dict[str, tuple] = {}
         self.stats_keys = {m.owner for m in mappings}
-        # X^T X of each input over all tokens, for GPTQ (experts: from their sample, later)
+        # X^T X of each input over all tokens, for GPTQ (experts: from their sample, later).
+        # Sequential GPTQ recomputes every input's Hessian but the first one's (gptq_stages:
+        # each later non-expert input opens a stage), so only the first input reached keeps one
         self.hessians: dict[str, torch.Tensor] | None = {} if lq.gptq else None
+        self.first_hessian_only = lq.gptq and rcp.gptq.sequential
         self.hessian_rows: dict[str, int] = {}
         self.order: list[str] = []  # inputs in the order the forward pass first reached them
         self.handles = []
@@ -710,7 +757,8 @@ class _Capture:
             if not peak == peak:
                 peak = float("inf")
             self.absmax[key] = max(self.absmax.get(key, 0.0), peak)
-            if self.hessians is not None and self.stride[key]:
+            if self.hessians is not None and self.stride[key] and (
+                    not self.first_hessian_only or key == self.order[0]):
                 self.hessians[key] = add_to_hessian(self.hessians.get(key), xf)
                 self.hessian_rows[key] = self.hessian_rows.get(key, 0) + xf.shape[0]
             if self.stride[key]:
@@ -750,6 +798,11 @@ class _Capture:
             x = self.samples[key]
             return add_to_hessian(None, x) / x.shape[0], x.shape[0]
         return None, 0
+
+    def drop_hessian(self, key: str) -> None:
+        """Free the calibration pass's ``X^T X`` of ``key`` (its Hessian was recomputed)."""
+        if self.hessians is not None:
+            self.hessians.pop(key, None)
 
     def scored_inputs(self, name: str) -> tuple[tuple, dict]:
         """(args, kwargs) to call the scored module ``name`` on the loss tokens."""
