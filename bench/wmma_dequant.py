@@ -3,8 +3,9 @@ words through shared memory and dequantisation on the B fragments (``wmmar``), G
 
 For each Qwen3.5 shape (``onecat.kernels.shapes.BENCH_SHAPES``) and batch M, every candidate
 variant of the tuner is timed (CUDA graphs, weights rotated past L2, ``tuning.tune_shape``);
-the table shows the fastest of each kind, the ratio, and each one's share of the copy
-bandwidth over the packed weight's bytes measured in the same run.
+the table shows the fastest of each kind (and of the CUDA-core GEMV where M is small enough
+for it), the ratio, and each one's share of the copy bandwidth over the packed weight's bytes
+measured in the same run.
 
     cd bench && ONECAT_KERNEL_DIR=../.ptx ONECAT_KERNEL_ARCH=70 python wmma_dequant.py --ms 8,16,32,64
 """
@@ -36,8 +37,8 @@ def main() -> None:
     args = parser.parse_args()
     copy_gbs = copy_bandwidth_gbs()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy_gbs:.0f} GB/s, group size {args.group_size}")
-    print("| shape | N x K | M | wmma us (% BW) | wmmar us (% BW) | wmma / wmmar | fastest wmmar |")
-    print("|---|---|---|---|---|---|---|")
+    print("| shape | N x K | M | wmma us (% BW) | wmmar us (% BW) | wmma / wmmar | fastest wmmar | CUDA-core GEMV us (% BW) |")
+    print("|---|---|---|---|---|---|---|---|")
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     for label, n, k in BENCH_SHAPES:
@@ -47,9 +48,11 @@ def main() -> None:
             _, timings = tuning.tune_shape(m, qweight, scales_zeros, args.group_size, save=False)
             old_name, old_us = best_of(timings, "wmma")
             new_name, new_us = best_of(timings, "wmmar")
-            share = {us: 100 * weight_bytes / (us * 1e-6) / (copy_gbs * 1e9) for us in (old_us, new_us)}
+            gemv_us = min((us for name, us in timings.items() if name.startswith("gemv")), default=None)
+            share = {us: 100 * weight_bytes / (us * 1e-6) / (copy_gbs * 1e9) for us in (old_us, new_us, gemv_us) if us}
+            gemv = f"{gemv_us:.1f} ({share[gemv_us]:.0f}%)" if gemv_us else "-"
             print(f"| {label} | {n} x {k} | {m} | {old_us:.1f} ({share[old_us]:.0f}%) | {new_us:.1f} "
-                  f"({share[new_us]:.0f}%) | {old_us / new_us:.2f}x | {new_name} |", flush=True)
+                  f"({share[new_us]:.0f}%) | {old_us / new_us:.2f}x | {new_name} | {gemv} |", flush=True)
             rows.append({"shape": label, "n": n, "k": k, "m": m, "timings_us": timings})
     if args.out:
         with open(args.out, "w") as f:
