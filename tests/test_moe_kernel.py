@@ -133,8 +133,10 @@ def test_fake_implementation_gives_the_output_shape(experts):
         ids = torch.empty(5, 8, dtype=torch.int32)
         y = torch.ops.onecat.w4a16_moe(x, ids, torch.empty(5, 8), *fake, G)
         w, i = torch.ops.onecat.moe_route(torch.empty(5, 256, dtype=torch.float16), 8)
+        ws, is_ = torch.ops.onecat.moe_route(torch.empty(5, 257, dtype=torch.float16), 8, 256)
     assert y.shape == (5, H) and y.dtype == torch.float16
     assert (w.shape, w.dtype, i.shape, i.dtype) == ((5, 8), torch.float32, (5, 8), torch.int32)
+    assert ws.shape == is_.shape == (5, 9), "the shared expert is one more choice"
 
 
 def test_bad_inputs_name_the_argument(experts):
@@ -167,6 +169,21 @@ def test_route_reference_matches_softmax_topk_renormalise(dtype):
     assert torch.equal(ids.long(), top_ids), "random logits have no ties: same experts, same order"
     assert torch.allclose(weights, top / top.sum(-1, keepdim=True), rtol=1e-5, atol=1e-7)
     assert torch.allclose(weights.sum(-1), torch.ones(33))
+
+
+def test_route_with_the_shared_expert_appends_it_to_every_token():
+    """``moe_route(logits [T, E+1], k, shared)``: the routed choices over the first E columns as
+    without it, then ``(shared, sigmoid(last column))`` as choice k (CPU reference)."""
+    gen = torch.Generator().manual_seed(4)
+    logits = (torch.randn(6, 33, generator=gen) * 2).half()
+    weights, ids = moe.moe_route(logits, 4, 32)
+    routed_w, routed_ids = moe.moe_route(logits[:, :32], 4)
+    assert weights.shape == ids.shape == (6, 5)
+    assert torch.equal(ids[:, :4], routed_ids) and torch.equal(weights[:, :4], routed_w)
+    assert (ids[:, 4] == 32).all()
+    assert torch.allclose(weights[:, 4], torch.sigmoid(logits[:, 32].float()))
+    with pytest.raises(OnecatError, match="top_k 33"):
+        moe.moe_route(logits, 33, 32)  # 32 routed experts: the gate column is not one of them
 
 
 def test_router_reference_is_the_linears_then_the_route():
