@@ -86,6 +86,8 @@ blocks used before, at 8 tokens 47.4 against 50.9; at 1-2 tokens the larger bloc
 def gather_shapes(tokens: int) -> tuple[tuple[int, int], tuple[int, int]]:
     """The ``(gate_up, down)`` kernel shapes the gather path runs for ``tokens`` tokens."""
     return next((gate, down) for limit, gate, down in GATHER_SHAPES if tokens <= limit)
+
+
 GROUPED_GEMV_MIN_TOKENS = 16
 """From this many tokens the decode path groups the pairs by expert first (one align launch),
 so that each chosen expert's weights are read and dequantised once for all its tokens
@@ -94,40 +96,6 @@ block per pair (``w4a16_moe_gemv_gate_up`` / ``_down``)."""
 GROUPED_GEMV_ROWS = 2
 """Pairs of one expert per block of the grouped decode kernels (built: 2 and 4)."""
 _GROUPED_GEMV_WARPS, _GROUPED_GEMV_BATCH = 4, 4
-
-
-def _launch_grouped_gemv(
-    x: torch.Tensor, ids: torch.Tensor, flags: list, weights: torch.Tensor, weights32: list,
-    w13_qweight: torch.Tensor, w13_scales_zeros: torch.Tensor, w2_qweight: torch.Tensor,
-    w2_scales_zeros: torch.Tensor, hidden: torch.Tensor, out: torch.Tensor, top_k: int, e: int,
-    group_size: int, device: int, stream: int,
-) -> None:
-    """The grouped decode path: align the pairs by expert, then gate_up and down per (column
-    tile, row tile of one expert), then each token's sum over its pairs."""
-    t, h = x.shape
-    i, pairs = hidden.shape[1], hidden.shape[0]
-    rows, warps, batch = GROUPED_GEMV_ROWS, _GROUPED_GEMV_WARPS, _GROUPED_GEMV_BATCH
-    shape = f"w{warps}_b{batch}_r{rows}"
-    meta = torch.empty(2 * (e + 1) + pairs, dtype=torch.int32, device=x.device)
-    row_tiles = math.ceil(pairs / rows) + min(e, pairs)
-    pair_out = stream_buffer("moe_pair_out", x.device, stream, pairs * h, zeroed=False)
-    get_kernel("w4a16_moe_wmma_align", device).launch(
-        (1, 1, 1), _ALIGN_THREADS, stream, [_ptr(ids), *flags, *_ints(pairs, e, rows), _ptr(meta)]
-    )
-    get_kernel(f"w4a16_moe_gemv_grouped_gate_up_{shape}", device).launch(
-        (i // TILE, row_tiles, 1), 32 * warps, stream,
-        [_ptr(x), _ptr(meta), *_ints(e), _ptr(w13_qweight), _ptr(w13_scales_zeros), _ptr(hidden),
-         *_ints(top_k, h, i, group_size, math.ceil(h // TILE / warps))],
-    )  # fmt: skip
-    get_kernel(f"w4a16_moe_gemv_grouped_down_{shape}", device).launch(
-        (math.ceil(h // TILE / warps), row_tiles, 1), 32 * warps, stream,
-        [_ptr(hidden), _ptr(meta), *_ints(e), _ptr(weights), *weights32, _ptr(w2_qweight),
-         _ptr(w2_scales_zeros), _ptr(pair_out), *_ints(h, i, group_size)],
-    )  # fmt: skip
-    get_kernel("w4a16_moe_gemv_pair_sum", device).launch(
-        (math.ceil(h / 1024), t, 1), 256, stream,
-        [_ptr(pair_out), _ptr(ids), *flags, *_ints(e), _ptr(out), *_ints(top_k, h)],
-    )
 
 
 MAX_DOWN_SPLITS = 4
@@ -250,6 +218,40 @@ def down_splits(tokens: int, column_tiles: int, device_index: int) -> int:
 
 def _device_index(t: torch.Tensor) -> int:
     return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+def _launch_grouped_gemv(
+    x: torch.Tensor, ids: torch.Tensor, flags: list, weights: torch.Tensor, weights32: list,
+    w13_qweight: torch.Tensor, w13_scales_zeros: torch.Tensor, w2_qweight: torch.Tensor,
+    w2_scales_zeros: torch.Tensor, hidden: torch.Tensor, out: torch.Tensor, top_k: int, e: int,
+    group_size: int, device: int, stream: int,
+) -> None:
+    """The grouped decode path: align the pairs by expert, then gate_up and down per (column
+    tile, row tile of one expert), then each token's sum over its pairs."""
+    t, h = x.shape
+    i, pairs = hidden.shape[1], hidden.shape[0]
+    rows, warps, batch = GROUPED_GEMV_ROWS, _GROUPED_GEMV_WARPS, _GROUPED_GEMV_BATCH
+    shape = f"w{warps}_b{batch}_r{rows}"
+    meta = torch.empty(2 * (e + 1) + pairs, dtype=torch.int32, device=x.device)
+    row_tiles = math.ceil(pairs / rows) + min(e, pairs)
+    pair_out = stream_buffer("moe_pair_out", x.device, stream, pairs * h, zeroed=False)
+    get_kernel("w4a16_moe_wmma_align", device).launch(
+        (1, 1, 1), _ALIGN_THREADS, stream, [_ptr(ids), *flags, *_ints(pairs, e, rows), _ptr(meta)]
+    )
+    get_kernel(f"w4a16_moe_gemv_grouped_gate_up_{shape}", device).launch(
+        (i // TILE, row_tiles, 1), 32 * warps, stream,
+        [_ptr(x), _ptr(meta), *_ints(e), _ptr(w13_qweight), _ptr(w13_scales_zeros), _ptr(hidden),
+         *_ints(top_k, h, i, group_size, math.ceil(h // TILE / warps))],
+    )  # fmt: skip
+    get_kernel(f"w4a16_moe_gemv_grouped_down_{shape}", device).launch(
+        (math.ceil(h // TILE / warps), row_tiles, 1), 32 * warps, stream,
+        [_ptr(hidden), _ptr(meta), *_ints(e), _ptr(weights), *weights32, _ptr(w2_qweight),
+         _ptr(w2_scales_zeros), _ptr(pair_out), *_ints(h, i, group_size)],
+    )  # fmt: skip
+    get_kernel("w4a16_moe_gemv_pair_sum", device).launch(
+        (math.ceil(h / 1024), t, 1), 256, stream,
+        [_ptr(pair_out), _ptr(ids), *flags, *_ints(e), _ptr(out), *_ints(top_k, h)],
+    )
 
 
 def _cuda_moe(

@@ -100,6 +100,25 @@ struct ScaleCursor {
   }
 };
 
+// This lane's CT k tiles (the first `valid` of them), dequantised, as 32*CT consecutive k of
+// column lane_column(lane) of the fp16 col-major B matrix at `sB` (row stride `ld` halves),
+// with 128-bit stores: the fp16-staging kernels' B operand.
+template <int CT>
+__device__ __forceinline__ void store_dequantised_column(half* sB, int ld, int lane, const uint4 (&wv)[CT],
+                                                         const half2 (&sz)[CT], int valid) {
+  half* row = sB + lane_column(lane) * ld;
+#pragma unroll
+  for (int u = 0; u < CT; ++u) {
+    if (u < valid) {
+      half2 w[16];
+      dequant_tile(wv[u], sz[u], w);
+      uint4* dst = reinterpret_cast<uint4*>(row + u * kTile);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) dst[q] = *reinterpret_cast<uint4*>(w + 4 * q);
+    }
+  }
+}
+
 // Split-K finish, called by every thread of a block after its partial sums were added to the
 // fp32 workspace with atomicAdd.  The last block to arrive for `counter` (a zeroed int per
 // output tile) returns true and may then read the complete sums (with ld.global.cg: the

@@ -107,15 +107,17 @@ __device__ __forceinline__ float dot_tile(uint4 wv, half2 sz, const half* __rest
   return dot_dequantised(w, xk);
 }
 
-template <int kGateUpWarps, int kGateUpBatch>
-__device__ __forceinline__ void gate_up_body(const half* __restrict__ x, const void* ids, int ids64,
+// Column tile c of expert e's gate and up for R activation rows xr[i] (the first `rows` of
+// them real; the others repeat a real row and are never stored): the H/32 k tiles split into
+// ranges of `per_warp` over the block's warps, each lane's gate and up tiles loaded
+// (kBatch k tiles in flight) and dequantised once for all rows; warp 0 adds the warps' sums
+// and writes fp16(silu(g) * u) to hr[i][c*32 + column].
+template <int kWarps, int kBatch, int R>
+__device__ __forceinline__ void gate_up_tile(const half* const (&xr)[R], half* const (&hr)[R], int rows, int e,
                                              const uint4* __restrict__ w13_qweight,
-                                             const half2* __restrict__ w13_scales, half* __restrict__ h,
-                                             int top_k, int E, int H, int I, int group_size, int per_warp) {
+                                             const half2* __restrict__ w13_scales, int H, int I,
+                                             int group_size, int per_warp) {
   const int c = blockIdx.x;
-  const int p = blockIdx.y;
-  const int e = pair_expert(ids, ids64, p, E);
-  if (e < 0) return;  // another rank's expert: h[p] is never read
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int ktiles = H / kTile;
@@ -126,20 +128,21 @@ __device__ __forceinline__ void gate_up_body(const half* __restrict__ x, const v
   const size_t up_tile = gate_tile + itiles;
   const uint4* gate_w = w13_qweight + gate_tile * ktiles * 32 + lane;
   const uint4* up_w = w13_qweight + up_tile * ktiles * 32 + lane;
-  const half* xr = x + (size_t)(p / top_k) * H;
 
   const int kt_begin = warp * per_warp;
   const int kt_end = min(ktiles, kt_begin + per_warp);
-  float g = 0.0f, u = 0.0f;
+  float g[R], u[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) g[i] = u[i] = 0.0f;
   if (kt_begin < kt_end) {
     ScaleCursor gate_s(w13_scales + gate_tile * groups * 32 + lane, kt_begin, tiles_per_group);
     ScaleCursor up_s(w13_scales + up_tile * groups * 32 + lane, kt_begin, tiles_per_group);
 #pragma unroll 1
-    for (int kt = kt_begin; kt < kt_end; kt += kGateUpBatch) {
-      uint4 wg[kGateUpBatch], wu[kGateUpBatch];
-      half2 sg[kGateUpBatch], su[kGateUpBatch];
+    for (int kt = kt_begin; kt < kt_end; kt += kBatch) {
+      uint4 wg[kBatch], wu[kBatch];
+      half2 sg[kBatch], su[kBatch];
 #pragma unroll
-      for (int b = 0; b < kGateUpBatch; ++b) {
+      for (int b = 0; b < kBatch; ++b) {
         if (kt + b < kt_end) {
           wg[b] = load_weights_streaming(gate_w + (size_t)(kt + b) * 32);
           wu[b] = load_weights_streaming(up_w + (size_t)(kt + b) * 32);
@@ -148,30 +151,60 @@ __device__ __forceinline__ void gate_up_body(const half* __restrict__ x, const v
         }
       }
 #pragma unroll
-      for (int b = 0; b < kGateUpBatch; ++b) {
+      for (int b = 0; b < kBatch; ++b) {
         if (kt + b < kt_end) {
-          const half* xk = xr + (size_t)(kt + b) * kTile;
-          g += dot_tile(wg[b], sg[b], xk);
-          u += dot_tile(wu[b], su[b], xk);
+          half2 wgd[16], wud[16];
+          dequant_tile(wg[b], sg[b], wgd);
+          dequant_tile(wu[b], su[b], wud);
+#pragma unroll
+          for (int i = 0; i < R; ++i) {
+            if (i < rows) {
+              const half* xk = xr[i] + (size_t)(kt + b) * kTile;
+              g[i] += dot_dequantised(wgd, xk);
+              u[i] += dot_dequantised(wud, xk);
+            }
+          }
         }
       }
     }
   }
 
-  __shared__ float partial[kGateUpWarps][2][32];
-  partial[warp][0][lane] = g;
-  partial[warp][1][lane] = u;
+  __shared__ float partial[kWarps][2][R][32];
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    partial[warp][0][i][lane] = g[i];
+    partial[warp][1][i][lane] = u[i];
+  }
   __syncthreads();
   if (warp == 0) {
-    float gs = 0.0f, us = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kGateUpWarps; ++w) {
-      gs += partial[w][0][lane];
-      us += partial[w][1][lane];
+    for (int i = 0; i < R; ++i) {
+      if (i < rows) {
+        float gs = 0.0f, us = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) {
+          gs += partial[w][0][i][lane];
+          us += partial[w][1][i][lane];
+        }
+        const float silu = gs / (1.0f + __expf(-gs));
+        hr[i][c * kTile + lane_column(lane)] = __float2half_rn(silu * us);
+      }
     }
-    const float silu = gs / (1.0f + __expf(-gs));
-    h[(size_t)p * I + c * kTile + lane_column(lane)] = __float2half_rn(silu * us);
   }
+}
+
+// Gather gate_up: block (c, p) runs gate_up_tile for pair p alone (its token's x row, h row p).
+template <int kGateUpWarps, int kGateUpBatch>
+__device__ __forceinline__ void gate_up_body(const half* __restrict__ x, const void* ids, int ids64,
+                                             const uint4* __restrict__ w13_qweight,
+                                             const half2* __restrict__ w13_scales, half* __restrict__ h,
+                                             int top_k, int E, int H, int I, int group_size, int per_warp) {
+  const int p = blockIdx.y;
+  const int e = pair_expert(ids, ids64, p, E);
+  if (e < 0) return;  // another rank's expert: h[p] is never read
+  const half* xr[1] = {x + (size_t)(p / top_k) * H};
+  half* hr[1] = {h + (size_t)p * I};
+  gate_up_tile<kGateUpWarps, kGateUpBatch, 1>(xr, hr, 1, e, w13_qweight, w13_scales, H, I, group_size, per_warp);
 }
 
 template <int kDownWarps, int kDownBatch>
@@ -249,9 +282,8 @@ __device__ __forceinline__ void down_body(const half* __restrict__ h, const void
 
 // --- grouped decode: one block per (column tile, row tile of one expert) ------------------
 
-// Grouped gate_up: block (c, tile) computes column tile c of gate and up for the R (or fewer)
-// sorted positions of one row tile, the k tiles split over the warps as in gate_up_body;
-// each weight tile is loaded and dequantised once and multiplied with every row's x.
+// Grouped gate_up: block (c, tile) runs gate_up_tile for the R (or fewer) sorted positions of
+// one row tile (the tokens' x rows; h rows in sorted order).
 template <int kWarps, int kBatch, int R>
 __device__ __forceinline__ void grouped_gate_up_body(const half* __restrict__ x, const int* __restrict__ meta,
                                                      int E, const uint4* __restrict__ w13_qweight,
@@ -260,84 +292,14 @@ __device__ __forceinline__ void grouped_gate_up_body(const half* __restrict__ x,
   RowTile rt;
   if (!find_row_tile(meta, E, R, blockIdx.y, rt)) return;
   const int* sorted_pairs = meta + 2 * (E + 1);
-  const int c = blockIdx.x;
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int ktiles = H / kTile;
-  const int groups = H / group_size;
-  const int tiles_per_group = group_size / kTile;
-  const int itiles = I / kTile;
-  const size_t gate_tile = (size_t)rt.e * 2 * itiles + c;
-  const size_t up_tile = gate_tile + itiles;
-  const uint4* gate_w = w13_qweight + gate_tile * ktiles * 32 + lane;
-  const uint4* up_w = w13_qweight + up_tile * ktiles * 32 + lane;
   const half* xr[R];
+  half* hr[R];
 #pragma unroll
-  for (int i = 0; i < R; ++i)  // padding rows repeat the last row (computed, never stored)
+  for (int i = 0; i < R; ++i) {  // padding rows repeat the last row (computed, never stored)
     xr[i] = x + (size_t)(__ldg(sorted_pairs + rt.r0 + min(i, rt.rows - 1)) / top_k) * H;
-
-  const int kt_begin = warp * per_warp;
-  const int kt_end = min(ktiles, kt_begin + per_warp);
-  float g[R], u[R];
-#pragma unroll
-  for (int i = 0; i < R; ++i) g[i] = u[i] = 0.0f;
-  if (kt_begin < kt_end) {
-    ScaleCursor gate_s(w13_scales + gate_tile * groups * 32 + lane, kt_begin, tiles_per_group);
-    ScaleCursor up_s(w13_scales + up_tile * groups * 32 + lane, kt_begin, tiles_per_group);
-#pragma unroll 1
-    for (int kt = kt_begin; kt < kt_end; kt += kBatch) {
-      uint4 wg[kBatch], wu[kBatch];
-      half2 sg[kBatch], su[kBatch];
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        if (kt + b < kt_end) {
-          wg[b] = load_weights_streaming(gate_w + (size_t)(kt + b) * 32);
-          wu[b] = load_weights_streaming(up_w + (size_t)(kt + b) * 32);
-          sg[b] = gate_s.next();
-          su[b] = up_s.next();
-        }
-      }
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        if (kt + b < kt_end) {
-          half2 wgd[16], wud[16];
-          dequant_tile(wg[b], sg[b], wgd);
-          dequant_tile(wu[b], su[b], wud);
-#pragma unroll
-          for (int i = 0; i < R; ++i) {
-            if (i < rt.rows) {
-              const half* xk = xr[i] + (size_t)(kt + b) * kTile;
-              g[i] += dot_dequantised(wgd, xk);
-              u[i] += dot_dequantised(wud, xk);
-            }
-          }
-        }
-      }
-    }
+    hr[i] = h + (size_t)(rt.r0 + i) * I;
   }
-
-  __shared__ float partial[kWarps][2][R][32];
-#pragma unroll
-  for (int i = 0; i < R; ++i) {
-    partial[warp][0][i][lane] = g[i];
-    partial[warp][1][i][lane] = u[i];
-  }
-  __syncthreads();
-  if (warp == 0) {
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-      if (i < rt.rows) {
-        float gs = 0.0f, us = 0.0f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) {
-          gs += partial[w][0][i][lane];
-          us += partial[w][1][i][lane];
-        }
-        const float silu = gs / (1.0f + __expf(-gs));
-        h[(size_t)(rt.r0 + i) * I + c * kTile + lane_column(lane)] = __float2half_rn(silu * us);
-      }
-    }
-  }
+  gate_up_tile<kWarps, kBatch, R>(xr, hr, rt.rows, rt.e, w13_qweight, w13_scales, H, I, group_size, per_warp);
 }
 
 // Grouped down: warp w of block (b, tile) computes output column tile c = b * kWarps + w of

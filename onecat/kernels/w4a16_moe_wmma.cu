@@ -199,19 +199,7 @@ __device__ __forceinline__ void moe_tile(const half* __restrict__ a, const int* 
         const int idx = threadIdx.x + i * kThreads;
         *reinterpret_cast<uint4*>(sA + (idx / kVecsPerRow) * kMoeLds + (idx % kVecsPerRow) * 8) = xv[i];
       }
-      if (tile_ok) {
-        half* row = sB_warp + lane_column(lane) * kMoeLds;
-  #pragma unroll
-        for (int u = 0; u < kMoeChunk; ++u) {
-          if (u < valid_tiles) {
-            half2 w[16];
-            dequant_tile(wv[u], sz[u], w);
-            uint4* dst = reinterpret_cast<uint4*>(row + u * kTile);
-  #pragma unroll
-            for (int q = 0; q < 4; ++q) dst[q] = *reinterpret_cast<uint4*>(w + 4 * q);
-          }
-        }
-      }
+      if (tile_ok) store_dequantised_column(sB_warp, kMoeLds, lane, wv, sz, valid_tiles);
       __syncthreads();
       if (kc + kMoeChunk < ktiles) load_chunk(kc + kMoeChunk);  // overlaps the MMAs below
       if (tile_ok) {

@@ -198,19 +198,7 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
         if (idx < kXVecs)
           *reinterpret_cast<uint4*>(sA + (idx / (kChunk / 8)) * kLds + (idx % (kChunk / 8)) * 8) = xv[i];
       }
-      if (tile_ok) {
-        half* row = sB_warp + lane_column(lane) * kLds;
-#pragma unroll
-        for (int u = 0; u < kChunkTiles; ++u) {
-          if (u < valid_tiles) {
-            half2 w[16];
-            dequant_tile(wv[u], sz[u], w);
-            uint4* dst = reinterpret_cast<uint4*>(row + u * kTile);
-#pragma unroll
-            for (int q = 0; q < 4; ++q) dst[q] = *reinterpret_cast<uint4*>(w + 4 * q);
-          }
-        }
-      }
+      if (tile_ok) store_dequantised_column(sB_warp, kLds, lane, wv, sz, valid_tiles);
       __syncthreads();
       if (kc + kChunkTiles < k_end) load_chunk(kc + kChunkTiles);  // overlaps the MMAs below
 #pragma unroll

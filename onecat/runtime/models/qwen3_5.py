@@ -572,12 +572,17 @@ class SparseMoE(nn.Module):
         """Keep the router's rows and the shared gate's row in one ``[E+1, H]`` tensor (the two
         layers then view it), so that a batch above the one-launch router's size projects both
         with one GEMM and routes with one kernel (``moe_route`` with the shared expert)."""
-        gate, shared_gate = self.gate, self.shared_expert_gate
-        if gate.is_packed or shared_gate.is_packed or gate.bias is not None or shared_gate.bias is not None:
+        if not self._plain_router():
             return
+        gate, shared_gate = self.gate, self.shared_expert_gate
         stacked = torch.cat([gate.weight.data, shared_gate.weight.data.reshape(1, -1)])
         gate.weight.data, shared_gate.weight.data = stacked[:-1], stacked[-1:]
         self.router_rows = stacked
+
+    def _plain_router(self) -> bool:
+        """Whether the router and the shared gate are plain fp16 weights without bias."""
+        gate, shared_gate = self.gate, self.shared_expert_gate
+        return not (gate.is_packed or shared_gate.is_packed or gate.bias is not None or shared_gate.bias is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``. On CUDA the routing is one kernel (``moe_route``:
@@ -587,12 +592,11 @@ class SparseMoE(nn.Module):
         choice per token: the whole block is then the router and the grouped MoE op (above
         the one-launch router's batch: one GEMM of both projections and one routing kernel)."""
         gate, shared_gate, slot = self.gate, self.shared_expert_gate, self.shared_slot
-        if not gate.is_packed and not shared_gate.is_packed and gate.bias is None and shared_gate.bias is None \
-                and router_fits(x, gate.weight, shared_gate.weight):  # decode: one launch
+        if self._plain_router() and router_fits(x, gate.weight, shared_gate.weight):  # decode: one launch
             weights, expert_ids, shared_logit = moe_router(
                 x, gate.weight, shared_gate.weight, self.top_k, -1 if slot is None else slot
             )
-        elif slot is not None and self.router_rows is not None and x.is_cuda:
+        elif self.router_rows is not None and x.is_cuda:  # folded: slot is set
             weights, expert_ids = moe_route(F.linear(x, self.router_rows), self.top_k, slot)
         else:
             logits, shared_logit = gate(x), shared_gate(x)
