@@ -7,7 +7,7 @@ Times, in the same run (median of CUDA-graph replays, ``onecat.kernels.timing``)
 Qwen3.5-27B (48 value heads) and 35B-A3B (32) shapes, dv 128, ``B`` sequences of ``P``
 positions: the fused kernel (``gdn_decode_d128``: delta rule and gated norm, b and a given as
 rows), the same kernel projecting b and a itself from the layer input (``fused_projecting``;
-what the runtime runs up to ``KERNEL_BA_MAX_ROWS`` rows), the wide-batch path
+what the runtime runs up to ``WIDE_ABOVE_ROWS`` rows), the wide-batch path
 (``gdn_decode_wide_d128`` then ``gdn_decode_gated_norm``) and in_proj_ba alone (cuBLAS, what
 the two paths given b and a need before them). ``*_pct`` is the state traffic (one read and P
 writes of 64 KB per head and sequence) over the time, in % of ``--copy-gbps``. Calls rotate

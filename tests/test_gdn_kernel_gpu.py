@@ -427,11 +427,14 @@ def conv_fp64(x, state, weight, positions):
     return torch.stack(outs, 1).reshape(batch * positions, -1), torch.stack(states)
 
 
+@pytest.mark.parametrize("project", [False, True])
 @pytest.mark.parametrize("batch, positions, in_place", [(1, 1, True), (5, 1, True), (3, 1, False), (4, 4, False)])
-def test_conv_update_matches_fp64(batch, positions, in_place):
+def test_conv_update_matches_fp64(batch, positions, in_place, project):
     """The decode conv kernel: outputs within fp16 rounding of fp64, the states after each
     token exact (they are the inputs), written to their rows (in place, or one row per
-    position for verify passes); every other row bit-identical, the output poisoned first."""
+    position for verify passes); every other row bit-identical, the output poisoned first.
+    With ``project`` the same launch writes in_proj_ba's rows (27B shape: 96 x 5120, strided
+    input rows), within fp16 rounding of fp64."""
     from onecat.kernels.gdn import causal_conv1d_update_
 
     gen = torch.Generator(device="cuda").manual_seed(batch * 10 + positions)
@@ -444,8 +447,17 @@ def test_conv_update_matches_fp64(batch, positions, in_place):
     dst = src if in_place else rows[batch : batch + batch * positions].contiguous()
     before = conv_state.clone()
     out = torch.full((batch * positions, channels), float("nan"), dtype=torch.float16, device="cuda")
-    causal_conv1d_update_(x, conv_state, weight, src, None if in_place else dst, positions, out=out)
+    kwargs = {}
+    if project:
+        hidden = torch.randn(batch * positions, 5120 + 64, generator=gen, device="cuda").half()[:, :5120]
+        ba_weight = (torch.randn(96, 5120, generator=gen, device="cuda") * 0.02).half()
+        ba = torch.full((batch * positions, 96), float("nan"), dtype=torch.float16, device="cuda")
+        kwargs = {"hidden_states": hidden, "ba_weight": ba_weight, "ba_out": ba}
+    causal_conv1d_update_(x, conv_state, weight, src, None if in_place else dst, positions, out=out, **kwargs)
     torch.cuda.synchronize()
+    if project:
+        ref_ba = hidden.double() @ ba_weight.double().T
+        assert ((ba.double() - ref_ba).abs() <= 2e-3 * ref_ba.abs() + 1e-3 * ref_ba.pow(2).mean().sqrt()).all()
     ref_out, ref_states = conv_fp64(x, before[src], weight, positions)
     bound = 4e-3 * ref_out.abs() + 2e-3 * ref_out.pow(2).mean().sqrt()
     assert ((out.double() - ref_out).abs() <= bound).all()
@@ -611,9 +623,8 @@ def test_decode_step_projects_b_and_a_in_the_kernel(monkeypatch, width):
     """A pass of decode rows only through the whole layer (project, core, finish): project
     hands the layer input in place of in_proj_ba's output and the (fused) kernel projects b
     and a; against the torch step with in_proj_ba (outputs after out_proj, state pools).
-    On the wide path project runs in_proj_ba even within ``KERNEL_BA_MAX_ROWS``, and the
-    layer's output matches too. ``width`` 4: a verify pass (state rows position by position,
-    the slot last)."""
+    On the wide path the conv launch projects them, and the layer's output matches too.
+    ``width`` 4: a verify pass (state rows position by position, the slot last)."""
     from onecat.runtime.context import ForwardContext, set_context
     from onecat.runtime.models.qwen3_5 import GatedDeltaNet
 
@@ -640,19 +651,17 @@ def test_decode_step_projects_b_and_a_in_the_kernel(monkeypatch, width):
         finally:
             set_context(None)
 
-    from onecat.runtime.models import qwen3_5
-
     launched = force_path(monkeypatch, "fused")
-    monkeypatch.setattr(qwen3_5, "KERNEL_BA_MAX_ROWS", rows - 1)
-    assert run()[0].shape == (rows, 8), "above KERNEL_BA_MAX_ROWS rows project runs in_proj_ba"
-    monkeypatch.setattr(qwen3_5, "KERNEL_BA_MAX_ROWS", rows)
     handed, got, got_rec = run()
     assert handed.data_ptr() == x.data_ptr(), "project computed in_proj_ba in a pass of decode rows only"
     assert_ran(launched, "fused")
     launched = force_path(monkeypatch, "wide")
+    ran_in_proj_ba = []
+    monkeypatch.setattr(layer.in_proj_ba, "forward", lambda *a: ran_in_proj_ba.append(1))
     handed, got_wide, got_wide_rec = run()
-    assert handed.shape == (rows, 8), "the wide path needs in_proj_ba's rows"
+    assert handed.data_ptr() == x.data_ptr() and not ran_in_proj_ba, "the wide path ran in_proj_ba"
     assert_ran(launched, "wide")
+    monkeypatch.undo()
     monkeypatch.setattr(GatedDeltaNet, "_uses_decode_kernel", lambda self, mixed: False)
     handed, ref, ref_rec = run()
     assert handed.shape == (rows, 8)

@@ -247,6 +247,9 @@ def causal_conv1d_update_(
     dst_slots: torch.Tensor | None = None,
     positions: int = 1,
     out: torch.Tensor | None = None,
+    hidden_states: torch.Tensor | None = None,
+    ba_weight: torch.Tensor | None = None,
+    ba_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The short conv + SiLU of ``positions`` consecutive tokens of each of ``B`` sequences
     (rows ``b * positions + p``), the step before :func:`gated_delta_rule_decode_`: reads the
@@ -259,6 +262,11 @@ def causal_conv1d_update_(
     Returns ``silu(conv)`` fp16 ``[B*P, C]`` contiguous (into ``out`` when given). Same math
     as ``runtime.layers.causal_conv.causal_conv1d_step`` token after token, with fp32
     accumulation and one rounding (as the prefill conv kernel).
+
+    With ``ba_weight`` (in_proj_ba's fp16 weight ``[2*Hv, hidden]``), the same launch also
+    writes ``ba_out`` fp16 ``[B*P, 2*Hv]`` contiguous = ``hidden_states [B*P, hidden]`` (rows
+    may be strided) times the weight's transpose, fp32 sums rounded once: in_proj_ba's output
+    for the wide-batch delta rule, without its launches.
     """
     where = "onecat.kernels.gdn.causal_conv1d_update_"
     rows, channels = x.shape[0], weight.shape[0]
@@ -277,6 +285,17 @@ def causal_conv1d_update_(
         ("slots", slots.dtype == torch.int64 and slots.is_contiguous() and slots.numel() == batch),
         ("dst_slots", dst_slots.dtype == torch.int64 and dst_slots.is_contiguous() and dst_slots.numel() == rows),
     ]  # fmt: skip
+    if ba_weight is not None:
+        checks += [
+            ("ba_weight", ba_weight.dtype == torch.float16 and ba_weight.dim() == 2 and ba_weight.is_contiguous()
+             and ba_weight.shape[1] % 8 == 0),
+            ("hidden_states", hidden_states is not None and hidden_states.dtype == torch.float16
+             and hidden_states.dim() == 2 and hidden_states.shape[0] == rows
+             and hidden_states.shape[1] == ba_weight.shape[1] and hidden_states.stride(1) == 1
+             and hidden_states.stride(0) % 8 == 0 and hidden_states.data_ptr() % 16 == 0),
+            ("ba_out", ba_out is not None and ba_out.dtype == torch.float16 and ba_out.is_contiguous()
+             and tuple(ba_out.shape) == (rows, ba_weight.shape[0])),
+        ]  # fmt: skip
     for name, ok in checks:
         if not ok:
             raise OnecatError(f"{where}: {name} has the wrong dtype, shape or layout (see the docstring)")
@@ -291,6 +310,18 @@ def causal_conv1d_update_(
         ctypes.c_void_p(dst_slots.data_ptr()), ctypes.c_void_p(out.data_ptr()), ctypes.c_int(channels),
         ctypes.c_int(positions),
     ]  # fmt: skip
+    blocks = (channels + 255) // 256
+    if ba_weight is None:
+        args += [ctypes.c_void_p(0), ctypes.c_int(0), ctypes.c_void_p(0), ctypes.c_int(0), ctypes.c_int(0),
+                 ctypes.c_void_p(0)]  # fmt: skip
+    else:
+        ba_cols, hidden = ba_weight.shape
+        args += [
+            ctypes.c_void_p(hidden_states.data_ptr()), ctypes.c_int(hidden_states.stride(0)),
+            ctypes.c_void_p(ba_weight.data_ptr()), ctypes.c_int(hidden), ctypes.c_int(ba_cols),
+            ctypes.c_void_p(ba_out.data_ptr()),
+        ]  # fmt: skip
+        blocks += (ba_cols + 3) // 4  # projection blocks: a weight row per warp
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    get_kernel("gdn_decode_conv", device_index).launch(((channels + 255) // 256, batch, 1), 128, stream, args)
+    get_kernel("gdn_decode_conv", device_index).launch((blocks, batch, 1), 128, stream, args)
     return out

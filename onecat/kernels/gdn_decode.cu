@@ -454,15 +454,57 @@ extern "C" __global__ void __launch_bounds__(128)
 //   weight   fp16 [C][4]
 //   src      int64 [B];   dst  int64 [P][B]
 //   out      fp16 [B*P][C]         silu(sum_i w[i] x[t-3+i]), fp32 accumulation, one rounding
+// Optionally (ba_w non-null) the same launch projects the rows' b and a for the wide-batch
+// delta rule, which reads them as in_proj_ba's output (this saves in_proj_ba's launches):
+//   hidden   fp16 [B*P][hidden_stride]  the layer's normed input (16-byte aligned rows)
+//   ba_w     fp16 [ba_cols][H]          in_proj_ba's weight (b rows, then a rows), H % 8 == 0
+//   ba       fp16 [B*P][ba_cols]        hidden . ba_w[r] summed in fp32, rounded once
 // Thread mapping: block (256 channels, sequence b), 128 threads; thread owns 2 adjacent
 // channels, reads their 3 old inputs into registers, then walks the P tokens writing each
 // output and each new state.  A thread reads a channel's old state before it writes any row:
-// in place is safe, and no two threads touch the same channel of a row.
+// in place is safe, and no two threads touch the same channel of a row.  With ba_w, blocks
+// past the channels' (blockIdx.x >= ceil(C / 256)) are projection blocks: warp w of such a
+// block j takes weight row r = 4j + w for the P rows of sequence b, lanes striding over H in
+// 8-value (128-bit) steps, a warp-shuffle sum at the end (in_proj_ba's 1 MB weight stays in
+// L2 for the B blocks that read each row).
+__device__ __forceinline__ void project_ba_rows(const half* __restrict__ hidden, int hidden_stride,
+                                                const half* __restrict__ ba_w, int H, int ba_cols,
+                                                half* __restrict__ ba, int positions, int block) {
+  const int lane = threadIdx.x & 31;
+  const int r = block * 4 + (threadIdx.x >> 5);
+  if (r >= ba_cols) return;
+  const uint4* w = reinterpret_cast<const uint4*>(ba_w + (size_t)r * H);
+  for (int j = 0; j < positions; ++j) {
+    const size_t row = (size_t)blockIdx.y * positions + j;
+    const uint4* xr = reinterpret_cast<const uint4*>(hidden + row * hidden_stride);
+    float sum = 0.0f;
+#pragma unroll 4
+    for (int i = lane; i < H / 8; i += 32) {
+      const uint4 wv = __ldg(w + i), xv = __ldg(xr + i);
+      const unsigned wu[4] = {wv.x, wv.y, wv.z, wv.w}, xu[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float2 a = __half22float2(*reinterpret_cast<const half2*>(&wu[q]));
+        const float2 b = __half22float2(*reinterpret_cast<const half2*>(&xu[q]));
+        sum = fmaf(a.x, b.x, fmaf(a.y, b.y, sum));
+      }
+    }
+    sum = onecat_gdn::warp_sum(sum);
+    if (lane == 0) ba[row * ba_cols + r] = __float2half_rn(sum);
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(128)
     gdn_decode_conv(const half* __restrict__ x, int x_stride, half* __restrict__ conv_st,
                     const half* __restrict__ weight, const long long* __restrict__ src,
                     const long long* __restrict__ dst, half* __restrict__ out, int channels,
-                    int positions) {
+                    int positions, const half* __restrict__ hidden, int hidden_stride,
+                    const half* __restrict__ ba_w, int H, int ba_cols, half* __restrict__ ba) {
+  const int conv_blocks = (channels + 255) / 256;
+  if ((int)blockIdx.x >= conv_blocks) {
+    project_ba_rows(hidden, hidden_stride, ba_w, H, ba_cols, ba, positions, blockIdx.x - conv_blocks);
+    return;
+  }
   const int c = 2 * (blockIdx.x * 128 + threadIdx.x);
   if (c >= channels) return;
   const int b = blockIdx.y, num_seqs = gridDim.y;

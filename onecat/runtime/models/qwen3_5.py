@@ -45,13 +45,6 @@ from onecat.runtime.layers.rotary import PartialRotaryEmbedding, apply_partial_r
 from onecat.runtime.models.config import ModelConfig
 from onecat.runtime.quant_plan import QuantPlan
 
-KERNEL_BA_MAX_ROWS = 8
-"""Decode passes of at most this many rows project GDN's b and a inside the decode kernel;
-larger batches run in_proj_ba (cuBLAS), whose cost does not grow with the rows as the
-kernel's per-(head, row) dot products over the hidden size do. Only the fused decode kernel
-projects: passes the wide-batch kernels run (``gdn_kernel.WIDE_ABOVE_ROWS``) take in_proj_ba
-whatever this says."""
-
 
 def merged_linear(
     plan: QuantPlan,
@@ -279,13 +272,23 @@ class GatedDeltaNet(nn.Module):
         positions: int = 1,
     ) -> torch.Tensor:
         """Decode tokens on the GPU (``positions`` consecutive rows per sequence): the sm_70
-        conv-update kernel, then the delta-rule kernel, which also applies the gated norm (and
-        projects b and a when ``ba`` is the layer input, see :meth:`project`); both read the
-        states from rows ``src`` and write them to rows ``dst`` (no gather and scatter)."""
-        conv_out = gdn_kernel.causal_conv1d_update_(
-            mixed, self.conv_state, self.conv1d.weight, src, dst, positions=positions
-        )
+        conv-update kernel, then the delta-rule kernel, which also applies the gated norm; both
+        read the states from rows ``src`` and write them to rows ``dst`` (no gather and
+        scatter). When ``ba`` is the layer input (see :meth:`project`), b and a are projected
+        by the fused delta-rule kernel, or for the wide-batch one by the conv launch."""
         hidden, weight = (ba, self.in_proj_ba.weight) if self._is_layer_input(ba) else (None, None)
+        if hidden is not None and gdn_kernel.uses_wide_kernel(mixed.shape[0]):
+            # the wide-batch delta rule reads b and a as rows: the conv launch projects them
+            ba = torch.empty(mixed.shape[0], weight.shape[0], dtype=weight.dtype, device=mixed.device)
+            conv_out = gdn_kernel.causal_conv1d_update_(
+                mixed, self.conv_state, self.conv1d.weight, src, dst, positions=positions,
+                hidden_states=hidden, ba_weight=weight, ba_out=ba,
+            )
+            hidden = weight = None
+        else:
+            conv_out = gdn_kernel.causal_conv1d_update_(
+                mixed, self.conv_state, self.conv1d.weight, src, dst, positions=positions
+            )
         return gdn_kernel.gated_delta_rule_decode_(
             conv_out, None if hidden is not None else ba, z, self.A_log, self.dt_bias, self.norm.weight,
             self.norm.eps, self.recurrent_state, src, self.num_k_heads, dst_slots=dst, positions=positions,
@@ -336,19 +339,17 @@ class GatedDeltaNet(nn.Module):
         return torch.stack(outputs, dim=1).reshape(n, *outputs[0].shape[1:])
 
     def _kernel_projects_ba(self, x: torch.Tensor) -> bool:
-        """True when this pass's rows are all decode rows the decode kernel runs and
-        in_proj_ba is a plain fp16 weight: the kernel then computes b and a from ``x`` itself
-        (two dot products per value head and row) and in_proj_ba's launches are skipped. Its
-        width must differ from ``x``'s, which tells :meth:`core` which one it got."""
+        """True when this pass's rows are all decode rows the decode kernels run and
+        in_proj_ba is a plain fp16 weight: the kernels then compute b and a from ``x`` (two
+        dot products per value head and row: in the fused delta-rule kernel, or in the conv
+        launch before the wide-batch one) and in_proj_ba's launches are skipped. Its width must
+        differ from ``x``'s, which tells :meth:`core` which one it got."""
         ba = self.in_proj_ba
         if ba.is_packed or ba.bias is not None or ba.weight.dtype != torch.float16 or ba.in_features == ba.out_features:
             return False
         ctx = get_context()
         rows = x.shape[0]
-        return (
-            ctx.num_decodes == rows <= KERNEL_BA_MAX_ROWS and not gdn_kernel.uses_wide_kernel(rows)
-            and not ctx.prefills and self._uses_decode_kernel(x)
-        )
+        return ctx.num_decodes == rows and not ctx.prefills and self._uses_decode_kernel(x)
 
     def _is_layer_input(self, ba: torch.Tensor) -> bool:
         """Whether ``project`` handed the layer input in ``ba``'s place (see :meth:`_kernel_projects_ba`)."""
