@@ -321,7 +321,7 @@ def causal_conv1d_update_(
             ctypes.c_void_p(ba_weight.data_ptr()), ctypes.c_int(hidden), ctypes.c_int(ba_cols),
             ctypes.c_void_p(ba_out.data_ptr()),
         ]  # fmt: skip
-        blocks += (ba_cols + 3) // 4  # projection blocks: a weight row per warp
+        blocks += ba_cols  # projection blocks: a weight row each
     stream = torch.cuda.current_stream(x.device).cuda_stream
     get_kernel("gdn_decode_conv", device_index).launch((blocks, batch, 1), 128, stream, args)
     return out

@@ -463,23 +463,22 @@ extern "C" __global__ void __launch_bounds__(128)
 // channels, reads their 3 old inputs into registers, then walks the P tokens writing each
 // output and each new state.  A thread reads a channel's old state before it writes any row:
 // in place is safe, and no two threads touch the same channel of a row.  With ba_w, blocks
-// past the channels' (blockIdx.x >= ceil(C / 256)) are projection blocks: warp w of such a
-// block j takes weight row r = 4j + w for the P rows of sequence b, lanes striding over H in
-// 8-value (128-bit) steps, a warp-shuffle sum at the end (in_proj_ba's 1 MB weight stays in
-// L2 for the B blocks that read each row).
-__device__ __forceinline__ void project_ba_rows(const half* __restrict__ hidden, int hidden_stride,
-                                                const half* __restrict__ ba_w, int H, int ba_cols,
-                                                half* __restrict__ ba, int positions, int block) {
-  const int lane = threadIdx.x & 31;
-  const int r = block * 4 + (threadIdx.x >> 5);
-  if (r >= ba_cols) return;
+// past the channels' (blockIdx.x >= ceil(C / 256)) are projection blocks: block C/256 + r
+// computes weight row r for the P rows of sequence b, its 128 threads striding over H in
+// 8-value (128-bit) steps (5 per thread at H = 5120, all loads in flight at once: one round
+// trip), then warp shuffles and one value per warp in shared memory.  in_proj_ba's weight
+// (1 MB) stays in L2 for the B blocks that read each row.
+__device__ __forceinline__ void project_ba_row(const half* __restrict__ hidden, int hidden_stride,
+                                               const half* __restrict__ ba_w, int H, int ba_cols,
+                                               half* __restrict__ ba, int positions, int r) {
+  __shared__ float sums[4];
   const uint4* w = reinterpret_cast<const uint4*>(ba_w + (size_t)r * H);
   for (int j = 0; j < positions; ++j) {
     const size_t row = (size_t)blockIdx.y * positions + j;
     const uint4* xr = reinterpret_cast<const uint4*>(hidden + row * hidden_stride);
     float sum = 0.0f;
-#pragma unroll 4
-    for (int i = lane; i < H / 8; i += 32) {
+#pragma unroll 8
+    for (int i = threadIdx.x; i < H / 8; i += 128) {
       const uint4 wv = __ldg(w + i), xv = __ldg(xr + i);
       const unsigned wu[4] = {wv.x, wv.y, wv.z, wv.w}, xu[4] = {xv.x, xv.y, xv.z, xv.w};
 #pragma unroll
@@ -489,8 +488,9 @@ __device__ __forceinline__ void project_ba_rows(const half* __restrict__ hidden,
         sum = fmaf(a.x, b.x, fmaf(a.y, b.y, sum));
       }
     }
-    sum = onecat_gdn::warp_sum(sum);
-    if (lane == 0) ba[row * ba_cols + r] = __float2half_rn(sum);
+    const float total = onecat_gdn::leading_warps_sum(sum, 4, sums);
+    if (threadIdx.x == 0) ba[row * ba_cols + r] = __float2half_rn(total);
+    __syncthreads();  // sums is reused by the next row
   }
 }
 
@@ -502,7 +502,7 @@ extern "C" __global__ void __launch_bounds__(128)
                     const half* __restrict__ ba_w, int H, int ba_cols, half* __restrict__ ba) {
   const int conv_blocks = (channels + 255) / 256;
   if ((int)blockIdx.x >= conv_blocks) {
-    project_ba_rows(hidden, hidden_stride, ba_w, H, ba_cols, ba, positions, blockIdx.x - conv_blocks);
+    project_ba_row(hidden, hidden_stride, ba_w, H, ba_cols, ba, positions, blockIdx.x - conv_blocks);
     return;
   }
   const int c = 2 * (blockIdx.x * 128 + threadIdx.x);
