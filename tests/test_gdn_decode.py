@@ -67,3 +67,15 @@ def test_a_pass_with_prompt_rows_runs_in_proj_ba():
     chunk = PrefillChunk(start=2, length=3, num_past=0, block_table=torch.zeros(1, dtype=torch.int64), state_slot=0)
     assert projects(layer, 2)
     assert not projects(layer, 2, [chunk])
+
+
+def test_conv_projects_ba_only_from_rows_its_128_bit_loads_read():
+    """The decode conv launch projects b and a from fp16 rows of a multiple-of-8 width and
+    stride, 16-byte aligned; other rows go through in_proj_ba (see GatedDeltaNet._decode_in_place)."""
+    rows = torch.zeros(4, 520, dtype=torch.float16)
+    assert gdn.conv_can_project_ba(rows)
+    assert gdn.conv_can_project_ba(rows[:, :512])
+    assert not gdn.conv_can_project_ba(rows[:, 1:513]), "a view 2 bytes into each row"
+    assert not gdn.conv_can_project_ba(torch.zeros(4, 12, dtype=torch.float16))
+    assert not gdn.conv_can_project_ba(rows.float())
+    assert not gdn.conv_can_project_ba(rows.t())

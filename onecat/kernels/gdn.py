@@ -239,6 +239,16 @@ CONV_KERNEL = 4
 """The short conv's kernel size :func:`causal_conv1d_update_` is built for (Qwen3.5's)."""
 
 
+def conv_can_project_ba(hidden_states: torch.Tensor) -> bool:
+    """Whether :func:`causal_conv1d_update_` can project b and a from these fp16 rows: its
+    projection blocks read them in 128-bit steps (hidden size and row stride multiples of 8,
+    16-byte aligned, unit column stride)."""
+    return (
+        hidden_states.dtype == torch.float16 and hidden_states.dim() == 2 and hidden_states.shape[1] % 8 == 0
+        and hidden_states.stride(1) == 1 and hidden_states.stride(0) % 8 == 0 and hidden_states.data_ptr() % 16 == 0
+    )  # fmt: skip
+
+
 def causal_conv1d_update_(
     x: torch.Tensor,
     conv_state: torch.Tensor,
@@ -287,12 +297,9 @@ def causal_conv1d_update_(
     ]  # fmt: skip
     if ba_weight is not None:
         checks += [
-            ("ba_weight", ba_weight.dtype == torch.float16 and ba_weight.dim() == 2 and ba_weight.is_contiguous()
-             and ba_weight.shape[1] % 8 == 0),
-            ("hidden_states", hidden_states is not None and hidden_states.dtype == torch.float16
-             and hidden_states.dim() == 2 and hidden_states.shape[0] == rows
-             and hidden_states.shape[1] == ba_weight.shape[1] and hidden_states.stride(1) == 1
-             and hidden_states.stride(0) % 8 == 0 and hidden_states.data_ptr() % 16 == 0),
+            ("ba_weight", ba_weight.dtype == torch.float16 and ba_weight.dim() == 2 and ba_weight.is_contiguous()),
+            ("hidden_states", hidden_states is not None and conv_can_project_ba(hidden_states)
+             and tuple(hidden_states.shape) == (rows, ba_weight.shape[1])),
             ("ba_out", ba_out is not None and ba_out.dtype == torch.float16 and ba_out.is_contiguous()
              and tuple(ba_out.shape) == (rows, ba_weight.shape[0])),
         ]  # fmt: skip

@@ -277,18 +277,19 @@ class GatedDeltaNet(nn.Module):
         scatter). When ``ba`` is the layer input (see :meth:`project`), b and a are projected
         by the fused delta-rule kernel, or for the wide-batch one by the conv launch."""
         hidden, weight = (ba, self.in_proj_ba.weight) if self._is_layer_input(ba) else (None, None)
+        project = {}
         if hidden is not None and gdn_kernel.uses_wide_kernel(mixed.shape[0]):
             # the wide-batch delta rule reads b and a as rows: the conv launch projects them
-            ba = torch.empty(mixed.shape[0], weight.shape[0], dtype=weight.dtype, device=mixed.device)
-            conv_out = gdn_kernel.causal_conv1d_update_(
-                mixed, self.conv_state, self.conv1d.weight, src, dst, positions=positions,
-                hidden_states=hidden, ba_weight=weight, ba_out=ba,
-            )
+            # (in_proj_ba does for rows its 128-bit loads cannot read)
+            if gdn_kernel.conv_can_project_ba(hidden):
+                ba = torch.empty(mixed.shape[0], weight.shape[0], dtype=weight.dtype, device=mixed.device)
+                project = {"hidden_states": hidden, "ba_weight": weight, "ba_out": ba}
+            else:
+                ba = self.in_proj_ba(hidden)
             hidden = weight = None
-        else:
-            conv_out = gdn_kernel.causal_conv1d_update_(
-                mixed, self.conv_state, self.conv1d.weight, src, dst, positions=positions
-            )
+        conv_out = gdn_kernel.causal_conv1d_update_(
+            mixed, self.conv_state, self.conv1d.weight, src, dst, positions=positions, **project
+        )
         return gdn_kernel.gated_delta_rule_decode_(
             conv_out, None if hidden is not None else ba, z, self.A_log, self.dt_bias, self.norm.weight,
             self.norm.eps, self.recurrent_state, src, self.num_k_heads, dst_slots=dst, positions=positions,
