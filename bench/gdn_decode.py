@@ -6,13 +6,15 @@
 Times, in the same run (median of CUDA-graph replays, ``onecat.kernels.timing``), for the
 Qwen3.5-27B (48 value heads) and 35B-A3B (32) shapes, dv 128, ``B`` sequences of ``P``
 positions: the fused kernel (``gdn_decode_d128``: delta rule and gated norm, b and a given as
-rows), the same kernel projecting b and a itself from the layer input (``fused_projecting``;
-what the runtime runs up to ``WIDE_ABOVE_ROWS`` rows), the wide-batch path
-(``gdn_decode_wide_d128`` then ``gdn_decode_gated_norm``) and in_proj_ba alone (cuBLAS, what
-the two paths given b and a need before them). ``*_pct`` is the state traffic (one read and P
-writes of 64 KB per head and sequence) over the time, in % of ``--copy-gbps``. Calls rotate
-over enough state pools to exceed L2, as a model's layers do. The runtime switches to the
-wide path above ``onecat.kernels.gdn.WIDE_ABOVE_ROWS`` rows (B x P): set it from these rows.
+rows), the same kernel projecting b and a itself from the layer input (``fused_projecting``),
+the wide-batch path (``gdn_decode_wide_d128`` then ``gdn_decode_gated_norm``), in_proj_ba alone
+(cuBLAS), and the conv launch before them (``gdn_decode_conv``) alone and projecting b and a
+(``conv_projecting``). What the runtime runs for a decode-only pass is ``fused_step`` = conv +
+fused_projecting up to ``WIDE_ABOVE_ROWS`` rows and ``wide_step`` = conv_projecting + wide
+above. ``*_pct`` is the state traffic (one read and P writes of 64 KB per head and sequence)
+over the time, in % of ``--copy-gbps``. Calls rotate over enough state pools to exceed L2, as
+a model's layers do. Set ``onecat.kernels.gdn.WIDE_ABOVE_ROWS`` (rows = B x P) from where
+``wide_step`` starts to win.
 """
 
 from __future__ import annotations
@@ -70,11 +72,25 @@ def measure(model: str, batch: int, positions: int, copy_gbps: float) -> dict:
             for state in pools
         ]
 
+    channels = mixed.shape[1]
+    conv_w = (torch.randn(channels, gdn.CONV_KERNEL, device="cuda", generator=gen) * 0.5).half()
+    conv_state = torch.randn(rows, channels, gdn.CONV_KERNEL - 1, device="cuda", generator=gen).half()
+    conv_out = torch.empty_like(mixed)
+    ba_out = torch.empty(rows, 2 * num_v_heads, dtype=torch.float16, device="cuda")
+
+    def conv(project: bool) -> float:
+        projection = {"hidden_states": x, "ba_weight": ba_w, "ba_out": ba_out} if project else {}
+        return graph_time_us([lambda: gdn.causal_conv1d_update_(
+            mixed, conv_state, conv_w, slots, dst, positions, out=conv_out, **projection)])  # fmt: skip
+
     row = {"model": model, "batch": batch, "positions": positions, "rows": rows,
            "fused_us": time_path(calls(False), wide=False),
            "fused_projecting_us": time_path(calls(True), wide=False),
            "wide_us": time_path(calls(False), wide=True),
-           "in_proj_ba_us": graph_time_us([lambda: F.linear(x, ba_w)])}  # fmt: skip
+           "in_proj_ba_us": graph_time_us([lambda: F.linear(x, ba_w)]),
+           "conv_us": conv(False), "conv_projecting_us": conv(True)}  # fmt: skip
+    row["fused_step_us"] = row["conv_us"] + row["fused_projecting_us"]
+    row["wide_step_us"] = row["conv_projecting_us"] + row["wide_us"]
     traffic = batch * num_v_heads * DK * DV * 4 * (1 + positions)  # bytes: one read, P writes
     for path in ("fused", "wide"):
         row[f"{path}_pct"] = 100 * traffic / (row[f"{path}_us"] * 1e3) / copy_gbps
