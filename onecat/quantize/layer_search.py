@@ -445,8 +445,6 @@ class LayerQuantizer:
                         modules[name].weight.data = target.to(w.dtype)
                         del target
                     del h
-                else:
-                    del delta
             # (rows, K) -> [(names, upper, dead, order, damped Hessian)], run whenever a call's worth is ready
             jobs: dict[tuple[int, int], list] = {}
             for key in stage:
@@ -455,7 +453,6 @@ class LayerQuantizer:
                 if fresh is not None and key == stage[0]:
                     h, rows = fresh  # inputs of the smoothed, partly quantized layer
                     fresh.clear()  # h's one reference is ours: damped in place below, then kept for the refit
-                    cap.drop_hessian(key)  # the calibration pass's one, if any, is not needed
                 else:
                     h, rows = cap.hessian(key)
                     if h is not None and key in input_scale:
@@ -798,11 +795,6 @@ class _Capture:
             x = self.samples[key]
             return add_to_hessian(None, x) / x.shape[0], x.shape[0]
         return None, 0
-
-    def drop_hessian(self, key: str) -> None:
-        """Free the calibration pass's ``X^T X`` of ``key`` (its Hessian was recomputed)."""
-        if self.hessians is not None:
-            self.hessians.pop(key, None)
 
     def scored_inputs(self, name: str) -> tuple[tuple, dict]:
         """(args, kwargs) to call the scored module ``name`` on the loss tokens."""
