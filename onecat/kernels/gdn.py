@@ -22,25 +22,27 @@ HEAD_K_DIM = 128
 """The key head dimension the kernel is built for (Qwen3.5's)."""
 HEAD_V_DIMS = (32, 64, 128)
 """The value head dimensions it has a kernel for (``gdn_decode_d<dv>``, 8 * dv threads a block)."""
-WIDE_ABOVE_ROWS = 4
+WIDE_ABOVE_ROWS = 0
 """Decode passes of more rows than this (sequences x positions) whose b and a come as rows run
 the wide-batch kernel ``gdn_decode_wide_d<dv>`` (blocks of 4 warps and 32 state columns, several
 per SM; no norm) and then ``gdn_decode_gated_norm`` over its rows; smaller passes, and passes
 whose b and a the kernel projects, run the fused ``gdn_decode_d<dv>`` (a block per value head,
-norm included). H200, compute_70 PTX (``bench/gdn_decode.py``, 2026-12-01 07:30), one layer, us:
-wide + norm (+ in_proj_ba's 5-6 us) against fused projecting b and a itself:
+norm included). H200, compute_70 PTX (``bench/gdn_decode.py``, 2026-12-01 17:40), one layer,
+us: the conv launch and the delta rule as the runtime runs them for a decode-only pass,
+fused (conv, then the fused kernel projecting b and a) against wide (the conv launch
+projecting b and a, then wide + norm):
 
 ====================  ======  ======  ======  ======
 rows                    1       4       8      32
-27B (48 value heads)   5.8     10.5    18.4    57.7 (fused without projecting: 84.2)
-fused projecting       7.8     17.2    27.1    105.9
-35B-A3B (32 heads)     5.8     8.6     13.5    40.1 (fused: 57.9)
-fused projecting       7.1     9.7     17.4    66.0
+27B (48 value heads)   9.6     19.2    29.4    109.9   fused
+                       8.1     13.2    22.0    65.4    wide
+35B-A3B (32 heads)     9.0     11.6    19.7    69.3    fused
+                       7.8     10.9    15.9    44.7    wide
 ====================  ======  ======  ======  ======
 
-so the wide path wins from 4 rows on the 27B (16.3 against 17.2 us) and from ~9 on the 35B-A3B
-(a tie at 8; at 4 rows the fused kernel is 1.4x faster there); 4 leaves 4-row passes fused. The choice depends on the row count only, so a CUDA graph captures one
-path per batch bucket."""
+and with b and a given as rows the wide kernels win too (27B 1 row: 5.8 against 6.3 us), so
+every decode pass runs the wide path (the threshold stays for the tests of the fused kernel).
+The choice depends on the row count only, so a CUDA graph captures one path per batch bucket."""
 
 
 def uses_wide_kernel(rows: int) -> bool:
