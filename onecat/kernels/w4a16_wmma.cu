@@ -30,10 +30,6 @@
 //   writes full 64-byte rows of y; with S > 1 they are added to a zeroed fp32 workspace (which the last block zeroes
 //   again after reading it, so one persistent workspace serves every launch) and
 //   the last block of the (column group, row tile) writes y (see arrive_last).
-//   With `act` (a SwiGLU layer's merged gate/up projection, gate columns first): the first
-//   WARPS/2 warps of block bx own gate tiles bx*WARPS/2 + w and the others the matching up
-//   tiles (N/64 further on), so the block that finishes them holds both: the gate warps then
-//   write act[M, N/2] = silu(gate) * up from shared memory and y is never written.
 //
 // Register-dequant variant (w4a16_wmmar_*, group sizes that are multiples of 64): step 1
 // above moves 4 bytes of fp16 through shared memory per weight (a store, then the wmma.load
@@ -78,8 +74,7 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
                                           const half2* __restrict__ scales_zeros,
                                           const half* __restrict__ bias, half* __restrict__ y,
                                           float* __restrict__ workspace, int* __restrict__ counters,
-                                          int M, int N, int K, int group_size, int ktiles_per_split,
-                                          half* __restrict__ act) {
+                                          int M, int N, int K, int group_size, int ktiles_per_split) {
   using Smem = WmmaSmem<MT, WARPS, CT, PACKED>;
   static_assert(!PACKED || CT % 2 == 0, "the register-dequant variant works in 64-k sub-chunks");
   constexpr int kChunkTiles = CT;               // k tiles per chunk
@@ -100,11 +95,8 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int tiles_n = N / kTile;
-  constexpr int kHalfWarps = WARPS / 2;
-  const int half_tiles = tiles_n / 2;
-  const int pair = blockIdx.x * kHalfWarps + warp % kHalfWarps;  // SwiGLU launches only
-  const int tile = act ? pair + (warp < kHalfWarps ? 0 : half_tiles) : blockIdx.x * WARPS + warp;
-  const bool tile_ok = act ? pair < half_tiles : tile < tiles_n;
+  const int tile = blockIdx.x * WARPS + warp;
+  const bool tile_ok = tile < tiles_n;
   const int m0 = blockIdx.z * MT;
   const int ktiles = K / kTile;
   const int groups = K / group_size;
@@ -248,35 +240,23 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
   __syncwarp();
   const int n = tile * kTile + lane;
   const int rows = min(MT, M - m0);
-  if (gridDim.y > 1) {  // split K: the last block of the tile group reads the complete sums back
-    if (tile_ok) {
-      for (int r = 0; r < rows; ++r) atomicAdd(workspace + (size_t)(m0 + r) * N + n, sC_warp[r * kLdc + lane]);
-    }
-    if (!arrive_last(counters + blockIdx.z * gridDim.x + blockIdx.x, gridDim.y)) return;
-    if (tile_ok) {
-      for (int r = 0; r < rows; ++r) {
-        const size_t at = (size_t)(m0 + r) * N + n;
-        sC_warp[r * kLdc + lane] = __ldcg(workspace + at);
-        workspace[at] = 0.0f;  // the last block leaves the workspace zeroed for the next launch
-      }
-    }
-  }
-  if (act == nullptr) {
+  if (gridDim.y == 1) {
     if (tile_ok) {
       const float b = bias ? __half2float(bias[n]) : 0.0f;
       for (int r = 0; r < rows; ++r) y[(size_t)(m0 + r) * N + n] = __float2half_rn(sC_warp[r * kLdc + lane] + b);
     }
     return;
   }
-  __syncthreads();  // the up warps' sums are in shared memory
-  if (warp < kHalfWarps && tile_ok) {
-    const float* sC_up = sC + (warp + kHalfWarps) * MT * kLdc;
-    const int n_up = n + half_tiles * kTile;
-    const float b_gate = bias ? __half2float(bias[n]) : 0.0f;
-    const float b_up = bias ? __half2float(bias[n_up]) : 0.0f;
-    for (int r = 0; r < rows; ++r)
-      act[(size_t)(m0 + r) * (N / 2) + pair * kTile + lane] =
-          silu_mul(__float2half_rn(sC_warp[r * kLdc + lane] + b_gate), __float2half_rn(sC_up[r * kLdc + lane] + b_up));
+  if (tile_ok) {
+    for (int r = 0; r < rows; ++r) atomicAdd(workspace + (size_t)(m0 + r) * N + n, sC_warp[r * kLdc + lane]);
+  }
+  if (arrive_last(counters + blockIdx.z * gridDim.x + blockIdx.x, gridDim.y) && tile_ok) {
+    const float b = bias ? __half2float(bias[n]) : 0.0f;
+    for (int r = 0; r < rows; ++r) {
+      const size_t at = (size_t)(m0 + r) * N + n;
+      y[at] = __float2half_rn(__ldcg(workspace + at) + b);
+      workspace[at] = 0.0f;  // the last block leaves the workspace zeroed for the next launch
+    }
   }
 }
 
@@ -286,10 +266,9 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
   extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(                                \
       const half* x, const uint4* qweight, const half2* scales_zeros, const half* bias,       \
       half* y, float* workspace, int* counters, int M, int N, int K, int group_size,          \
-      int ktiles_per_split, half* act) {                                                       \
+      int ktiles_per_split) {                                                                  \
     onecat::wmma_body<MT, WARPS, CT, PACKED>(x, qweight, scales_zeros, bias, y, workspace,      \
-                                             counters, M, N, K, group_size, ktiles_per_split,  \
-                                             act);                                             \
+                                             counters, M, N, K, group_size, ktiles_per_split); \
   }
 #define ONECAT_WMMA(MT, WARPS, CT) ONECAT_WMMA_KERNEL(w4a16_wmma_mt##MT##_w##WARPS##_c##CT, MT, WARPS, CT, false)
 #define ONECAT_WMMAR(MT, WARPS, CT) ONECAT_WMMA_KERNEL(w4a16_wmmar_mt##MT##_w##WARPS##_c##CT, MT, WARPS, CT, true)

@@ -23,13 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from onecat.kernels import ops
-from onecat.kernels.ops import packed_linear, packed_linear_silu_mul
+from onecat.kernels.ops import packed_linear
 from onecat.pack.volta_layout import TILE, dequantize_volta, fits_layout
-from onecat.runtime.layers.fusion import fused
-
-silu_and_mul = fused(ops.silu_and_mul)
-"""``silu(gate) * up`` of a merged ``[..., 2I]`` gate/up projection (compiled on CUDA)."""
 
 
 @dataclass
@@ -143,13 +138,3 @@ class Linear(nn.Module):
         if self.is_packed:
             return packed_linear(x, self.qweight, self.scales_zeros, self.group_size, self.bias)
         return F.linear(x, self.weight, self.bias)
-
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """``silu(gate) * up`` of a merged gate/up layer (two equal parts) applied to ``x``:
-        ``[..., N/2]``. Packed, it is one op whose kernels apply the activation in their
-        epilogue (:func:`packed_linear_silu_mul`)."""
-        if len(self.output_sizes) != 2 or self.output_sizes[0] != self.output_sizes[1]:
-            raise ValueError(f"silu_mul needs a gate/up layer of two equal parts, got parts {self.output_sizes}")
-        if self.is_packed:
-            return packed_linear_silu_mul(x, self.qweight, self.scales_zeros, self.group_size, self.bias)
-        return silu_and_mul(F.linear(x, self.weight, self.bias))
