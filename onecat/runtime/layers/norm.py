@@ -6,7 +6,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from onecat.kernels import rms_norm as norm_kernel
 from onecat.runtime.layers.fusion import fused
 
 
@@ -27,34 +26,17 @@ def gated_rms_norm_math(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, 
     return (weight * x_hat * F.silu(z.float())).to(x.dtype)
 
 
-_rms_norm_compiled = fused(rms_norm_math)
+rms_norm = fused(rms_norm_math)
 gated_rms_norm = fused(gated_rms_norm_math)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x_hat * (1 + weight)`` in ``x.dtype``: one sm_70 launch where it takes the tensors
-    (onecat.kernels.rms_norm), else compiled torch."""
-    if norm_kernel.supports(x, None, weight):
-        return norm_kernel.add_rms_norm(x, None, weight, eps)[0]
-    return _rms_norm_compiled(x, weight, eps)
-
-
 @fused
-def _add_rms_norm_compiled(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    summed = x + residual
-    return rms_norm_math(summed, weight, eps), summed
-
-
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rms_norm(x + residual), x + residual)``: the residual add fused with the next norm
-    (one sm_70 launch where it takes the tensors, else compiled torch)."""
-    if norm_kernel.supports(x, residual, weight):
-        return norm_kernel.add_rms_norm(x, residual, weight, eps)
-    return _add_rms_norm_compiled(x, residual, weight, eps)
+    """``(rms_norm(x + residual), x + residual)``: the residual add fused with the next norm."""
+    summed = x + residual
+    return rms_norm_math(summed, weight, eps), summed
 
 
 class RMSNorm(nn.Module):
