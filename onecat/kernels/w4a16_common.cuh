@@ -143,19 +143,32 @@ __device__ __forceinline__ bool arrive_last(int* counter, int arrivals) {
 struct RowTile {
   int e, r0, rows;
 };
+// The largest e with tile_start[e] <= tile_index (experts without pairs have empty ranges) is
+// found by the whole warp at once: each round the 32 lanes load 32 evenly spaced candidates
+// of the remaining range and a ballot keeps the last one not past tile_index, so E = 257
+// takes 2 rounds of loads instead of a binary search's 9 dependent ones, which every block
+// would wait for before its first weight load.  Call with all 32 lanes of the warp.
 __device__ __forceinline__ bool find_row_tile(const int* __restrict__ meta, int E, int rows_per_tile,
                                               int tile_index, RowTile& rt) {
   const int* expert_start = meta;
   const int* tile_start = meta + E + 1;
-  if (tile_index >= __ldg(tile_start + E)) return false;
-  // Largest e with tile_start[e] <= tile_index (experts without pairs have empty ranges).
-  int lo = 0, hi = E - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (__ldg(tile_start + mid) <= tile_index) lo = mid; else hi = mid - 1;
+  const int lane = threadIdx.x & 31;
+  const int total = __ldg(tile_start + E);  // in flight with the first round
+  int lo = 0, n = E, first_tile = 0;        // candidates lo .. lo+n-1, tile_start[lo] = first_tile
+  while (n > 1) {
+    const int stride = (n + 31) / 32;
+    const int at = lane * stride;
+    const int value = at < n ? __ldg(tile_start + lo + at) : 0x7fffffff;
+    // tile_start is non-decreasing and tile_start[lo] <= tile_index: a non-empty prefix of lanes
+    const unsigned fits = __ballot_sync(0xffffffffu, value <= tile_index);
+    const int last = 31 - __clz(fits);
+    first_tile = __shfl_sync(0xffffffffu, value, last);
+    lo += last * stride;
+    n = min(stride, n - last * stride);
   }
+  if (tile_index >= total) return false;
   rt.e = lo;
-  rt.r0 = __ldg(expert_start + lo) + (tile_index - __ldg(tile_start + lo)) * rows_per_tile;
+  rt.r0 = __ldg(expert_start + lo) + (tile_index - first_tile) * rows_per_tile;
   rt.rows = min(rows_per_tile, __ldg(expert_start + lo + 1) - rt.r0);
   return true;
 }
