@@ -11,6 +11,8 @@
 #
 #   bash bench/device_run.sh tests profile e2e serve
 #
+# To compare two revisions, use bench/ab_prepare.sh instead (interleaved runs in one call).
+#
 # Sections run in the order given (default: tests e2e), each under its own time limit, so one
 # slow part cannot eat the others' time; results (JSON and logs) go to $OUT or ./device-out.
 set -u

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# A/B of two revisions on a lent GPU, interleaved in ONE call: e2e runs of one revision vary
+# by 1-3% between processes (clocks; the tuner's choice among near-tied kernel variants),
+# so a change worth 1-2% only shows when both sides run alternately in the same call, each
+# several times (BENCHMARKS.md, 2026-12-01 evening).
+#
+# On the CPU side, in the repository root (NVRTC 12 from pip builds the sm_70 PTX):
+#
+#   bash bench/ab_prepare.sh BASE_REV [NEW_REV]     # NEW_REV default: the working tree
+#
+# writes .ab/base and .ab/new (onecat, bench, tests and their PTX) and .ab/run.sh; carry .ab
+# and run there:
+#
+#   bash .ab/run.sh [MODELS] [BATCHES] [ROUNDS]    # default: 35b-a3b,27b 1,8,32 2
+#
+# It runs bench/e2e.py new, base, new, base, ... and prints each figure's runs and the ratio
+# of the medians (new / base); the JSON of every run goes to $OUT.
+set -eu
+base_rev=${1:?usage: bench/ab_prepare.sh BASE_REV [NEW_REV]}
+new_rev=${2:-}
+python=${PYTHON:-python}
+root=$(git rev-parse --show-toplevel)
+cd "$root"
+rm -rf .ab
+mkdir -p .ab/base .ab/new
+git archive "$base_rev" onecat bench | tar -x -C .ab/base
+if [ -n "$new_rev" ]; then
+  git archive "$new_rev" onecat bench tests | tar -x -C .ab/new
+else
+  git ls-files -co --exclude-standard onecat bench tests | tar -cf - -T - | tar -x -C .ab/new
+fi
+for side in base new; do
+  (cd ".ab/$side" && PYTHONPATH=$PWD "$python" -m onecat.cli build-kernels --arch sm_70 --out .ptx >/dev/null) &
+done
+wait
+cp bench/ab_summary.py .ab/
+cat > .ab/run.sh <<'RUN'
+#!/usr/bin/env bash
+# Written by bench/ab_prepare.sh: interleaved e2e runs of .ab/new and .ab/base.
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+out=${OUT:-$here/out}
+mkdir -p "$out"
+models=${1:-35b-a3b,27b}
+batches=${2:-1,8,32}
+rounds=${3:-2}
+export ONECAT_KERNEL_ARCH=70 PYTHONUNBUFFERED=1
+for round in $(seq 1 "$rounds"); do
+  for side in new base; do
+    echo "== $side, round $round"
+    (cd "$here/$side/bench" && PYTHONPATH="$here/$side" ONECAT_KERNEL_DIR="$here/$side/.ptx" \
+      timeout 300 python3 e2e.py --models "$models" --batches "$batches" --skip-hf --prefill-repeats 1 \
+      --out "$out/e2e_${side}_$round.json" 2>&1 | grep -E "^  [0-9].*(batch|prefill)|Error" )
+  done
+done
+python3 "$here/ab_summary.py" "$out"
+RUN
+chmod +x .ab/run.sh
+echo "prepared .ab (base $base_rev, new ${new_rev:-working tree}); carry .ab and run: bash .ab/run.sh"

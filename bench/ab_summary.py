@@ -1,0 +1,55 @@
+"""Summarise interleaved A/B e2e runs (``bench/ab_prepare.sh``): per model and figure, every
+run of each side and the ratio of the medians (new / base).
+
+    python bench/ab_summary.py OUT_DIR        # reads OUT_DIR/e2e_{new,base}_{round}.json
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+FIGURES = ("decode_b1_tok_s", "decode_b8_tok_s", "decode_b16_tok_s", "decode_b32_tok_s", "prefill_tok_s")
+
+
+def collect(out_dir: Path) -> dict[tuple[str, str, str], list[float]]:
+    """``(side, model, figure) -> values`` over every run file in ``out_dir``."""
+    values: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+    for path in sorted(out_dir.glob("e2e_*_*.json")):
+        side = path.stem.split("_")[1]
+        for run in json.loads(path.read_text())["runs"]:
+            result = run["onecat"]
+            for figure in FIGURES:
+                if figure in result:
+                    values[(side, result["model"], figure)].append(result[figure])
+    return values
+
+
+def summary(values: dict[tuple[str, str, str], list[float]]) -> list[str]:
+    """One line per (model, figure) that both sides measured."""
+    lines = []
+    for (side, model, figure), new in sorted(values.items()):
+        base = values.get(("base", model, figure))
+        if side != "new" or not base:
+            continue
+        ratio = statistics.median(new) / statistics.median(base)
+        lines.append(
+            f"{model:8s} {figure:18s} new {' '.join(f'{v:.1f}' for v in new):24s} "
+            f"base {' '.join(f'{v:.1f}' for v in base):24s} new/base {ratio:.3f}"
+        )
+    return lines
+
+
+def main() -> None:
+    """Print the summary of the directory given on the command line."""
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    lines = summary(collect(Path(sys.argv[1])))
+    print("\n".join(lines) if lines else f"no paired e2e runs in {sys.argv[1]}")
+
+
+if __name__ == "__main__":
+    main()
