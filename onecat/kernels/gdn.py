@@ -41,7 +41,9 @@ rows                    1       4       8      32
 ====================  ======  ======  ======  ======
 
 and with b and a given as rows the wide kernels win too (27B 1 row: 5.8 against 6.3 us), so
-every decode pass runs the wide path (the threshold stays for the tests of the fused kernel).
+every decode pass runs the wide path. The fused kernel and the threshold stay: on a V100 (80
+SMs, where one block per head already keeps enough bytes in flight, see gdn_decode.cu) the
+norm launch it saves may tip small passes back to it (inferred, not measured; re-time there).
 The choice depends on the row count only, so a CUDA graph captures one path per batch bucket."""
 
 
