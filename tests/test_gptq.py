@@ -29,7 +29,6 @@ from onecat.quantize.gptq import (
     error_product_target,
     gptq_quantize,
     gptq_round,
-    hessian_from_factor,
     input_error_target,
     inverse_hessian_factor,
     permute_hessian,
@@ -45,6 +44,19 @@ from onecat.tiny import build_tiny_model
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 CALIB = dict(samples=4, seqlen=64, group_size=32, show_progress=False)
+
+
+def hessian_from_factor(upper: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference: the damped Hessian ``H = (U^T U)^-1`` back from the factor of
+    :func:`inverse_hessian_factor` (``upper [..., K, K]``), in the original column order when
+    ``order [..., K]`` (act order) permuted it. float32, computed in float64."""
+    u = upper.double()
+    h = torch.linalg.inv(u.transpose(-1, -2) @ u).float()
+    if order is None:
+        return h
+    back = torch.argsort(order, dim=-1)
+    h = h.gather(-2, back.unsqueeze(-1).expand_as(h))
+    return h.gather(-1, back.unsqueeze(-2).expand_as(h))
 
 
 def correlated_inputs(tokens: int, k: int, rank: int, seed: int) -> torch.Tensor:

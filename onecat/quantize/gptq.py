@@ -102,8 +102,7 @@ def damped_inverse_factor(h: torch.Tensor, damp: float) -> tuple[torch.Tensor, t
     """``(U, dead, H)`` of :func:`inverse_hessian_factor` without its copy of ``h``: the float32
     ``h [K, K]`` is damped in place (dead channels' ``H[j, j] = 1``, the damping that let the
     factorisation succeed) and returned as ``H``, the damped Hessian whose inverse ``U``
-    factorises (what :func:`refit_scales` wants; :func:`hessian_from_factor` recomputes it
-    from ``U``). At most three ``[K, K]`` tensors live at once, ``h`` included. Raises
+    factorises (what :func:`refit_scales` wants). At most three ``[K, K]`` tensors live at once, ``h`` included. Raises
     :class:`HessianNotPositiveDefinite` (``h`` is then left damped)."""
     if h.dtype != torch.float32:
         raise TypeError(f"damped_inverse_factor damps a float32 Hessian in place, got {h.dtype}")
@@ -291,19 +290,6 @@ def error_product_target(w: torch.Tensor, hessian: torch.Tensor, wd: torch.Tenso
     if int(info) != 0 or not bool(torch.isfinite(solution).all()):
         return w.float()  # a singular or zero H~: nothing to correct against
     return solution.t().add_(w)  # W + Z^T in Z's memory (float32 whatever W's dtype)
-
-
-def hessian_from_factor(upper: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
-    """The damped Hessian ``H = (U^T U)^-1`` back from the factor of
-    :func:`inverse_hessian_factor` (``upper [..., K, K]``), in the original column order when
-    ``order [..., K]`` (act order) permuted it. float32, computed in float64."""
-    u = upper.double()
-    h = torch.linalg.inv(u.transpose(-1, -2) @ u).float()
-    if order is None:
-        return h
-    back = torch.argsort(order, dim=-1)
-    h = h.gather(-2, back.unsqueeze(-1).expand_as(h))
-    return h.gather(-1, back.unsqueeze(-2).expand_as(h))
 
 
 @torch.no_grad()
