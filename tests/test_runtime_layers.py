@@ -148,3 +148,27 @@ def test_folded_shared_expert_matches_the_separate_mlp(device, tokens):
     assert fold_shared_experts(layer) == 1, "folding again changes nothing"
     # the grouped GPU path sums a token's experts with fp32 atomics, in no fixed order
     assert (layer(x).float() - folded.float()).abs().max() <= 1e-3 * scale
+
+
+def test_norm_kernel_declines_cpu_tensors():
+    """On the CPU the runtime's norms stay torch (the sm_70 kernel is CUDA only)."""
+    from onecat.kernels import rms_norm as norm_kernel
+    from onecat.runtime.layers import norm
+
+    x, residual, weight = torch.randn(3, 64).half(), torch.randn(3, 64).half(), torch.zeros(64)
+    assert not norm_kernel.supports(x, residual, weight)
+    normed, summed = norm.add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(summed, x + residual)
+    assert torch.equal(normed, norm.rms_norm_math(x + residual, weight, 1e-6))
+
+
+def test_norms_take_the_kernel_only_for_wide_rows(monkeypatch):
+    """Rows narrower than KERNEL_MIN_HIDDEN stay on the compiled torch function even where the
+    kernel would take them (it measured slower in the model there)."""
+    from onecat.kernels import rms_norm as norm_kernel
+    from onecat.runtime.layers import norm
+
+    monkeypatch.setattr(norm_kernel, "supports", lambda *args: True)
+    weight = torch.zeros(norm.KERNEL_MIN_HIDDEN)
+    assert norm._takes_kernel(torch.zeros(2, norm.KERNEL_MIN_HIDDEN), None, weight)
+    assert not norm._takes_kernel(torch.zeros(2, norm.KERNEL_MIN_HIDDEN - 8), None, weight[:-8])
