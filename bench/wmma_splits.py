@@ -35,18 +35,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ms", default="8,32")
     parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--tile", type=int, default=0, help="row tile (8, 16, 32, 64; 0: the smallest >= M)")
+    parser.add_argument("--shapes", default="", help="only the shapes whose label contains one of these, e.g. 35B")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     g = args.group_size
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
+    wanted = [w for w in args.shapes.split(",") if w]
     for label, n, k in SHAPES:
+        if wanted and not any(w in label for w in wanted):
+            continue
         qweight, scales_zeros = tuning.random_packed_weights(n, k, g, gen)
         copies = copies_for(qweight.numel() * 4 + scales_zeros.numel() * 2)
         weights = [(qweight, scales_zeros)] + [(qweight.clone(), scales_zeros.clone()) for _ in range(copies - 1)]
         for m in map(int, args.ms.split(",")):
             x = torch.randn(m, k, dtype=torch.float16, device="cuda", generator=gen)
-            tile = 8 if m <= 8 else 16 if m <= 16 else 32
+            tile = args.tile or (8 if m <= 8 else 16 if m <= 16 else 32)
             base = Variant("wmmar", tile, 4, 0, 2)
             chosen = wmma_splits(get_kernel(base.kernel_name(), 0), base, m, n, k, 0)
             times = {}
@@ -55,7 +60,7 @@ def main() -> None:
                     times[s] = tuning.time_variant(Variant("wmmar", tile, 4, s, 2), x, weights, g)
             dequant = tuning.time_variant(Variant("dequant"), x, weights, g) if m >= 16 else None
             best = min(times, key=times.get)
-            row = dict(shape=label, n=n, k=k, m=m, wave_model_splits=chosen,
+            row = dict(shape=label, n=n, k=k, m=m, tile=tile, wave_model_splits=chosen,
                        wave_model_us=tuning.time_variant(Variant("wmmar", tile, 4, chosen, 2), x, weights, g),
                        best_splits=best, best_us=times[best], dequant_us=dequant,
                        us_by_splits={str(s): round(t, 2) for s, t in times.items()})  # fmt: skip
