@@ -180,3 +180,70 @@ def test_tuner_picks_a_correct_variant(tmp_path, monkeypatch):
     assert tuning.table_path(0).is_file()
     x = torch.randn(3, k, dtype=torch.float16, device="cuda")
     check_close(w4a16_linear(x, qweight, scales_zeros, g), x.double() @ w.t(), "tuned op")
+
+
+def swiglu_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """fp64 ``silu(gate) * up`` rounded to fp16 once: the activation the SwiGLU kernels stage."""
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).half()
+
+
+@pytest.mark.parametrize("n,k,g", [(5120, 4352, 128), (2048, 512, 64), (512, 1024, 32)])
+def test_every_swiglu_variant_and_split(n, k, g):
+    """Each tensor-core variant's SwiGLU form against fp64 on the fp16-rounded activation (the
+    kernels' fast exp may move a rounding by one fp16 ulp: within the tolerance)."""
+    from onecat.kernels.variants import Variant, all_variants, run_variant
+
+    qweight, scales_zeros, w = make_weight(n, k, g, seed=11)
+    for base in all_variants():
+        if not (base.has_swiglu and base.supports_group(g)):
+            continue
+        for split in (0, 1, 3):
+            variant = Variant(base.kind, base.rows, base.width, split, base.chunk)
+            for m in (1, 5, 8, 9, 16, 31, 32, 33):
+                gate_up = torch.randn(m, 2 * k, dtype=torch.float16, device="cuda") * 2
+                bias = torch.randn(n, dtype=torch.float16, device="cuda") if m % 2 else None
+                ref = swiglu_reference(gate_up).double() @ w.t()
+                if bias is not None:
+                    ref += bias.double()
+                out = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+                run_variant(variant, gate_up, qweight, scales_zeros, g, bias, out=out, swiglu=True)
+                check_close(out, ref, f"{n}x{k} g{g} M={m} {variant.name} swiglu")
+
+
+def test_swiglu_op_one_launch_or_torch_first():
+    """The op takes the SwiGLU kernel where the chosen variant has one (M = 8: wmma) and the
+    activation by torch then the plain op elsewhere (M = 1: GEMV, M = 100: dequant); strided
+    input; the runtime's MLP takes the same path on CUDA and matches its unfused form."""
+    from onecat.kernels import ops
+
+    n, k, g = 1024, 2048, 128
+    qweight, scales_zeros, w = make_weight(n, k, g, seed=12)
+    assert ops.takes_swiglu(8, qweight, scales_zeros, g) and not ops.takes_swiglu(1, qweight, scales_zeros, g)
+    assert not ops.takes_swiglu(100, qweight, scales_zeros, g)
+    for m in (1, 8, 100):
+        wide = torch.randn(m, 2 * k + 64, dtype=torch.float16, device="cuda")
+        gate_up = wide[:, : 2 * k]  # strided rows: copied once
+        ref = swiglu_reference(gate_up).double() @ w.t()
+        check_close(ops.swiglu_linear(gate_up, qweight, scales_zeros, g), ref, f"op M={m}")
+        check_close(torch.ops.onecat.w4a16_swiglu_linear(gate_up, qweight, scales_zeros, g), ref, f"dispatcher M={m}")
+    with pytest.raises(OnecatError, match="gate_up must be"):
+        ops.swiglu_linear(torch.zeros(2, k, dtype=torch.float16, device="cuda"), qweight, scales_zeros, g)
+
+
+def test_swiglu_op_in_a_cuda_graph():
+    from onecat.kernels import ops
+
+    n, k, g = 2048, 1024, 64
+    qweight, scales_zeros, w = make_weight(n, k, g, seed=13)
+    gate_up = torch.randn(8, 2 * k, dtype=torch.float16, device="cuda")
+    ops.swiglu_linear(gate_up, qweight, scales_zeros, g)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.swiglu_linear(gate_up, qweight, scales_zeros, g)
+    gate_up.copy_(torch.randn_like(gate_up))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check_close(out, swiglu_reference(gate_up).double() @ w.t(), "graph replay")
