@@ -87,11 +87,6 @@ def test_every_variant_names_a_built_kernel():
     for variant in all_variants():
         assert variant.kernel_name() in names
         assert Variant.parse(variant.name) == variant
-        if variant.has_swiglu:
-            assert variant.kernel_name(swiglu=True) in names
-    assert {v.rows for v in all_variants() if v.has_swiglu} == {8, 16, 32}
-    with pytest.raises(OnecatError, match="no SwiGLU form"):
-        Variant("gemv", 1, 2, 0).kernel_name(swiglu=True)
     with pytest.raises(OnecatError):
         Variant.parse("gemv-m3-u2-p0")
 
@@ -124,24 +119,6 @@ def test_op_registration_and_fake_impl():
         x.to("meta"), qweight.to("meta"), scales_zeros.to("meta"), g
     )
     assert fake.shape == (4, n) and fake.device.type == "meta"
-
-
-def test_cpu_swiglu_op_is_the_activation_then_the_linear():
-    """The SwiGLU op on the CPU: fp16(silu(gate) * up) in fp32 with one rounding, then the
-    linear op; the fake impl gives [..., N]; a wrong gate_up width names the field."""
-    n, k, g = 64, 128, 32
-    qweight, scales_zeros = pack_volta(*random_layer(n, k, g, seed=3))
-    gate_up = torch.randn(2, 3, 2 * k, dtype=torch.float16) * 3
-    gate, up = gate_up.float().chunk(2, dim=-1)
-    act = (torch.nn.functional.silu(gate) * up).half()
-    assert torch.equal(ops.swiglu(gate_up), act)
-    y = ops.swiglu_linear(gate_up, qweight, scales_zeros, g)
-    assert torch.equal(y, ops.w4a16_linear(act, qweight, scales_zeros, g))
-    torch.library.opcheck(torch.ops.onecat.w4a16_swiglu_linear, (gate_up, qweight, scales_zeros, g, None))
-    fake = torch.ops.onecat.w4a16_swiglu_linear(gate_up.to("meta"), qweight.to("meta"), scales_zeros.to("meta"), g)
-    assert fake.shape == (2, 3, n)
-    with pytest.raises(OnecatError, match=r"gate_up must be \[\.\.\., 2K\]"):
-        ops.swiglu_linear(gate_up[..., :k], qweight, scales_zeros, g)
 
 
 def test_torch_compile_traces_through_the_fake_impl():

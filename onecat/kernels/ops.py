@@ -1,6 +1,4 @@
-"""``torch.ops.onecat.w4a16_linear``: the W4A16 linear as a torch custom op, and
-``torch.ops.onecat.w4a16_swiglu_linear``: the same applied to ``silu(gate) * up`` of a merged
-gate/up output (an MLP's down projection with its activation in the same launch).
+"""``torch.ops.onecat.w4a16_linear``: the W4A16 linear as a torch custom op.
 
 - CUDA: picks a kernel variant by M (tuned winner or default, see tuning.py) and launches it
   on torch's current stream.
@@ -22,15 +20,9 @@ _SCHEMA = (
     "Tensor? bias=None) -> Tensor"
 )
 
-_SWIGLU_SCHEMA = (
-    "w4a16_swiglu_linear(Tensor gate_up, Tensor qweight, Tensor scales_zeros, int group_size, "
-    "Tensor? bias=None) -> Tensor"
-)
-
 # The Library object must stay alive for the registration to last: module scope.
 _LIB = torch.library.Library("onecat", "FRAGMENT")
 _LIB.define(_SCHEMA)
-_LIB.define(_SWIGLU_SCHEMA)
 
 
 def check_inputs(
@@ -230,137 +222,3 @@ def packed_linear(
         # the op's CUDA implementation without the dispatcher's round trip (same code)
         return _cuda_impl(x, qweight, scales_zeros, group_size, bias)
     return w4a16_linear(x, qweight, scales_zeros, group_size, bias)
-
-
-# --- the down projection with the SwiGLU activation -------------------------------------
-
-
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of a merged ``[..., 2K]`` gate/up output, in fp32 with one rounding
-    to ``gate_up.dtype`` (what the SwiGLU kernels stage)."""
-    gate, up = gate_up.float().chunk(2, dim=-1)
-    return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)
-
-
-def check_swiglu_inputs(
-    gate_up: torch.Tensor,
-    qweight: torch.Tensor,
-    scales_zeros: torch.Tensor,
-    group_size: int,
-    bias: torch.Tensor | None,
-) -> tuple[int, int]:
-    """Validate :func:`swiglu_linear`'s inputs; returns ``(N, K)``. Raises OnecatError naming
-    the bad field."""
-    k = qweight.shape[1] * 32 if qweight.dim() == 4 else 0
-    if gate_up.dim() == 0 or k == 0 or gate_up.shape[-1] != 2 * k:
-        raise OnecatError(
-            f"onecat.kernels.ops.w4a16_swiglu_linear: gate_up must be [..., 2K] (gate columns, then "
-            f"up) with K = {k} the weight's input size, got {tuple(gate_up.shape)}"
-        )
-    return check_inputs(gate_up[..., :k], qweight, scales_zeros, group_size, bias)
-
-
-def takes_swiglu(rows: int, qweight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> bool:
-    """Whether :func:`swiglu_linear` runs in ONE launch for ``rows`` rows on this CUDA weight:
-    the variant the linear op picks for them has a SwiGLU form (tensor-core kernels up to 32-row
-    tiles, ``variants.GLU_MAX_TILE``). Otherwise it computes the activation with torch first, and
-    a caller with a compiled activation of its own (the runtime's MLP) should use that."""
-    from onecat.kernels import tuning
-
-    return rows > 0 and tuning.choose_variant(rows, qweight, scales_zeros, group_size).has_swiglu
-
-
-_swiglu_checked: set[tuple] = set()
-"""Input signatures :func:`_cuda_swiglu_impl` has validated."""
-
-
-def _cuda_swiglu_impl(
-    gate_up: torch.Tensor,
-    qweight: torch.Tensor,
-    scales_zeros: torch.Tensor,
-    group_size: int,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    from onecat.kernels import tuning
-    from onecat.kernels.variants import launch_plan, run_plan
-
-    signature = (
-        gate_up.shape, gate_up.dtype, gate_up.device, qweight.shape, qweight.dtype, qweight.device,
-        scales_zeros.shape, scales_zeros.dtype, scales_zeros.device, group_size,
-        None if bias is None else (bias.shape, bias.dtype, bias.device),
-    )  # fmt: skip
-    if signature not in _swiglu_checked:
-        check_swiglu_inputs(gate_up, qweight, scales_zeros, group_size, bias)
-        if len(_swiglu_checked) > 1 << 14:
-            _swiglu_checked.clear()
-        _swiglu_checked.add(signature)
-    n, k = qweight.shape[0] * 32, qweight.shape[1] * 32
-    x2 = gate_up.reshape(-1, 2 * k)
-    rows = x2.shape[0]
-    variant = tuning.choose_variant(rows, qweight, scales_zeros, group_size) if rows else None
-    if variant is None or not variant.has_swiglu:
-        return _cuda_impl(swiglu(gate_up), qweight, scales_zeros, group_size, bias)
-    if not (qweight.is_contiguous() and scales_zeros.is_contiguous()) or (
-        qweight.data_ptr() % 16 or scales_zeros.data_ptr() % 16
-    ) or (bias is not None and (not bias.is_contiguous() or bias.data_ptr() % 16)):
-        check_inputs(gate_up[..., :k], qweight, scales_zeros, group_size, bias)  # raises with the details
-    if not x2.is_contiguous() or x2.data_ptr() % 16:
-        x2 = x2.contiguous() if not x2.is_contiguous() else x2.clone()
-    out = torch.empty((rows, n), dtype=torch.float16, device=gate_up.device)
-    device_index = gate_up.device.index if gate_up.device.index is not None else torch.cuda.current_device()
-    plan = launch_plan(variant, rows, n, k, group_size, device_index, swiglu=True)
-    run_plan(plan, x2, qweight, scales_zeros, group_size, bias, out)
-    return out.view(*gate_up.shape[:-1], n)
-
-
-def _cpu_swiglu_impl(
-    gate_up: torch.Tensor,
-    qweight: torch.Tensor,
-    scales_zeros: torch.Tensor,
-    group_size: int,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    check_swiglu_inputs(gate_up, qweight, scales_zeros, group_size, bias)
-    return _cpu_impl(swiglu(gate_up), qweight, scales_zeros, group_size, bias)
-
-
-_LIB.impl("w4a16_swiglu_linear", _cuda_swiglu_impl, "CUDA")
-_LIB.impl("w4a16_swiglu_linear", _cpu_swiglu_impl, "CPU")
-
-
-@torch.library.register_fake("onecat::w4a16_swiglu_linear")
-def _fake_swiglu_impl(
-    gate_up: torch.Tensor,
-    qweight: torch.Tensor,
-    scales_zeros: torch.Tensor,
-    group_size: int,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    return gate_up.new_empty((*gate_up.shape[:-1], qweight.shape[0] * 32))
-
-
-def swiglu_linear(
-    gate_up: torch.Tensor,
-    qweight: torch.Tensor,
-    scales_zeros: torch.Tensor,
-    group_size: int,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``y = (silu(gate) * up) @ W^T (+ bias)``: an MLP's down projection with its activation.
-
-    Args:
-        gate_up: float16 ``[..., 2K]``, the merged gate/up projection's output (gate columns,
-            then up), on the weight's device.
-        qweight, scales_zeros, group_size, bias: the ``[N, K]`` weight as in :func:`w4a16_linear`.
-
-    Returns:
-        float16 ``[..., N]``. The activation is computed in fp32 and rounded to fp16 once
-        (:func:`swiglu`), then multiplied as by :func:`w4a16_linear`: on CUDA in the same launch
-        where :func:`takes_swiglu` says so, else by torch first.
-
-    Raises:
-        OnecatError: on a wrong dtype, shape, device, or non-contiguous weights.
-    """
-    if gate_up.is_cuda and not torch.compiler.is_compiling():
-        return _cuda_swiglu_impl(gate_up, qweight, scales_zeros, group_size, bias)
-    return torch.ops.onecat.w4a16_swiglu_linear(gate_up, qweight, scales_zeros, group_size, bias)

@@ -45,10 +45,6 @@ WMMAR_BUILT = {
     64: ((4, 2),),
 }
 """The same for the register-dequant kernels (``w4a16_wmmar_*``)."""
-GLU_MAX_TILE = 32
-"""Tensor-core variants up to this row tile are also built in a SwiGLU form (``*_glu``: x is a
-merged gate/up output ``[M, 2K]`` and the kernel multiplies ``silu(gate) * up``, see
-w4a16_wmma.cu); the 64-row ones are not (they would spill on sm_70)."""
 WMMAR_GROUP = 64
 """The register-dequant kernels need group sizes that are multiples of this (64 k per packed
 fragment share one scale)."""
@@ -104,18 +100,8 @@ class Variant:
         """Whether this variant can run weights quantized with ``group_size``."""
         return self.kind != "wmmar" or group_size % WMMAR_GROUP == 0
 
-    @property
-    def has_swiglu(self) -> bool:
-        """Whether this variant is also built in the SwiGLU form (:data:`GLU_MAX_TILE`)."""
-        return self.kind in _TENSOR_CORE_BUILT and self.rows <= GLU_MAX_TILE
-
-    def kernel_name(self, swiglu: bool = False) -> str:
-        """The ``extern "C"`` name of the kernel this variant launches (its SwiGLU form with
-        ``swiglu``; raises OnecatError where it has none)."""
-        if swiglu:
-            if not self.has_swiglu:
-                raise OnecatError(f"kernel variant {self.name} has no SwiGLU form")
-            return f"w4a16_{self.kind}_mt{self.rows}_w{self.width}_c{self.chunk}_glu"
+    def kernel_name(self) -> str:
+        """The ``extern "C"`` name of the kernel this variant launches."""
         if self.kind == "gemv":
             return f"w4a16_gemv_m{self.rows}_w{_GEMV_WARPS}_u{self.width}"
         if self.kind in _TENSOR_CORE_BUILT:
@@ -175,12 +161,9 @@ _plans: dict[tuple, LaunchPlan] = {}
 _MAX_PLANS = 1 << 14  # prefill chunks of every length each make a plan: stay bounded
 
 
-def launch_plan(
-    variant: Variant, m: int, n: int, k: int, group_size: int, device_index: int, swiglu: bool = False
-) -> LaunchPlan:
-    """The cached :class:`LaunchPlan` of ``variant`` for ``m`` rows of an ``[n, k]`` weight (its
-    SwiGLU form with ``swiglu``: ``x`` is then ``[m, 2k]``)."""
-    key = (variant, m, n, k, group_size, device_index, swiglu)
+def launch_plan(variant: Variant, m: int, n: int, k: int, group_size: int, device_index: int) -> LaunchPlan:
+    """The cached :class:`LaunchPlan` of ``variant`` for ``m`` rows of an ``[n, k]`` weight."""
+    key = (variant, m, n, k, group_size, device_index)
     plan = _plans.get(key)
     if plan is not None:
         return plan
@@ -188,7 +171,7 @@ def launch_plan(
         raise OnecatError(f"kernel variant {variant.name} cannot run {m} rows")
     if not variant.supports_group(group_size):
         raise OnecatError(f"kernel variant {variant.name} needs a group size that is a multiple of {WMMAR_GROUP}, got {group_size}")
-    kernel = get_kernel(variant.kernel_name(swiglu), device_index)
+    kernel = get_kernel(variant.kernel_name(), device_index)
     ktiles = k // 32
     workspace = counters = per = 0
     if variant.kind == "dequant":
@@ -226,23 +209,20 @@ def run_variant(
     group_size: int,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-    swiglu: bool = False,
 ) -> torch.Tensor:
     """Run one variant on validated CUDA inputs: ``x [M, K]`` fp16 contiguous and 16-byte
-    aligned (with ``swiglu``: a merged gate/up output ``[M, 2K]``, multiplied as
-    ``silu(gate) * up``), packed weights as in docs/FORMAT.md, optional fp16 ``bias [N]``.
+    aligned, packed weights as in docs/FORMAT.md, optional fp16 ``bias [N]``.
 
     Returns ``y [M, N]`` fp16, written into ``out`` when given (tests poison it first).
     """
-    m, k = x.shape[0], qweight.shape[1] * 32
+    m, k = x.shape
     n = qweight.shape[0] * 32
     if out is None:
         out = torch.empty((m, n), dtype=torch.float16, device=x.device)
     if m == 0:
         return out
     device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    plan = launch_plan(variant, m, n, k, group_size, device_index, swiglu)
-    return run_plan(plan, x, qweight, scales_zeros, group_size, bias, out)
+    return run_plan(launch_plan(variant, m, n, k, group_size, device_index), x, qweight, scales_zeros, group_size, bias, out)
 
 
 def run_plan(
@@ -254,9 +234,8 @@ def run_plan(
     bias: torch.Tensor | None,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """Launch ``plan`` on torch's current stream (inputs as in :func:`run_variant`; ``x`` is
-    ``[M, 2K]`` for a SwiGLU plan)."""
-    m, k = x.shape[0], qweight.shape[1] * 32
+    """Launch ``plan`` on torch's current stream (inputs as in :func:`run_variant`)."""
+    m, k = x.shape
     n = out.shape[1]
     stream = torch._C._cuda_getCurrentRawStream(x.device.index)
     if plan.variant.kind == "dequant":

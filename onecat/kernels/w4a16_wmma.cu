@@ -52,11 +52,6 @@
 //   - A is staged permuted to match: sA[sub*4 + j][m][kk] = x[m][k(j, kk)], so step j's MMA
 //     sums over the same 16 k as B_j (the order of a dot product's terms is free).
 //   Shared-memory traffic per weight: 1 byte (store + load of the packed word) instead of 4.
-//
-// SwiGLU variants (``*_glu``, both kinds): x is the merged gate/up projection's output
-// [M, 2K] (gate columns 0..K-1, then up), and the kernel multiplies fp16(silu(gate) * up)
-// (fp32 math, one rounding) instead of x: the MLP's activation happens while x is staged, one
-// launch fewer per MLP. Every thread loads the gate and the up vector of what it stages.
 #include "w4a16_common.cuh"
 
 namespace onecat {
@@ -74,23 +69,7 @@ struct WmmaSmem {
   static constexpr int kBytes = (kA + kB) > kC ? (kA + kB) : kC;
 };
 
-// fp16(silu(g) * u) of 8 halves each, in fp32 with one rounding.
-__device__ __forceinline__ uint4 swiglu8(uint4 g, uint4 u) {
-  const unsigned gw[4] = {g.x, g.y, g.z, g.w};
-  const unsigned uw[4] = {u.x, u.y, u.z, u.w};
-  unsigned out[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 gf = __half22float2(as_half2(gw[j]));
-    const float2 uf = __half22float2(as_half2(uw[j]));
-    const half2 h = __floats2half2_rn(__fdividef(gf.x, 1.0f + __expf(-gf.x)) * uf.x,
-                                      __fdividef(gf.y, 1.0f + __expf(-gf.y)) * uf.y);
-    out[j] = *reinterpret_cast<const unsigned*>(&h);
-  }
-  return make_uint4(out[0], out[1], out[2], out[3]);
-}
-
-template <int MT, int WARPS, int CT, bool PACKED, bool GLU>
+template <int MT, int WARPS, int CT, bool PACKED>
 __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint4* __restrict__ qweight,
                                           const half2* __restrict__ scales_zeros,
                                           const half* __restrict__ bias, half* __restrict__ y,
@@ -132,10 +111,6 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
   uint4 wv[kChunkTiles];
   half2 sz[kChunkTiles];
   uint4 xv[kXPerThread];
-  uint4 xu[GLU ? kXPerThread : 1];  // the up halves (SwiGLU variants)
-  const size_t x_stride = GLU ? 2 * (size_t)K : (size_t)K;
-  // what thread's vector i of the chunk stages: x, or the activation of gate and up
-  auto staged = [&](int i) { if constexpr (GLU) return swiglu8(xv[i], xu[i]); else return xv[i]; };
 
   auto load_chunk = [&](int kc) {
 #pragma unroll
@@ -154,12 +129,8 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
       const int m = m0 + row;
       const int kt = kc + col / kTile;
       xv[i] = make_uint4(0u, 0u, 0u, 0u);
-      if constexpr (GLU) xu[i] = make_uint4(0u, 0u, 0u, 0u);
-      if (idx < kXVecs && m < M && kt < k_end) {
-        const half* xp = x + (size_t)m * x_stride + (size_t)kc * kTile + col;
-        xv[i] = __ldg(reinterpret_cast<const uint4*>(xp));
-        if constexpr (GLU) xu[i] = __ldg(reinterpret_cast<const uint4*>(xp + K));
-      }
+      if (idx < kXVecs && m < M && kt < k_end)
+        xv[i] = __ldg(reinterpret_cast<const uint4*>(x + (size_t)m * K + (size_t)kc * kTile + col));
     }
   };
 
@@ -188,7 +159,7 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
 #pragma unroll
       for (int i = 0; i < kXPerThread; ++i) {
         const int idx = threadIdx.x + i * kThreads;
-        if (idx < kXVecs) stage_a_permuted(sA, MT, idx / (kChunk / 8), (idx % (kChunk / 8)) * 8, staged(i));
+        if (idx < kXVecs) stage_a_permuted(sA, MT, idx / (kChunk / 8), (idx % (kChunk / 8)) * 8, xv[i]);
       }
       if (tile_ok) {
 #pragma unroll
@@ -225,7 +196,7 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
       for (int i = 0; i < kXPerThread; ++i) {
         const int idx = threadIdx.x + i * kThreads;
         if (idx < kXVecs)
-          *reinterpret_cast<uint4*>(sA + (idx / (kChunk / 8)) * kLds + (idx % (kChunk / 8)) * 8) = staged(i);
+          *reinterpret_cast<uint4*>(sA + (idx / (kChunk / 8)) * kLds + (idx % (kChunk / 8)) * 8) = xv[i];
       }
       if (tile_ok) store_dequantised_column(sB_warp, kLds, lane, wv, sz, valid_tiles);
       __syncthreads();
@@ -291,21 +262,16 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
 
 }  // namespace onecat
 
-#define ONECAT_WMMA_KERNEL(NAME, MT, WARPS, CT, PACKED, GLU)                                   \
+#define ONECAT_WMMA_KERNEL(NAME, MT, WARPS, CT, PACKED)                                        \
   extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(                                \
       const half* x, const uint4* qweight, const half2* scales_zeros, const half* bias,       \
       half* y, float* workspace, int* counters, int M, int N, int K, int group_size,          \
       int ktiles_per_split) {                                                                  \
-    onecat::wmma_body<MT, WARPS, CT, PACKED, GLU>(x, qweight, scales_zeros, bias, y, workspace, \
+    onecat::wmma_body<MT, WARPS, CT, PACKED>(x, qweight, scales_zeros, bias, y, workspace,      \
                                              counters, M, N, K, group_size, ktiles_per_split); \
   }
-#define ONECAT_WMMA(MT, WARPS, CT) ONECAT_WMMA_KERNEL(w4a16_wmma_mt##MT##_w##WARPS##_c##CT, MT, WARPS, CT, false, false)
-#define ONECAT_WMMAR(MT, WARPS, CT) ONECAT_WMMA_KERNEL(w4a16_wmmar_mt##MT##_w##WARPS##_c##CT, MT, WARPS, CT, true, false)
-// SwiGLU forms (suffix _glu): every variant up to 32-row tiles (mt64's would spill on sm_70)
-#define ONECAT_WMMA_GLU(MT, WARPS, CT) \
-  ONECAT_WMMA_KERNEL(w4a16_wmma_mt##MT##_w##WARPS##_c##CT##_glu, MT, WARPS, CT, false, true)
-#define ONECAT_WMMAR_GLU(MT, WARPS, CT) \
-  ONECAT_WMMA_KERNEL(w4a16_wmmar_mt##MT##_w##WARPS##_c##CT##_glu, MT, WARPS, CT, true, true)
+#define ONECAT_WMMA(MT, WARPS, CT) ONECAT_WMMA_KERNEL(w4a16_wmma_mt##MT##_w##WARPS##_c##CT, MT, WARPS, CT, false)
+#define ONECAT_WMMAR(MT, WARPS, CT) ONECAT_WMMA_KERNEL(w4a16_wmmar_mt##MT##_w##WARPS##_c##CT, MT, WARPS, CT, true)
 
 ONECAT_WMMA(8, 4, 2)
 ONECAT_WMMA(8, 4, 4)
@@ -324,18 +290,3 @@ ONECAT_WMMAR(16, 4, 2)
 ONECAT_WMMAR(16, 8, 2)
 ONECAT_WMMAR(32, 4, 2)
 ONECAT_WMMAR(64, 4, 2)
-// SwiGLU forms
-ONECAT_WMMA_GLU(8, 4, 2)
-ONECAT_WMMA_GLU(8, 4, 4)
-ONECAT_WMMA_GLU(8, 8, 2)
-ONECAT_WMMA_GLU(16, 4, 2)
-ONECAT_WMMA_GLU(16, 4, 4)
-ONECAT_WMMA_GLU(16, 8, 2)
-ONECAT_WMMA_GLU(32, 4, 2)
-ONECAT_WMMA_GLU(32, 4, 4)
-ONECAT_WMMAR_GLU(8, 4, 2)
-ONECAT_WMMAR_GLU(8, 4, 4)
-ONECAT_WMMAR_GLU(8, 8, 2)
-ONECAT_WMMAR_GLU(16, 4, 2)
-ONECAT_WMMAR_GLU(16, 8, 2)
-ONECAT_WMMAR_GLU(32, 4, 2)

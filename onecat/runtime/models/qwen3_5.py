@@ -21,7 +21,6 @@ from onecat.errors import OnecatError
 from onecat.kernels import gdn as gdn_kernel
 from onecat.kernels import gdn_prefill
 from onecat.kernels.moe import append_shared_expert, moe_route, moe_router, router_fits
-from onecat.kernels.ops import swiglu_linear, takes_swiglu
 from onecat.runtime.context import ForwardContext, PrefillChunk, get_context
 from onecat.runtime.distributed.parallel_state import (
     all_gather,
@@ -510,15 +509,8 @@ class MLP(nn.Module):
         self.down_proj = merged_linear(plan, [f"{prefix}.down_proj"], intermediate, [hidden], dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, hidden]`` -> ``[T, hidden]``. On CUDA, where the down projection's kernel for
-        this many rows has a SwiGLU form, the activation runs inside that launch."""
-        gate_up = self.gate_up_proj(x)
-        down = self.down_proj
-        if down.is_packed and gate_up.is_cuda and down.bias is None and takes_swiglu(
-            gate_up.shape[0], down.qweight, down.scales_zeros, down.group_size
-        ):
-            return swiglu_linear(gate_up, down.qweight, down.scales_zeros, down.group_size)
-        return down(silu_and_mul(gate_up))
+        """``x [T, hidden]`` -> ``[T, hidden]``."""
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 @fused
