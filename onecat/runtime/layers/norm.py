@@ -33,7 +33,7 @@ gated_rms_norm = fused(gated_rms_norm_math)
 KERNEL_MIN_HIDDEN = 4096
 """Rows at least this wide take onecat's one-launch kernel (``onecat.kernels.rms_norm``), narrower
 ones the compiled torch function. H200, compute_70 PTX, interleaved e2e runs (``bench/ab_prepare.sh``,
-2026-12-01 19:35): with the kernel at every width the 27B (5120 features) decoded 1.0 / 0.6 / 0.5%
+2026-12-01 19:05): with the kernel at every width the 27B (5120 features) decoded 1.0 / 0.6 / 0.5%
 faster at batch 1 / 8 / 32 and the 35B-A3B (2048) 0.8% slower at batch 1 (+0.2 / -0.3% at 8 / 32),
 although ``bench/norm.py`` times the kernel faster at both widths (after a projection, one row:
 2.37 against 5.17 us at 5120, 1.88 against 2.23 at 2048)."""
