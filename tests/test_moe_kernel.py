@@ -205,6 +205,30 @@ def test_router_reference_is_the_linears_then_the_route():
     assert not moe.router_fits(x, router, shared), "CPU tensors never take the GPU kernel"
 
 
+def test_router_norm_reference_is_the_add_the_norm_then_the_router():
+    """``moe_router_norm``'s CPU reference: the runtime's add_rms_norm, then ``moe_router`` on
+    the normed rows; the fake implementation's shapes; mismatched inputs name the argument."""
+    from onecat.runtime.layers.norm import add_rms_norm
+
+    gen = torch.Generator().manual_seed(2)
+    x, residual = torch.randn(3, 64, generator=gen).half(), torch.randn(3, 64, generator=gen).half()
+    norm_weight = torch.randn(64, generator=gen) * 0.1
+    router, shared = (torch.randn(32, 64, generator=gen) / 8).half(), (torch.randn(1, 64, generator=gen) / 8).half()
+    weights, ids, gate, normed, summed = moe.moe_router_norm(x, residual, norm_weight, 1e-6, router, shared, 4, 32)
+    ref_normed, ref_summed = add_rms_norm(x, residual, norm_weight, 1e-6)
+    assert torch.equal(summed, ref_summed) and torch.equal(normed, ref_normed)
+    ref = moe.moe_router(ref_normed, router, shared, 4, 32)
+    assert torch.equal(weights, ref[0]) and torch.equal(ids, ref[1]) and gate.shape == (3, 0)
+    meta = [t.to("meta") for t in (x, residual, norm_weight, router, shared)]
+    fake = torch.ops.onecat.moe_router_norm(*meta[:3], 1e-6, *meta[3:], 4, 32)
+    assert [tuple(t.shape) for t in fake] == [(3, 5), (3, 5), (3, 0), (3, 64), (3, 64)]
+    with pytest.raises(OnecatError, match="residual must be"):
+        moe.moe_router_norm(x, residual[:2], norm_weight, 1e-6, router, shared, 4)
+    with pytest.raises(OnecatError, match="norm_weight must be"):
+        moe.moe_router_norm(x, residual, norm_weight[:8], 1e-6, router, shared, 4)
+    assert not moe.router_norm_fits(x, residual, norm_weight, router, shared), "CPU tensors never take the kernel"
+
+
 def test_route_breaks_ties_lowest_index_first():
     logits = torch.zeros(3, 16)
     logits[0, [3, 9, 12]] = 2.0  # three-way tie for the top, then a 13-way tie at 0

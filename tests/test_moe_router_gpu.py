@@ -114,3 +114,57 @@ def test_router_other_shapes(experts, h, top_k, tokens, warps, monkeypatch):
     x, router, shared = exact_inputs(tokens, h, experts, 0.25, seed=experts + h, gate=True)
     check_router(x, router, shared, top_k, experts)
     check_router(x, router, None, top_k)
+
+
+def check_router_norm(tokens: int, h: int, experts: int, top_k: int, shared_expert: int, gate: bool, seed: int) -> None:
+    """``moe_router_norm`` against fp64 for the add and the norm, and against ``moe_router`` on
+    its own normed rows for the routing (the same staged values: equal bit for bit)."""
+    from onecat.kernels.moe import moe_router, moe_router_norm, router_norm_fits
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x, router, shared = exact_inputs(tokens, h, experts, 0.25, seed=seed, gate=gate)
+    x = (x.float() + torch.randn(tokens, h, device="cuda", generator=gen) * 0.5).half()
+    residual = (torch.randn(tokens, h, device="cuda", generator=gen) * 3).half()
+    norm_weight = torch.randn(h, device="cuda", generator=gen) * 0.1
+    assert router_norm_fits(x, residual, norm_weight, router, shared)
+    summed_ref = x + residual
+    r64 = summed_ref.double()
+    normed_ref = r64 * torch.rsqrt(r64.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + norm_weight.double())
+    for call in range(2):  # twice: the ticket counter is left zeroed
+        poison_allocator()
+        weights, ids, gate_logit, normed, summed = moe_router_norm(
+            x, residual, norm_weight, 1e-6, router, shared, top_k, shared_expert
+        )
+        torch.cuda.synchronize()
+        assert torch.equal(summed, summed_ref), f"call {call}: the residual add is one fp16 rounding"
+        err = (normed.double() - normed_ref).abs()
+        assert torch.isfinite(normed).all() and (err <= 2e-3 * normed_ref.abs() + 1e-3).all(), float(err.max())
+        ref_w, ref_ids, ref_gate = moe_router(normed, router, shared, top_k, shared_expert)
+        assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_w), f"call {call}: routing of the normed rows"
+        assert torch.equal(gate_logit, ref_gate), f"call {call}: shared gate logits"
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+@pytest.mark.parametrize("mode", ["no gate", "gate logit", "folded shared expert"])
+def test_router_with_the_norm_at_35b_shapes(tokens, mode):
+    check_router_norm(tokens, H, E, TOP_K, E if mode == "folded shared expert" else -1, mode != "no gate", seed=tokens)
+
+
+@pytest.mark.parametrize("experts, h, top_k, tokens", [(64, 16384, 4, 2), (100, 200, 1, 8), (512, 4096, 10, 3)])
+def test_router_with_the_norm_other_shapes(experts, h, top_k, tokens):
+    """One token staged at a time (16384 features), a width that is not a multiple of the
+    block's vectors, several passes over a weight row."""
+    check_router_norm(tokens, h, experts, top_k, experts, True, seed=experts)
+
+
+def test_router_with_the_norm_falls_back_beyond_its_batch():
+    """More tokens than the kernel stages run the same math in torch."""
+    from onecat.kernels.moe import moe_router_norm, reference_router_norm
+
+    x, router, shared = exact_inputs(12, H, E, 0.25, seed=5, gate=True)
+    residual = torch.randn(12, H, device="cuda").half()
+    norm_weight = torch.randn(H, device="cuda") * 0.1
+    got = moe_router_norm(x, residual, norm_weight, 1e-6, router, shared, TOP_K, E)
+    ref = reference_router_norm(x, residual, norm_weight, 1e-6, router, shared, TOP_K, E)
+    for a, b in zip(got, ref, strict=True):
+        assert torch.equal(a, b)

@@ -60,10 +60,16 @@ _ROUTER_SCHEMA = (
     "-> (Tensor, Tensor, Tensor)"
 )
 
+_ROUTER_NORM_SCHEMA = (
+    "moe_router_norm(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor router_weight, "
+    "Tensor? shared_gate_weight, int top_k, int shared_expert=-1) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
+
 _LIB = torch.library.Library("onecat", "FRAGMENT")  # module scope: keeps the registration alive
 _LIB.define(_MOE_SCHEMA)
 _LIB.define(_ROUTE_SCHEMA)
 _LIB.define(_ROUTER_SCHEMA)
+_LIB.define(_ROUTER_NORM_SCHEMA)
 
 GATHER_MAX_PAIRS = 288
 """Largest ``T * top_k`` run by the gather-GEMV kernels; more pairs take the grouped path
@@ -551,6 +557,50 @@ def append_shared_expert(
     return torch.cat([weights, shared_w], dim=1), torch.cat([ids, shared_id], dim=1)
 
 
+def _router_outputs(
+    x: torch.Tensor, shared_gate_weight: torch.Tensor | None, top_k: int, shared_expert: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty ``(weights, ids, shared gate logits)`` of the router for ``x``'s tokens."""
+    choices = top_k + (shared_expert >= 0)
+    gate_width = 1 if shared_gate_weight is not None and shared_expert < 0 else 0
+    return (
+        torch.empty((x.shape[0], choices), dtype=torch.float32, device=x.device),
+        torch.empty((x.shape[0], choices), dtype=torch.int32, device=x.device),
+        torch.empty((x.shape[0], gate_width), dtype=x.dtype, device=x.device),
+    )
+
+
+def _launch_router(
+    x: torch.Tensor, router_weight: torch.Tensor, shared_gate_weight: torch.Tensor | None, top_k: int,
+    shared_expert: int, outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    norm: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """One ``w4a16_moe_route_decode`` launch into ``outputs`` (inputs as :func:`router_fits`
+    says); ``norm`` = ``(residual, norm_weight, eps, normed_out, summed_out)`` adds the residual
+    and norms the rows first (:func:`moe_router_norm`)."""
+    tokens, hidden = x.shape
+    experts = router_weight.shape[0]
+    weights, ids, shared = outputs
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    scratch = stream_buffer("moe_router", x.device, stream, 32 + tokens * experts, zeroed=True)
+    rows = experts + (shared_gate_weight is not None)
+    residual, norm_weight, eps, normed, summed = norm if norm is not None else (None, None, 0.0, None, None)
+    get_kernel("w4a16_moe_route_decode", _device_index(x)).launch(
+        (math.ceil(rows / _ROUTER_WARPS), 1, 1), 32 * _ROUTER_WARPS, stream,
+        [_ptr(x), *_ints(x.stride(0), tokens, hidden), _ptr(router_weight), *_ints(experts),
+         _ptr(shared_gate_weight), *_ints(top_k, shared_expert), ctypes.c_void_p(scratch.data_ptr() + 128),
+         _ptr(scratch), _ptr(weights), _ptr(ids), _ptr(shared), _ptr(residual), _ptr(norm_weight),
+         ctypes.c_float(eps), _ptr(normed), _ptr(summed)],
+    )  # fmt: skip
+
+
+def _aligned_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` if its rows are unit-stride, 16-byte aligned and a multiple of 8 halves apart, else a copy."""
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        return x.contiguous().clone()
+    return x
+
+
 def _cuda_router(
     x: torch.Tensor, router_weight: torch.Tensor, shared_gate_weight: torch.Tensor | None, top_k: int,
     shared_expert: int = -1,
@@ -558,27 +608,10 @@ def _cuda_router(
     _check_router(x, router_weight, shared_gate_weight, top_k, shared_expert)
     if not router_fits(x, router_weight, shared_gate_weight):
         return reference_router(x, router_weight, shared_gate_weight, top_k, shared_expert)
-    tokens, hidden = x.shape
-    experts = router_weight.shape[0]
-    choices = top_k + (shared_expert >= 0)
-    weights = torch.empty((tokens, choices), dtype=torch.float32, device=x.device)
-    ids = torch.empty((tokens, choices), dtype=torch.int32, device=x.device)
-    gate_width = 1 if shared_gate_weight is not None and shared_expert < 0 else 0
-    shared = torch.empty((tokens, gate_width), dtype=x.dtype, device=x.device)
-    if tokens == 0:
-        return weights, ids, shared
-    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-        x = x.contiguous().clone()
-    stream = torch.cuda.current_stream(x.device).cuda_stream
-    scratch = stream_buffer("moe_router", x.device, stream, 32 + tokens * experts, zeroed=True)
-    rows = experts + (shared_gate_weight is not None)
-    get_kernel("w4a16_moe_route_decode", _device_index(x)).launch(
-        (math.ceil(rows / _ROUTER_WARPS), 1, 1), 32 * _ROUTER_WARPS, stream,
-        [_ptr(x), *_ints(x.stride(0), tokens, hidden), _ptr(router_weight), *_ints(experts),
-         _ptr(shared_gate_weight), *_ints(top_k, shared_expert), ctypes.c_void_p(scratch.data_ptr() + 128),
-         _ptr(scratch), _ptr(weights), _ptr(ids), _ptr(shared)],
-    )  # fmt: skip
-    return weights, ids, shared
+    outputs = _router_outputs(x, shared_gate_weight, top_k, shared_expert)
+    if x.shape[0]:
+        _launch_router(_aligned_rows(x), router_weight, shared_gate_weight, top_k, shared_expert, outputs)
+    return outputs
 
 
 _LIB.impl("moe_router", _cuda_router, "CUDA")
@@ -618,3 +651,89 @@ def moe_router(
         ``shared_expert >= 0``, ``[T, k+1]`` routing and no gate logits.
     """
     return torch.ops.onecat.moe_router(x, router_weight, shared_gate_weight, top_k, shared_expert)
+
+
+# --- router with the residual add and the RMSNorm before it (decode) ------------------------
+
+
+def _check_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor) -> None:
+    where = "onecat.kernels.moe.moe_router_norm"
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise OnecatError(f"{where}: residual must be {x.dtype} {tuple(x.shape)} like x, got {residual.dtype} {tuple(residual.shape)}")
+    if norm_weight.dim() != 1 or norm_weight.numel() != x.shape[-1]:
+        raise OnecatError(f"{where}: norm_weight must be [H = {x.shape[-1]}], got {tuple(norm_weight.shape)}")
+
+
+def router_norm_fits(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, router_weight: torch.Tensor,
+    shared_gate_weight: torch.Tensor | None,
+) -> bool:
+    """True when :func:`moe_router_norm` runs its one-launch GPU kernel: :func:`router_fits`,
+    ``residual`` contiguous like ``x`` and 16-byte aligned, an fp32 contiguous ``norm_weight``."""
+    return (
+        router_fits(x, router_weight, shared_gate_weight) and residual.shape == x.shape
+        and residual.dtype == x.dtype and residual.is_contiguous() and residual.data_ptr() % 16 == 0
+        and norm_weight.dtype == torch.float32 and norm_weight.is_contiguous() and norm_weight.numel() == x.shape[1]
+        and residual.device == x.device and norm_weight.device == x.device
+    )  # fmt: skip
+
+
+def reference_router_norm(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, router_weight: torch.Tensor,
+    shared_gate_weight: torch.Tensor | None, top_k: int, shared_expert: int = -1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`moe_router_norm` on any device: ``summed = x + residual`` (one rounding),
+    ``normed = fp16(summed * rsqrt(mean(summed^2) + eps) * (1 + norm_weight))`` in fp32 (the
+    runtime's ``add_rms_norm``), then :func:`reference_router` on ``normed``."""
+    _check_norm(x, residual, norm_weight)
+    summed = x + residual
+    r = summed.float()
+    normed = (r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + norm_weight.float())).to(x.dtype)
+    return (*reference_router(normed, router_weight, shared_gate_weight, top_k, shared_expert), normed, summed)
+
+
+def _cuda_router_norm(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, router_weight: torch.Tensor,
+    shared_gate_weight: torch.Tensor | None, top_k: int, shared_expert: int = -1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_router(x, router_weight, shared_gate_weight, top_k, shared_expert)
+    _check_norm(x, residual, norm_weight)
+    if not router_norm_fits(x, residual, norm_weight, router_weight, shared_gate_weight):
+        return reference_router_norm(x, residual, norm_weight, eps, router_weight, shared_gate_weight, top_k, shared_expert)
+    outputs = _router_outputs(x, shared_gate_weight, top_k, shared_expert)
+    normed, summed = torch.empty_like(residual), torch.empty_like(residual)
+    if x.shape[0]:
+        _launch_router(_aligned_rows(x), router_weight, shared_gate_weight, top_k, shared_expert, outputs,
+                       (residual, norm_weight, eps, normed, summed))  # fmt: skip
+    return (*outputs, normed, summed)
+
+
+_LIB.impl("moe_router_norm", _cuda_router_norm, "CUDA")
+_LIB.impl("moe_router_norm", reference_router_norm, "CPU")
+
+
+@torch.library.register_fake("onecat::moe_router_norm")
+def _fake_router_norm(x, residual, norm_weight, eps, router_weight, shared_gate_weight, top_k, shared_expert=-1):
+    return (*_fake_router(x, router_weight, shared_gate_weight, top_k, shared_expert), x.new_empty(x.shape),
+            x.new_empty(x.shape))  # fmt: skip
+
+
+def moe_router_norm(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, router_weight: torch.Tensor,
+    shared_gate_weight: torch.Tensor | None, top_k: int, shared_expert: int = -1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The residual add, the post-attention RMSNorm and :func:`moe_router` in ONE GPU launch
+    (decode batches: what :func:`router_norm_fits` accepts; elsewhere the same math in torch).
+
+    Args:
+        x: fp16 ``[T, H]``, the mixer's output; ``residual``: fp16 ``[T, H]`` contiguous.
+        norm_weight: fp32 ``[H]``, the RMSNorm's weight stored centred on zero (``1 + w`` scales).
+        eps: the norm's epsilon. The rest as :func:`moe_router`, applied to the normed rows.
+
+    Returns:
+        ``(weights, ids, shared gate logits)`` as :func:`moe_router`, then ``normed`` (the
+        experts' input) and ``summed = x + residual`` (the new residual), fp16 ``[T, H]``.
+    """
+    return torch.ops.onecat.moe_router_norm(
+        x, residual, norm_weight, eps, router_weight, shared_gate_weight, top_k, shared_expert
+    )

@@ -42,6 +42,13 @@
 //      scratch) selects, one warp per token, reading the keys through L2, and zeroes the
 //      counter again.  No block waits for another, so the kernel is safe whatever the
 //      residency.
+//   With the residual add and the post-attention RMSNorm (residual != null: what
+//   `moe_router_norm` launches, so that a decode MoE block needs no norm launch of its own):
+//   step 2 stages fp16(x + residual) instead of x, one warp per token sums its squares from
+//   shared memory, and the staged rows are rewritten as fp16(r * rsqrt(mean(r^2) + eps) *
+//   (1 + w)) (norm_w fp32 [H], the roundings of the runtime's add_rms_norm) before step 3;
+//   block 0 also writes the sums to summed_out and the normed rows to normed_out ([T, H]
+//   fp16 contiguous) for the experts and the residual stream. Two more barriers a block.
 //   Selection keys: the logits are fp16 numbers, so (order-preserving fp16 bits << 16) |
 //   (0xFFFF - expert) is one u32 whose unsigned order is "larger logit, then lower expert
 //   index" (-0 is taken as +0, as the float comparison does).  A warp then finds the top
@@ -244,6 +251,45 @@ __device__ __forceinline__ float warp_sum_tokens(const float (&acc)[8]) {
   return one;
 }
 
+// fp16(a + b) of 8 halves each (fp32 sums, one rounding: torch's fp16 add).
+__device__ __forceinline__ uint4 add_rounded(uint4 a, uint4 b) {
+  const unsigned aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {b.x, b.y, b.z, b.w};
+  unsigned out[4];
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const float2 fa = __half22float2(as_half2(aw[p])), fb = __half22float2(as_half2(bw[p]));
+    const half2 h = __floats2half2_rn(fa.x + fb.x, fa.y + fb.y);
+    out[p] = *reinterpret_cast<const unsigned*>(&h);
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+__device__ __forceinline__ float sum_of_squares(uint4 v) {
+  const unsigned w[4] = {v.x, v.y, v.z, v.w};
+  float total = 0.0f;
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const float2 f = __half22float2(as_half2(w[p]));
+    total = fmaf(f.x, f.x, fmaf(f.y, f.y, total));
+  }
+  return total;
+}
+
+// fp16(r * rstd * (1 + w)) of 8 halves, w the norm's fp32 weights of those columns.
+__device__ __forceinline__ uint4 scale_rounded(uint4 r, float rstd, const float4* __restrict__ w) {
+  const float4 w0 = __ldg(w), w1 = __ldg(w + 1);
+  const float factor[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+  const unsigned rw[4] = {r.x, r.y, r.z, r.w};
+  unsigned out[4];
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const float2 f = __half22float2(as_half2(rw[p]));
+    const half2 h = __floats2half2_rn(f.x * rstd * (1.0f + factor[2 * p]), f.y * rstd * (1.0f + factor[2 * p + 1]));
+    out[p] = *reinterpret_cast<const unsigned*>(&h);
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
 // This lane's 128-bit weight vectors of row w for columns [k0, k0 + 2048): column k0 + 256 v
 // + 8 lane .. +8 in vector v (zeros past H).
 __device__ __forceinline__ void load_row(uint4 (&wv)[kRowVecs], const half* __restrict__ w, int k0,
@@ -291,9 +337,12 @@ w4a16_moe_route_decode(const half* __restrict__ x, int x_stride, int T, int H,
                        const half* __restrict__ router_w, int E, const half* __restrict__ shared_w,
                        int top_k, int shared_id, float* __restrict__ scratch,
                        unsigned* __restrict__ counter, float* __restrict__ weights,
-                       int* __restrict__ ids, half* __restrict__ shared_gate) {
+                       int* __restrict__ ids, half* __restrict__ shared_gate,
+                       const half* __restrict__ residual, const float* __restrict__ norm_w, float eps,
+                       half* __restrict__ normed_out, half* __restrict__ summed_out) {
   using namespace onecat;
   __shared__ __align__(16) half xs[kRouterStageHalfs];
+  __shared__ float rstd[kRouterTokens];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int stride = top_k + (shared_id >= 0 ? 1 : 0);  // choices per token in weights / ids
   unsigned* keys = reinterpret_cast<unsigned*>(scratch);
@@ -310,10 +359,32 @@ w4a16_moe_route_decode(const half* __restrict__ x, int x_stride, int T, int H,
     if (t0 > 0) __syncthreads();  // the previous chunk's readers are done
     for (int v = threadIdx.x; v < n * vecs; v += blockDim.x) {
       const int j = v / vecs;
-      reinterpret_cast<uint4*>(xs)[v] =
-          __ldg(reinterpret_cast<const uint4*>(x + (size_t)(t0 + j) * x_stride) + (v - j * vecs));
+      uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + (size_t)(t0 + j) * x_stride) + (v - j * vecs));
+      if (residual != nullptr) {
+        xv = add_rounded(xv, __ldg(reinterpret_cast<const uint4*>(residual) + (size_t)t0 * vecs + v));
+        if (blockIdx.x == 0) reinterpret_cast<uint4*>(summed_out)[(size_t)t0 * vecs + v] = xv;
+      }
+      reinterpret_cast<uint4*>(xs)[v] = xv;
     }
     __syncthreads();
+    if (residual != nullptr) {  // the RMSNorm of the staged sums, in place
+      for (int j = warp; j < n; j += warps) {
+        float squares = 0.0f;
+        for (int c = lane; c < vecs; c += 32) squares += sum_of_squares(reinterpret_cast<const uint4*>(xs)[j * vecs + c]);
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, offset);
+        if (lane == 0) rstd[j] = rsqrtf(squares / (float)H + eps);
+      }
+      __syncthreads();
+      for (int v = threadIdx.x; v < n * vecs; v += blockDim.x) {
+        const int j = v / vecs, c = v - j * vecs;
+        const uint4 normed = scale_rounded(reinterpret_cast<const uint4*>(xs)[v], rstd[j],
+                                           reinterpret_cast<const float4*>(norm_w) + 2 * c);
+        reinterpret_cast<uint4*>(xs)[v] = normed;
+        if (blockIdx.x == 0) reinterpret_cast<uint4*>(normed_out)[(size_t)t0 * vecs + v] = normed;
+      }
+      __syncthreads();
+    }
     if (!has_row) continue;
     float acc[kRouterTokens];
 #pragma unroll

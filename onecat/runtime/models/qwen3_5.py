@@ -20,12 +20,20 @@ from torch import nn
 from onecat.errors import OnecatError
 from onecat.kernels import gdn as gdn_kernel
 from onecat.kernels import gdn_prefill
-from onecat.kernels.moe import append_shared_expert, moe_route, moe_router, router_fits
+from onecat.kernels.moe import (
+    append_shared_expert,
+    moe_route,
+    moe_router,
+    moe_router_norm,
+    router_fits,
+    router_norm_fits,
+)
 from onecat.runtime.context import ForwardContext, PrefillChunk, get_context
 from onecat.runtime.distributed.parallel_state import (
     all_gather,
     all_reduce_add_rms_norm,
     tp_rank,
+    tp_size,
 )
 from onecat.runtime.layers.attention import PagedAttention, sigmoid_gate
 from onecat.runtime.layers.causal_conv import causal_conv1d_chunk, causal_conv1d_step
@@ -600,13 +608,40 @@ class SparseMoE(nn.Module):
             )
         elif self.router_rows is not None and x.is_cuda:  # folded: slot is set
             weights, expert_ids = moe_route(F.linear(x, self.router_rows), self.top_k, slot)
+            shared_logit = None
         else:
             logits, shared_logit = gate(x), shared_gate(x)
             weights, expert_ids = moe_route(logits, self.top_k) if logits.is_cuda else route(logits, self.top_k)
             if slot is not None:
                 weights, expert_ids = append_shared_expert(weights, expert_ids, shared_logit, slot)
+        return self._experts(x, weights, expert_ids, shared_logit)
+
+    def forward_with_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward(norm(all_reduce(x) + residual))`` and the new residual ``all_reduce(x) +
+        residual`` (what :meth:`DecoderLayer.end` needs). For decode batches at one rank the
+        residual add and the norm run inside the router's launch (``moe_router_norm``): no norm
+        launch of its own."""
+        gate, shared_gate, slot = self.gate, self.shared_expert_gate, self.shared_slot
+        if tp_size() == 1 and self._plain_router() and router_norm_fits(
+            x, residual, norm.weight, gate.weight, shared_gate.weight
+        ):
+            weights, expert_ids, shared_logit, h, residual = moe_router_norm(
+                x, residual, norm.weight, norm.eps, gate.weight, shared_gate.weight, self.top_k,
+                -1 if slot is None else slot,
+            )  # fmt: skip
+            return self._experts(h, weights, expert_ids, shared_logit), residual
+        h, residual = all_reduce_add_rms_norm(x, residual, norm.weight, norm.eps)
+        return self(h), residual
+
+    def _experts(
+        self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, shared_logit: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The routed experts on ``x`` (the shared expert among them when folded, else added
+        gated by ``sigmoid(shared_logit)``)."""
         routed = self.experts(x, expert_ids, weights)
-        return routed if slot is not None else add_gated(routed, shared_logit, self.shared_expert(x))
+        return routed if self.shared_slot is not None else add_gated(routed, shared_logit, self.shared_expert(x))
 
 
 class DecoderLayer(nn.Module):
@@ -663,8 +698,11 @@ class DecoderLayer(nn.Module):
         """Everything token-wise after the mixer's core: (output before its all-reduce and the
         residual add, residual)."""
         norm = self.post_attention_layernorm
+        out = self.mixer.finish(core, *carry)
+        if isinstance(self.mlp, SparseMoE):  # decode: the add and the norm inside the router's launch
+            return self.mlp.forward_with_norm(out, residual, norm)
         # tensor parallel: sum the ranks' row-parallel parts (fused with the add and the norm)
-        h, residual = all_reduce_add_rms_norm(self.mixer.finish(core, *carry), residual, norm.weight, norm.eps)
+        h, residual = all_reduce_add_rms_norm(out, residual, norm.weight, norm.eps)
         return self.mlp(h), residual
 
 
