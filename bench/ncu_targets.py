@@ -16,13 +16,11 @@ from __future__ import annotations
 import argparse
 
 import torch
+from kernels import GROUP, MOE_EXPERTS, MOE_HIDDEN, MOE_INTER, MOE_TOP_K, random_experts
 
 from onecat.kernels.moe import moe_router, w4a16_moe
 from onecat.kernels.tuning import random_packed_weights
 from onecat.kernels.variants import Variant, run_variant
-
-GROUP = 128
-EXPERTS, HIDDEN, INTER, TOP_K = 256, 2048, 512, 8
 
 
 def dense_targets(gen: torch.Generator, repeats: int) -> None:
@@ -37,17 +35,14 @@ def dense_targets(gen: torch.Generator, repeats: int) -> None:
 
 def moe_targets(gen: torch.Generator, repeats: int) -> None:
     """The 35B-A3B MoE op (routed top-8 plus the folded shared expert) and router."""
-    w13 = random_packed_weights(EXPERTS * 2 * INTER, HIDDEN, GROUP, gen)
-    w2 = random_packed_weights(EXPERTS * HIDDEN, INTER, GROUP, gen)
-    w13 = (w13[0].view(EXPERTS, 2 * INTER // 32, HIDDEN // 32, 32, 4),
-           w13[1].view(EXPERTS, 2 * INTER // 32, HIDDEN // GROUP, 32, 2))
-    w2 = (w2[0].view(EXPERTS, HIDDEN // 32, INTER // 32, 32, 4), w2[1].view(EXPERTS, HIDDEN // 32, INTER // GROUP, 32, 2))
-    router = (torch.randn(EXPERTS - 1, HIDDEN, device="cuda", generator=gen) / 32).half()
-    shared = (torch.randn(1, HIDDEN, device="cuda", generator=gen) / 32).half()
+    w13 = random_experts(MOE_EXPERTS, 2 * MOE_INTER, MOE_HIDDEN)
+    w2 = random_experts(MOE_EXPERTS, MOE_HIDDEN, MOE_INTER)
+    router = (torch.randn(MOE_EXPERTS - 1, MOE_HIDDEN, device="cuda", generator=gen) / 32).half()
+    shared = (torch.randn(1, MOE_HIDDEN, device="cuda", generator=gen) / 32).half()
     for tokens in (1, 8, 32):
-        x = torch.randn(tokens, HIDDEN, dtype=torch.float16, device="cuda", generator=gen)
+        x = torch.randn(tokens, MOE_HIDDEN, dtype=torch.float16, device="cuda", generator=gen)
         for _ in range(repeats):
-            weights, ids, _ = moe_router(x, router, shared, TOP_K, EXPERTS - 1)
+            weights, ids, _ = moe_router(x, router, shared, MOE_TOP_K, MOE_EXPERTS - 1)
             w4a16_moe(x, ids, weights, *w13, *w2, GROUP)
 
 

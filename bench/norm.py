@@ -20,7 +20,7 @@ import json
 import torch
 
 from onecat.kernels import rms_norm, tuning
-from onecat.kernels.timing import copies_for, graph_time_us
+from onecat.kernels.timing import graph_time_us
 from onecat.kernels.tuning import random_packed_weights
 from onecat.kernels.variants import run_variant
 from onecat.runtime.layers import fusion, norm
@@ -40,9 +40,7 @@ def main() -> None:
     for hidden in map(int, args.hidden.split(",")):
         k = DOWN[hidden]
         qweight, scales = random_packed_weights(hidden, k, 128, gen)
-        weights = [(qweight, scales)] + [
-            (qweight.clone(), scales.clone()) for _ in range(copies_for(qweight.numel() * 4) - 1)
-        ]
+        weights = tuning.weight_copies(qweight, scales)
         weight = torch.randn(hidden, device="cuda", generator=gen) * 0.1
         for rows in map(int, args.rows.split(",")):
             x = torch.randn(rows, k, device="cuda", generator=gen).half() * 0.1

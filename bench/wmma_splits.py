@@ -16,7 +16,6 @@ import torch
 
 from onecat.kernels import tuning
 from onecat.kernels.loader import get_kernel
-from onecat.kernels.timing import copies_for
 from onecat.kernels.variants import Variant, wmma_splits
 
 SHAPES = (
@@ -47,8 +46,7 @@ def main() -> None:
         if wanted and not any(w in label for w in wanted):
             continue
         qweight, scales_zeros = tuning.random_packed_weights(n, k, g, gen)
-        copies = copies_for(qweight.numel() * 4 + scales_zeros.numel() * 2)
-        weights = [(qweight, scales_zeros)] + [(qweight.clone(), scales_zeros.clone()) for _ in range(copies - 1)]
+        weights = tuning.weight_copies(qweight, scales_zeros)
         for m in map(int, args.ms.split(",")):
             x = torch.randn(m, k, dtype=torch.float16, device="cuda", generator=gen)
             tile = args.tile or (8 if m <= 8 else 16 if m <= 16 else 32)

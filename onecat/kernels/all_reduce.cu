@@ -68,7 +68,12 @@
 // squares of those fp16 values gives rstd = rsqrt(mean + eps) and out = fp16(r * rstd * (1 + w)):
 // the roundings of `add_rms_norm(all_reduce(x), residual, w, eps)` in onecat/runtime.
 
-#include <cuda_fp16.h>
+#include "w4a16_common.cuh"
+
+using onecat::accumulate;
+using onecat::add_rounded;
+using onecat::rms_scale;
+using onecat::round_to_half;
 
 constexpr int kMaxRanks = 8;
 constexpr int kMaxBlocks = 64;
@@ -97,27 +102,6 @@ __device__ __forceinline__ uint4 load_volatile4(const uint4* p) {
                : "l"(p)
                : "memory");
   return v;
-}
-
-__device__ __forceinline__ void accumulate(float (&acc)[8], uint4 v) {
-  const unsigned words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    __half2 h = *reinterpret_cast<const __half2*>(&words[j]);
-    float2 f = __half22float2(h);
-    acc[2 * j] += f.x;
-    acc[2 * j + 1] += f.y;
-  }
-}
-
-__device__ __forceinline__ uint4 round_to_half(const float (&acc)[8]) {
-  unsigned words[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    __half2 h = __floats2half2_rn(acc[2 * j], acc[2 * j + 1]);
-    words[j] = *reinterpret_cast<unsigned*>(&h);
-  }
-  return make_uint4(words[0], words[1], words[2], words[3]);
 }
 
 // This call's epoch: the previous call's (stored by its last block; same stream) + 1.
@@ -223,10 +207,7 @@ __device__ __forceinline__ void one_shot_add_rms_norm(char* const (&base)[kMaxRa
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int q = 0; q < W; ++q) accumulate(acc, v[q]);
-      float h[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      accumulate(h, round_to_half(acc));  // the all-reduce's fp16 result, back in fp32
-      accumulate(h, residual[row + i]);
-      const uint4 summed = round_to_half(h);
+      const uint4 summed = add_rounded(round_to_half(acc), residual[row + i]);  // the all-reduce's fp16 result + residual
       residual_out[row + i] = summed;
 #pragma unroll
       for (int k = 0; k < 8; ++k) r[j][k] = 0.f;
@@ -252,13 +233,8 @@ __device__ __forceinline__ void one_shot_add_rms_norm(char* const (&base)[kMaxRa
   for (int j = 0; j < kNormVectors; ++j) {
     const int i = threadIdx.x + j * kNormThreads;
     if (i < vectors) {
-      const float4 w0 = reinterpret_cast<const float4*>(weight)[2 * i];
-      const float4 w1 = reinterpret_cast<const float4*>(weight)[2 * i + 1];
-      const float factor[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-      float y[8];
-#pragma unroll
-      for (int k = 0; k < 8; ++k) y[k] = r[j][k] * rstd * (1.f + factor[k]);
-      out[row + i] = round_to_half(y);
+      const float4* w = reinterpret_cast<const float4*>(weight) + 2 * i;
+      out[row + i] = rms_scale(r[j], rstd, w[0], w[1]);
     }
   }
 

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from onecat.errors import OnecatError
+from onecat.kernels import rms_norm
 from onecat.kernels.loader import get_kernel
 from onecat.kernels.variants import WMMAR_GROUP
 from onecat.kernels.workspace import stream_buffer
@@ -668,13 +669,12 @@ def router_norm_fits(
     x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, router_weight: torch.Tensor,
     shared_gate_weight: torch.Tensor | None,
 ) -> bool:
-    """True when :func:`moe_router_norm` runs its one-launch GPU kernel: :func:`router_fits`,
-    ``residual`` contiguous like ``x`` and 16-byte aligned, an fp32 contiguous ``norm_weight``."""
+    """True when :func:`moe_router_norm` runs its one-launch GPU kernel: :func:`router_fits`, and
+    ``residual`` (shaped like ``x``, on its device) and ``norm_weight`` as the RMSNorm kernel
+    takes them (:func:`onecat.kernels.rms_norm.supports`)."""
     return (
         router_fits(x, router_weight, shared_gate_weight) and residual.shape == x.shape
-        and residual.dtype == x.dtype and residual.is_contiguous() and residual.data_ptr() % 16 == 0
-        and norm_weight.dtype == torch.float32 and norm_weight.is_contiguous() and norm_weight.numel() == x.shape[1]
-        and residual.device == x.device and norm_weight.device == x.device
+        and residual.device == x.device and rms_norm.supports(residual, None, norm_weight)
     )  # fmt: skip
 
 

@@ -16,32 +16,16 @@
 // is issued before the first use, the row stays in registers for the second pass, and the
 // sum of squares takes one barrier: per warp by shuffles, then every warp reads all the warps'
 // partials from shared memory and finishes the sum itself (no serial pass, no second barrier).
-#include <cuda_fp16.h>
+#include "w4a16_common.cuh"
 
 namespace {
 
+using onecat::accumulate;
+using onecat::add_rounded;
+using onecat::rms_scale;
+
 constexpr int kMaxThreads = 512;
 constexpr int kVectors = 4;
-
-__device__ __forceinline__ void add_halves(float (&acc)[8], uint4 v) {
-  const unsigned words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&words[j]));
-    acc[2 * j] += f.x;
-    acc[2 * j + 1] += f.y;
-  }
-}
-
-__device__ __forceinline__ uint4 to_halves(const float (&v)[8]) {
-  unsigned words[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    __half2 h = __floats2half2_rn(v[2 * j], v[2 * j + 1]);
-    words[j] = *reinterpret_cast<unsigned*>(&h);
-  }
-  return make_uint4(words[0], words[1], words[2], words[3]);
-}
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -80,13 +64,10 @@ extern "C" __global__ void __launch_bounds__(kMaxThreads)
     for (int k = 0; k < 8; ++k) r[j][k] = 0.f;
     if (i < vectors) {
       if (residual != nullptr) {
-        float h[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        add_halves(h, xv[j]);
-        add_halves(h, rv[j]);
-        xv[j] = to_halves(h);  // the residual add's one rounding
+        xv[j] = add_rounded(xv[j], rv[j]);  // the residual add's one rounding
         residual_out[row + i] = xv[j];
       }
-      add_halves(r[j], xv[j]);
+      accumulate(r[j], xv[j]);
 #pragma unroll
       for (int k = 0; k < 8; ++k) squares += r[j][k] * r[j][k];
     }
@@ -100,12 +81,6 @@ extern "C" __global__ void __launch_bounds__(kMaxThreads)
 #pragma unroll
   for (int j = 0; j < kVectors; ++j) {
     const int i = threadIdx.x + j * blockDim.x;
-    if (i < vectors) {
-      const float factor[8] = {w0[j].x, w0[j].y, w0[j].z, w0[j].w, w1[j].x, w1[j].y, w1[j].z, w1[j].w};
-      float y[8];
-#pragma unroll
-      for (int k = 0; k < 8; ++k) y[k] = r[j][k] * rstd * (1.f + factor[k]);
-      out[row + i] = to_halves(y);
-    }
+    if (i < vectors) out[row + i] = rms_scale(r[j], rstd, w0[j], w1[j]);
   }
 }

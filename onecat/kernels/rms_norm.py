@@ -1,5 +1,6 @@
 """Qwen3.5's ``(1 + w)`` RMSNorm, optionally after the residual add, in one sm_70 launch
-(``rms_norm.cu``): what the decode step runs twice per layer on one GPU. The torch functions in
+(``rms_norm.cu``): the decode step's norms on one GPU, for rows as wide as the runtime takes it
+(``onecat.runtime.layers.norm.KERNEL_MIN_HIDDEN``). The torch functions in
 ``onecat.runtime.layers.norm`` stay the reference and the path for CPUs, other dtypes, rows
 the kernel does not take and torch.compile tracing.
 """

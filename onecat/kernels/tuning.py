@@ -156,12 +156,7 @@ def tune_shape(
     # Rotate over weight copies larger than L2, but never take more than a quarter of the free
     # memory (first-use tuning runs inside a serving process that has filled the GPU).
     free_bytes, _ = torch.cuda.mem_get_info(device)
-    copies = copies_for(
-        qweight.numel() * 4 + scales_zeros.numel() * 2, min(256 << 20, free_bytes // 4)
-    )
-    weights = [(qweight, scales_zeros)] + [
-        (qweight.clone(), scales_zeros.clone()) for _ in range(copies - 1)
-    ]
+    weights = weight_copies(qweight, scales_zeros, min(256 << 20, free_bytes // 4))
     if len(options) == 1:
         timings = {options[0].name: time_variant(options[0], x, weights[:1], group_size)}
     else:
@@ -176,6 +171,16 @@ def tune_shape(
 
     forget_plans()
     return best, timings
+
+
+def weight_copies(
+    qweight: torch.Tensor, scales_zeros: torch.Tensor, target_bytes: int = 256 << 20
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(qweight, scales_zeros)`` and clones of it, together more than ``target_bytes``
+    (:func:`~onecat.kernels.timing.copies_for`): calls rotating over them read their weights
+    from memory, as a model's layers do, not from L2."""
+    copies = copies_for(qweight.numel() * 4 + scales_zeros.numel() * 2, target_bytes)
+    return [(qweight, scales_zeros)] + [(qweight.clone(), scales_zeros.clone()) for _ in range(copies - 1)]
 
 
 def autotune_enabled() -> bool:

@@ -1,5 +1,6 @@
 // Shared pieces of onecat's sm_70 W4A16 kernels: the packed layout, the in-register dequant
-// and the split-K finish.  Compiled by NVRTC 12 for compute_70 / sm_70; no torch headers.
+// and the split-K finish; also the 8-half vector helpers of the norm, router and all-reduce
+// kernels.  Compiled by NVRTC 12 for compute_70 / sm_70; no torch headers.
 //
 // Packed layout (version 1, docs/FORMAT.md, onecat/pack/volta_layout.py), W [N out, K in]:
 //   qweight      u32   [N/32][K/32][32 lanes][4 words]   one 32x32 tile = 512 contiguous bytes
@@ -42,6 +43,58 @@ __device__ __forceinline__ unsigned and_or(unsigned a, unsigned b, unsigned c) {
 
 __device__ __forceinline__ half2 as_half2(unsigned u) {
   return *reinterpret_cast<half2*>(&u);
+}
+
+// --- 8 fp16 values in a uint4 (residual adds, RMSNorms, all-reduce sums) --------------------
+
+// The 8 values of v in fp32.
+__device__ __forceinline__ void unpack(uint4 v, float (&out)[8]) {
+  const unsigned words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = __half22float2(as_half2(words[j]));
+    out[2 * j] = f.x;
+    out[2 * j + 1] = f.y;
+  }
+}
+
+// acc[i] += value i of v, in fp32.
+__device__ __forceinline__ void accumulate(float (&acc)[8], uint4 v) {
+  float f[8];
+  unpack(v, f);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) acc[k] += f[k];
+}
+
+// The 8 values rounded to fp16 (to nearest) and packed.
+__device__ __forceinline__ uint4 round_to_half(const float (&v)[8]) {
+  unsigned words[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const half2 h = __floats2half2_rn(v[2 * j], v[2 * j + 1]);
+    words[j] = *reinterpret_cast<const unsigned*>(&h);
+  }
+  return make_uint4(words[0], words[1], words[2], words[3]);
+}
+
+// fp16(a + b) of 8 values each: fp32 sums, one rounding (torch's fp16 add).
+__device__ __forceinline__ uint4 add_rounded(uint4 a, uint4 b) {
+  float sum[8], fb[8];
+  unpack(a, sum);
+  unpack(b, fb);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) sum[k] += fb[k];
+  return round_to_half(sum);
+}
+
+// Qwen3.5's (1 + w) RMSNorm of 8 values r of a row whose rstd is known:
+// fp16(r * rstd * (1 + w)), (w0, w1) the norm's fp32 weights of those 8 columns.
+__device__ __forceinline__ uint4 rms_scale(const float (&r)[8], float rstd, float4 w0, float4 w1) {
+  const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+  float y[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) y[k] = r[k] * rstd * (1.f + w[k]);
+  return round_to_half(y);
 }
 
 // One packed word (8 nibbles) -> 4 fp16 pairs (k0,k1) (k2,k3) (k4,k5) (k6,k7), dequantised.

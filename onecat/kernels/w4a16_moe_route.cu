@@ -251,43 +251,14 @@ __device__ __forceinline__ float warp_sum_tokens(const float (&acc)[8]) {
   return one;
 }
 
-// fp16(a + b) of 8 halves each (fp32 sums, one rounding: torch's fp16 add).
-__device__ __forceinline__ uint4 add_rounded(uint4 a, uint4 b) {
-  const unsigned aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {b.x, b.y, b.z, b.w};
-  unsigned out[4];
-#pragma unroll
-  for (int p = 0; p < 4; ++p) {
-    const float2 fa = __half22float2(as_half2(aw[p])), fb = __half22float2(as_half2(bw[p]));
-    const half2 h = __floats2half2_rn(fa.x + fb.x, fa.y + fb.y);
-    out[p] = *reinterpret_cast<const unsigned*>(&h);
-  }
-  return make_uint4(out[0], out[1], out[2], out[3]);
-}
-
+// Sum of the squares of 8 fp16 values, in fp32.
 __device__ __forceinline__ float sum_of_squares(uint4 v) {
-  const unsigned w[4] = {v.x, v.y, v.z, v.w};
+  float f[8];
+  unpack(v, f);
   float total = 0.0f;
 #pragma unroll
-  for (int p = 0; p < 4; ++p) {
-    const float2 f = __half22float2(as_half2(w[p]));
-    total = fmaf(f.x, f.x, fmaf(f.y, f.y, total));
-  }
+  for (int p = 0; p < 4; ++p) total = fmaf(f[2 * p], f[2 * p], fmaf(f[2 * p + 1], f[2 * p + 1], total));
   return total;
-}
-
-// fp16(r * rstd * (1 + w)) of 8 halves, w the norm's fp32 weights of those columns.
-__device__ __forceinline__ uint4 scale_rounded(uint4 r, float rstd, const float4* __restrict__ w) {
-  const float4 w0 = __ldg(w), w1 = __ldg(w + 1);
-  const float factor[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-  const unsigned rw[4] = {r.x, r.y, r.z, r.w};
-  unsigned out[4];
-#pragma unroll
-  for (int p = 0; p < 4; ++p) {
-    const float2 f = __half22float2(as_half2(rw[p]));
-    const half2 h = __floats2half2_rn(f.x * rstd * (1.0f + factor[2 * p]), f.y * rstd * (1.0f + factor[2 * p + 1]));
-    out[p] = *reinterpret_cast<const unsigned*>(&h);
-  }
-  return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
 // This lane's 128-bit weight vectors of row w for columns [k0, k0 + 2048): column k0 + 256 v
@@ -378,8 +349,10 @@ w4a16_moe_route_decode(const half* __restrict__ x, int x_stride, int T, int H,
       __syncthreads();
       for (int v = threadIdx.x; v < n * vecs; v += blockDim.x) {
         const int j = v / vecs, c = v - j * vecs;
-        const uint4 normed = scale_rounded(reinterpret_cast<const uint4*>(xs)[v], rstd[j],
-                                           reinterpret_cast<const float4*>(norm_w) + 2 * c);
+        float r[8];
+        unpack(reinterpret_cast<const uint4*>(xs)[v], r);
+        const float4* w = reinterpret_cast<const float4*>(norm_w) + 2 * c;
+        const uint4 normed = rms_scale(r, rstd[j], __ldg(w), __ldg(w + 1));
         reinterpret_cast<uint4*>(xs)[v] = normed;
         if (blockIdx.x == 0) reinterpret_cast<uint4*>(normed_out)[(size_t)t0 * vecs + v] = normed;
       }
