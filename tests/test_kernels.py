@@ -121,6 +121,29 @@ def test_op_registration_and_fake_impl():
     assert fake.shape == (4, n) and fake.device.type == "meta"
 
 
+def test_silu_mul_op_is_silu_of_gate_times_up_on_cpu():
+    """The SwiGLU op's CPU path is ``silu(gate) * up`` of the plain op's output, for fp16 and
+    fp32 activations; its fake impl halves N; odd halves are rejected."""
+    n, k, g = 128, 256, 64
+    qweight, scales_zeros = pack_volta(*random_layer(n, k, g, seed=2))
+    bias = torch.randn(n, dtype=torch.float16)
+    for dtype in (torch.float16, torch.float32):
+        x = torch.randn(3, 5, k, dtype=dtype)
+        b = bias.to(dtype)
+        y = ops.packed_linear(x, qweight, scales_zeros, g, b)
+        expected = torch.nn.functional.silu(y[..., : n // 2]) * y[..., n // 2 :]
+        got = ops.packed_linear_silu_mul(x, qweight, scales_zeros, g, b)
+        assert got.shape == (3, 5, n // 2) and got.dtype == dtype
+        assert torch.equal(got, expected)
+    x = torch.randn(4, k, dtype=torch.float16)
+    torch.library.opcheck(torch.ops.onecat.w4a16_linear_silu_mul, (x, qweight, scales_zeros, g, bias))
+    fake = torch.ops.onecat.w4a16_linear_silu_mul(x.to("meta"), qweight.to("meta"), scales_zeros.to("meta"), g)
+    assert fake.shape == (4, n // 2)
+    odd_q, odd_sz = pack_volta(*random_layer(96, k, g, seed=3))
+    with pytest.raises(OnecatError, match="multiple of 64"):
+        torch.ops.onecat.w4a16_linear_silu_mul(x, odd_q, odd_sz, g)
+
+
 def test_torch_compile_traces_through_the_fake_impl():
     n, k, g = 64, 128, 32
     qweight, scales_zeros = pack_volta(*random_layer(n, k, g, seed=1))

@@ -1,28 +1,29 @@
-"""``torch.ops.onecat.w4a16_linear``: the W4A16 linear as a torch custom op.
+"""``torch.ops.onecat.w4a16_linear``: the W4A16 linear as a torch custom op, and
+``torch.ops.onecat.w4a16_linear_silu_mul``: a SwiGLU layer's merged gate/up projection
+returning ``silu(gate) * up`` (the kernels form it in their epilogue).
 
 - CUDA: picks a kernel variant by M (tuned winner or default, see tuning.py) and launches it
   on torch's current stream.
 - CPU: the pure torch reference with the same dequant contract (``dequantize_volta``), then a
   matmul in fp32.
-- Meta / fake tensors: shape ``[..., N]`` fp16, so torch.compile and CUDA-graph capture can
+- Meta / fake tensors: shape ``[..., N]`` (``[..., N/2]``) fp16, so torch.compile and CUDA-graph capture can
   trace through the op.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from onecat.errors import OnecatError
 from onecat.pack.volta_layout import reference_linear
 
-_SCHEMA = (
-    "w4a16_linear(Tensor x, Tensor qweight, Tensor scales_zeros, int group_size, "
-    "Tensor? bias=None) -> Tensor"
-)
+_ARGS = "(Tensor x, Tensor qweight, Tensor scales_zeros, int group_size, Tensor? bias=None) -> Tensor"
 
 # The Library object must stay alive for the registration to last: module scope.
 _LIB = torch.library.Library("onecat", "FRAGMENT")
-_LIB.define(_SCHEMA)
+_LIB.define("w4a16_linear" + _ARGS)
+_LIB.define("w4a16_linear_silu_mul" + _ARGS)
 
 
 def check_inputs(
@@ -31,15 +32,21 @@ def check_inputs(
     scales_zeros: torch.Tensor,
     group_size: int,
     bias: torch.Tensor | None,
+    silu_mul: bool = False,
 ) -> tuple[int, int]:
     """Validate the op's inputs; returns ``(N, K)``.  Raises OnecatError naming the bad field."""
-    where = "onecat.kernels.ops.w4a16_linear"
+    where = "onecat.kernels.ops.w4a16_linear" + ("_silu_mul" if silu_mul else "")
     if qweight.dtype != torch.int32 or qweight.dim() != 4 or tuple(qweight.shape[2:]) != (32, 4):
         raise OnecatError(
             f"{where}: qweight must be int32 [N/32, K/32, 32, 4] (Volta layout v1), got "
             f"{qweight.dtype} {tuple(qweight.shape)}; pack the checkpoint with `onecat pack`"
         )
     n, k = qweight.shape[0] * 32, qweight.shape[1] * 32
+    if silu_mul and n % 64:
+        raise OnecatError(
+            f"{where}: the merged gate/up weight must have N a multiple of 64 (gate rows, then as "
+            f"many up rows, each half whole 32-row tiles), got N={n}"
+        )
     if group_size <= 0 or group_size % 32 or k % group_size:
         raise OnecatError(
             f"{where}: group_size {group_size} must be a positive multiple of 32 dividing K={k}"
@@ -83,6 +90,7 @@ def _cuda_impl(
     scales_zeros: torch.Tensor,
     group_size: int,
     bias: torch.Tensor | None = None,
+    silu_mul: bool = False,
 ) -> torch.Tensor:
     from onecat.kernels.variants import run_plan
 
@@ -92,22 +100,26 @@ def _cuda_impl(
     signature = (
         x.shape, x.dtype, x.device, qweight.shape, qweight.dtype, qweight.device,
         scales_zeros.shape, scales_zeros.dtype, scales_zeros.device, group_size,
-        None if bias is None else (bias.shape, bias.dtype, bias.device),
+        None if bias is None else (bias.shape, bias.dtype, bias.device), silu_mul,
     )  # fmt: skip
     plan = _plans.get(signature)
     if plan is None:
-        plan = _resolve(x, qweight, scales_zeros, group_size, bias, signature)
+        plan = _resolve(x, qweight, scales_zeros, group_size, bias, silu_mul, signature)
     if not (qweight.is_contiguous() and scales_zeros.is_contiguous()) or (
         qweight.data_ptr() % 16 or scales_zeros.data_ptr() % 16
     ) or (bias is not None and (not bias.is_contiguous() or bias.data_ptr() % 16)):
-        check_inputs(x, qweight, scales_zeros, group_size, bias)  # raises with the details
-    n = qweight.shape[0] * 32
+        check_inputs(x, qweight, scales_zeros, group_size, bias, silu_mul)  # raises with the details
+    fused_act = plan is not _NO_ROWS and plan.silu_mul
+    n = qweight.shape[0] * 32 // (2 if fused_act else 1)
     x2 = x.reshape(-1, x.shape[-1])
     if not x2.is_contiguous() or x2.data_ptr() % 16:
         x2 = x2.contiguous() if not x2.is_contiguous() else x2.clone()
     out = torch.empty((x2.shape[0], n), dtype=torch.float16, device=x.device)
     if plan is not _NO_ROWS:
         run_plan(plan, x2, qweight, scales_zeros, group_size, bias, out)
+    if silu_mul and not fused_act:  # a tensor-core or dequant variant: no SwiGLU epilogue
+        out = silu_and_mul(out)
+        n //= 2
     return out.view(*x.shape[:-1], n)
 
 
@@ -125,6 +137,7 @@ def _resolve(
     scales_zeros: torch.Tensor,
     group_size: int,
     bias: torch.Tensor | None,
+    silu_mul: bool,
     signature: tuple,
 ) -> object:
     """Validate a new signature and resolve its launch plan (remembered unless the variant
@@ -132,13 +145,13 @@ def _resolve(
     from onecat.kernels import tuning
     from onecat.kernels.variants import launch_plan
 
-    n, k = check_inputs(x, qweight, scales_zeros, group_size, bias)
+    n, k = check_inputs(x, qweight, scales_zeros, group_size, bias, silu_mul)
     m = x.numel() // k
     if m == 0:
         plan = _NO_ROWS
     else:
         variant = tuning.choose_variant(m, qweight, scales_zeros, group_size)
-        plan = launch_plan(variant, m, n, k, group_size, x.device.index)
+        plan = launch_plan(variant, m, n, k, group_size, x.device.index, silu_mul and variant.kind == "gemv")
         if not tuning.is_remembered(m, n, k, group_size, x.device.index):
             return plan
     if len(_plans) > 1 << 14:  # prefill chunks of every length: stay bounded
@@ -158,8 +171,37 @@ def _cpu_impl(
     return reference_linear(x, qweight, scales_zeros, group_size, bias).reshape(*x.shape[:-1], n)
 
 
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a merged ``[..., 2I]`` gate/up projection (gate first)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _cuda_silu_mul_impl(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales_zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    return _cuda_impl(x, qweight, scales_zeros, group_size, bias, silu_mul=True)
+
+
+def _cpu_silu_mul_impl(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales_zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    check_inputs(x, qweight, scales_zeros, group_size, bias, silu_mul=True)
+    return silu_and_mul(_cpu_impl(x, qweight, scales_zeros, group_size, bias))
+
+
 _LIB.impl("w4a16_linear", _cuda_impl, "CUDA")
 _LIB.impl("w4a16_linear", _cpu_impl, "CPU")
+_LIB.impl("w4a16_linear_silu_mul", _cuda_silu_mul_impl, "CUDA")
+_LIB.impl("w4a16_linear_silu_mul", _cpu_silu_mul_impl, "CPU")
 
 
 @torch.library.register_fake("onecat::w4a16_linear")
@@ -171,6 +213,18 @@ def _fake_impl(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     n = qweight.shape[0] * 32
+    return x.new_empty((*x.shape[:-1], n))
+
+
+@torch.library.register_fake("onecat::w4a16_linear_silu_mul")
+def _fake_silu_mul_impl(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales_zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    n = qweight.shape[0] * 16
     return x.new_empty((*x.shape[:-1], n))
 
 
@@ -222,3 +276,39 @@ def packed_linear(
         # the op's CUDA implementation without the dispatcher's round trip (same code)
         return _cuda_impl(x, qweight, scales_zeros, group_size, bias)
     return w4a16_linear(x, qweight, scales_zeros, group_size, bias)
+
+
+def packed_linear_silu_mul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales_zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``silu(gate) * up`` of a SwiGLU layer's merged gate/up projection in one op
+    (``torch.ops.onecat.w4a16_linear_silu_mul``), for any activation dtype as
+    :func:`packed_linear`.
+
+    ``qweight`` holds the gate rows then as many up rows (``N`` a multiple of 64); the result
+    is ``[..., N/2]``, the same values as ``silu_and_mul(packed_linear(...))`` (fp16: silu
+    rounded to fp16, then the product). On the GPU a GEMV variant (the tuned choice for a
+    few rows) forms it in its epilogue, so no activation kernel runs; with the tensor-core
+    and dequant variants the activation follows the projection (:func:`fuses_silu_mul`).
+    """
+    if x.dtype != torch.float16 and x.device.type == "cpu":
+        return silu_and_mul(reference_linear(x, qweight, scales_zeros, group_size, bias))
+    if x.is_cuda and not torch.compiler.is_compiling():
+        return _cuda_impl(x, qweight, scales_zeros, group_size, bias, silu_mul=True)
+    return torch.ops.onecat.w4a16_linear_silu_mul(x, qweight, scales_zeros, group_size, bias)
+
+
+def fuses_silu_mul(rows: int, qweight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> bool:
+    """Whether :func:`packed_linear_silu_mul` of ``rows`` activation rows runs ONE launch on the
+    GPU: the variant chosen for that many rows (``tuning.choose_variant``, resolved once and
+    remembered) is a GEMV, whose epilogue applies the activation. Otherwise a caller does
+    better to run :func:`packed_linear` and its own fused activation kernel."""
+    if not qweight.is_cuda or rows <= 0 or (qweight.shape[0] * 32) % 64:
+        return False
+    from onecat.kernels import tuning
+
+    return tuning.choose_variant(rows, qweight, scales_zeros, group_size).kind == "gemv"

@@ -12,6 +12,12 @@ A variant is named by a short string, stored as is in the tuner's cache:
   words through shared memory instead of fp16 weights; w4a16_wmma.cu's register-dequant
   variant), for group sizes that are multiples of 64;
 - ``dequant``: dequantise to an fp16 workspace (w4a16_dequant.cu), then cuBLAS.
+
+A GEMV plan made with ``silu_mul`` runs a SwiGLU layer's merged gate/up projection (gate rows
+first, then as many up rows) and returns ``silu(gate) * up`` ``[M, N/2]``: the kernel forms it
+in its epilogue (its ``act`` argument), so no activation launch follows. The tensor-core
+kernels have no such epilogue: pairing gate and up tiles in one block made them slower than
+the activation launch they saved (H200, 27B gate/up at 8 and 32 rows, BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -155,18 +161,27 @@ class LaunchPlan:
     workspace_floats: int  # fp32 partial sums [M, N]; 0 when the kernel needs no workspace
     counters: int  # int counters after the partial sums
     launch: PreparedLaunch  # the kernel with its grid, block and argument slots (built once)
+    silu_mul: bool = False  # the output is silu(gate) * up [M, N/2] (see the module doc)
 
 
 _plans: dict[tuple, LaunchPlan] = {}
 _MAX_PLANS = 1 << 14  # prefill chunks of every length each make a plan: stay bounded
 
 
-def launch_plan(variant: Variant, m: int, n: int, k: int, group_size: int, device_index: int) -> LaunchPlan:
-    """The cached :class:`LaunchPlan` of ``variant`` for ``m`` rows of an ``[n, k]`` weight."""
-    key = (variant, m, n, k, group_size, device_index)
+def launch_plan(
+    variant: Variant, m: int, n: int, k: int, group_size: int, device_index: int, silu_mul: bool = False
+) -> LaunchPlan:
+    """The cached :class:`LaunchPlan` of ``variant`` for ``m`` rows of an ``[n, k]`` weight
+    (``silu_mul``: a merged gate/up weight whose output is ``silu(gate) * up``)."""
+    key = (variant, m, n, k, group_size, device_index, silu_mul)
     plan = _plans.get(key)
     if plan is not None:
         return plan
+    if silu_mul and (n % 64 or variant.kind != "gemv"):
+        raise OnecatError(
+            f"a SwiGLU epilogue needs a GEMV variant and N a multiple of 64 (two halves of whole tiles), "
+            f"got {variant.name} and N={n}"
+        )
     if not variant.supports(m):
         raise OnecatError(f"kernel variant {variant.name} cannot run {m} rows")
     if not variant.supports_group(group_size):
@@ -184,6 +199,8 @@ def launch_plan(variant: Variant, m: int, n: int, k: int, group_size: int, devic
         grid, block = (math.ceil(warps / _GEMV_WARPS), 1, 1), 32 * _GEMV_WARPS
         if per % ktiles != 0:  # some warp ranges cut a column tile
             workspace, counters = m * n, n // 32
+        if silu_mul:  # the pair counters follow the split counters
+            counters = n // 32 + n // 64
     else:
         splits = variant.split or wmma_splits(kernel, variant, m, n, k, device_index)
         per = math.ceil(math.ceil(ktiles / splits) / variant.chunk) * variant.chunk
@@ -195,9 +212,9 @@ def launch_plan(variant: Variant, m: int, n: int, k: int, group_size: int, devic
     if len(_plans) >= _MAX_PLANS:
         _plans.clear()
     p, i = ctypes.c_void_p, ctypes.c_int
-    arg_types = [p, p, p, i, i, i] if variant.kind == "dequant" else [p] * 7 + [i] * 5
+    arg_types = {"dequant": [p, p, p, i, i, i], "gemv": [p] * 7 + [i] * 5 + [p]}.get(variant.kind, [p] * 7 + [i] * 5)
     launch = PreparedLaunch(kernel, grid, block, arg_types)
-    plan = _plans[key] = LaunchPlan(variant, per, workspace, counters, launch)
+    plan = _plans[key] = LaunchPlan(variant, per, workspace, counters, launch, silu_mul)
     return plan
 
 
@@ -209,20 +226,23 @@ def run_variant(
     group_size: int,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    silu_mul: bool = False,
 ) -> torch.Tensor:
     """Run one variant on validated CUDA inputs: ``x [M, K]`` fp16 contiguous and 16-byte
     aligned, packed weights as in docs/FORMAT.md, optional fp16 ``bias [N]``.
 
-    Returns ``y [M, N]`` fp16, written into ``out`` when given (tests poison it first).
+    Returns ``y [M, N]`` fp16 (``silu_mul``: ``silu(y[:, :N/2]) * y[:, N/2:]`` ``[M, N/2]``),
+    written into ``out`` when given (tests poison it first).
     """
     m, k = x.shape
     n = qweight.shape[0] * 32
     if out is None:
-        out = torch.empty((m, n), dtype=torch.float16, device=x.device)
+        out = torch.empty((m, n // 2 if silu_mul else n), dtype=torch.float16, device=x.device)
     if m == 0:
         return out
     device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return run_plan(launch_plan(variant, m, n, k, group_size, device_index), x, qweight, scales_zeros, group_size, bias, out)
+    plan = launch_plan(variant, m, n, k, group_size, device_index, silu_mul)
+    return run_plan(plan, x, qweight, scales_zeros, group_size, bias, out)
 
 
 def run_plan(
@@ -234,9 +254,10 @@ def run_plan(
     bias: torch.Tensor | None,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """Launch ``plan`` on torch's current stream (inputs as in :func:`run_variant`)."""
+    """Launch ``plan`` on torch's current stream (inputs as in :func:`run_variant`; ``out``
+    is ``[M, N/2]`` for a ``silu_mul`` plan)."""
     m, k = x.shape
-    n = out.shape[1]
+    n = qweight.shape[0] * 32
     stream = torch._C._cuda_getCurrentRawStream(x.device.index)
     if plan.variant.kind == "dequant":
         weight = torch.empty((n, k), dtype=torch.float16, device=x.device)
@@ -245,15 +266,17 @@ def run_plan(
             return torch.addmm(bias, x, weight.t(), out=out)
         return torch.mm(x, weight.t(), out=out)
     partials = counters = 0
-    if plan.workspace_floats:
+    if plan.workspace_floats or plan.counters:
         scratch = stream_buffer("w4a16-split", x.device, stream, plan.workspace_floats + plan.counters, zeroed=True)
         partials = scratch.data_ptr()
         counters = partials + 4 * plan.workspace_floats
-    plan.launch(
-        stream, x.data_ptr(), qweight.data_ptr(), scales_zeros.data_ptr(),
-        0 if bias is None else bias.data_ptr(), out.data_ptr(), partials, counters,
-        m, n, k, group_size, plan.per,
-    )  # fmt: skip
+    args = [x.data_ptr(), qweight.data_ptr(), scales_zeros.data_ptr(), 0 if bias is None else bias.data_ptr()]
+    if plan.silu_mul:  # the GEMV finishes gate / up tiles in a scratch y, then writes out
+        y = torch.empty((m, n), dtype=torch.float16, device=x.device)
+        plan.launch(stream, *args, y.data_ptr(), partials, counters, m, n, k, group_size, plan.per, out.data_ptr())
+    else:
+        plan.launch(stream, *args, out.data_ptr(), partials, counters, m, n, k, group_size, plan.per,
+                    *([0] if plan.variant.kind == "gemv" else []))  # fmt: skip
     return out
 
 

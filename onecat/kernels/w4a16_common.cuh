@@ -189,6 +189,15 @@ __device__ __forceinline__ bool arrive_last(int* counter, int arrivals) {
   return is_last != 0;
 }
 
+// SwiGLU of one output column pair as torch computes ``silu(gate) * up`` on fp16 tensors:
+// silu in fp32 rounded to fp16, then the product rounded to fp16 (the epilogues of the
+// ``silu_mul`` launches write this instead of the gate and up columns).
+__device__ __forceinline__ half silu_mul(half gate, half up) {
+  const float g = __half2float(gate);
+  const half silu = __float2half_rn(g / (1.0f + expf(-g)));
+  return __float2half_rn(__half2float(silu) * __half2float(up));
+}
+
 // A row tile of the MoE align kernel's meta (w4a16_moe_wmma.cu: expert_start [E+1] |
 // tile_start [E+1] | sorted_pairs [P]): the expert `e` whose tiles hold `tile_index` and the
 // sorted positions r0 .. r0+rows-1 (rows <= rows_per_tile) of its rows.  False for a tile

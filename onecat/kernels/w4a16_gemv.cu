@@ -16,6 +16,11 @@
 //     bumps the tile's counter; the last of the (known) number of warps covering the tile
 //     reads the sums back (ld.global.cg), writes y (+bias) and zeroes its workspace entries
 //     and the counter again, so one persistent workspace serves every launch.
+// With `act` (a SwiGLU layer's merged gate/up projection: gate columns 0..N/2-1, up columns
+// N/2..N-1) y is scratch and the kernel's output is act[rows, N/2] = silu(gate) * up: whoever
+// finishes a column tile writes it to y and bumps the tile PAIR's counter (gate tile t and up
+// tile t + N/64, counters after the split counters); the second of the pair reads the other
+// tile back (ld.global.cg) and writes act, so no separate activation launch runs.
 // Inside a range the warp runs a two-stage software pipeline over register batches of
 // UNROLL tiles: while one batch (UNROLL 128-bit loads per lane) is dequantised and multiplied,
 // the loads of the next batch are in flight, so every warp always keeps UNROLL * 512 bytes
@@ -63,6 +68,36 @@ __device__ __forceinline__ void compute_tile(uint4 wv, half2 sz, float (&acc)[M]
   }
 }
 
+// A SwiGLU launch's column tile is final in `done` (and in y): count its pair (gate tile t,
+// up tile t + N/64) finished; the second of the two reads the other tile back and writes
+// act[m, t*32 + column] = silu(gate) * up, then re-zeroes the pair's counter.
+template <int M>
+__device__ __forceinline__ void finish_silu_mul_pair(const half (&done)[M], const half* y, half* __restrict__ act,
+                                                     int* pair_counters, int tile, int rows, int N) {
+  const int lane = threadIdx.x & 31;
+  const int half_tiles = N / (2 * kTile);
+  const bool is_gate = tile < half_tiles;
+  const int pair = is_gate ? tile : tile - half_tiles;
+  const int other_tile = is_gate ? tile + half_tiles : pair;
+  __threadfence();
+  __syncwarp();
+  int previous = 0;
+  if (lane == 0) previous = atomicAdd(pair_counters + pair, 1);
+  if (__shfl_sync(0xffffffffu, previous, 0) == 0) return;  // the other tile is not done yet
+  __threadfence();
+  const int column = lane_column(lane);
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+    if (m < rows) {
+      const unsigned short bits =
+          __ldcg(reinterpret_cast<const unsigned short*>(y + (size_t)m * N + other_tile * kTile + column));
+      const half other = __ushort_as_half(bits);
+      act[(size_t)m * (N / 2) + pair * kTile + column] =
+          is_gate ? silu_mul(done[m], other) : silu_mul(other, done[m]);
+    }
+  if (lane == 0) pair_counters[pair] = 0;
+}
+
 template <int UNROLL>
 struct WeightBatch {
   uint4 w[UNROLL];
@@ -98,7 +133,7 @@ __device__ __forceinline__ void gemv_warp(const half* __restrict__ x, const uint
                                           const half* __restrict__ bias, half* __restrict__ y,
                                           float* __restrict__ workspace, int* __restrict__ counters,
                                           int rows, int N, int K, int group_size, int per_warp,
-                                          int warp_id) {
+                                          int warp_id, half* __restrict__ act) {
   const int lane = threadIdx.x & 31;
   const int ktiles = K / kTile;
   const int groups = K / group_size;
@@ -154,10 +189,15 @@ __device__ __forceinline__ void gemv_warp(const half* __restrict__ x, const uint
 
     const int n = tile * kTile + lane_column(lane);
     const float bias_n = bias ? __half2float(bias[n]) : 0.0f;
+    half done[M];  // the column's final values, once this warp finished the tile
+    bool finished = false;
     if (kt_begin == 0 && kt_end == ktiles) {
 #pragma unroll
-      for (int m = 0; m < M; ++m)
-        if (m < rows) y[(size_t)m * N + n] = __float2half_rn(acc[m] + bias_n);
+      for (int m = 0; m < M; ++m) {
+        done[m] = __float2half_rn(acc[m] + bias_n);
+        if (m < rows) y[(size_t)m * N + n] = done[m];
+      }
+      finished = true;
     } else {
 #pragma unroll
       for (int m = 0; m < M; ++m)
@@ -172,14 +212,19 @@ __device__ __forceinline__ void gemv_warp(const half* __restrict__ x, const uint
       if (previous == arrivals - 1) {
         __threadfence();
 #pragma unroll
-        for (int m = 0; m < M; ++m)
+        for (int m = 0; m < M; ++m) {
+          done[m] = __float2half_rn(0.0f);
           if (m < rows) {
-            y[(size_t)m * N + n] = __float2half_rn(__ldcg(workspace + (size_t)m * N + n) + bias_n);
+            done[m] = __float2half_rn(__ldcg(workspace + (size_t)m * N + n) + bias_n);
+            y[(size_t)m * N + n] = done[m];
             workspace[(size_t)m * N + n] = 0.0f;  // leave it zeroed for the next launch
           }
+        }
         if (lane == 0) counters[tile] = 0;
+        finished = true;
       }
     }
+    if (act != nullptr && finished) finish_silu_mul_pair<M>(done, y, act, counters + N / kTile, tile, rows, N);
     pos = seg_end;
   }
 }
@@ -187,16 +232,16 @@ __device__ __forceinline__ void gemv_warp(const half* __restrict__ x, const uint
 }  // namespace onecat
 
 // extern "C" entry points (plain names for the driver API), one per (M, WARPS per block,
-// UNROLL); a kernel for M rows also serves fewer rows (`rows` <= M).  MINB (resident blocks
+// UNROLL); a kernel for M rows also serves fewer rows (`rows` <= M); `act` null: plain linear.  MINB (resident blocks
 // per SM asked of ptxas) caps the registers: more resident warps hide more latency.
 #define ONECAT_GEMV(M, WARPS, UNROLL, MINB)                                                         \
   extern "C" __global__ void __launch_bounds__(32 * WARPS, MINB) w4a16_gemv_m##M##_w##WARPS##_u##UNROLL( \
       const half* x, const uint4* qweight, const half2* scales_zeros, const half* bias,       \
       half* y, float* workspace, int* counters, int rows, int N, int K, int group_size,        \
-      int per_warp) {                                                                          \
+      int per_warp, half* act) {                                                               \
     onecat::gemv_warp<M, UNROLL>(x, qweight, scales_zeros, bias, y, workspace, counters, rows, \
                                  N, K, group_size, per_warp,                                   \
-                                 blockIdx.x * WARPS + (threadIdx.x >> 5));                     \
+                                 blockIdx.x * WARPS + (threadIdx.x >> 5), act);                \
   }
 
 ONECAT_GEMV(1, 4, 2, 5)

@@ -23,8 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from onecat.kernels.ops import packed_linear
+from onecat.kernels import ops
+from onecat.kernels.ops import packed_linear, packed_linear_silu_mul
 from onecat.pack.volta_layout import TILE, dequantize_volta, fits_layout
+from onecat.runtime.layers.fusion import fused
+
+silu_and_mul = fused(ops.silu_and_mul)
+"""``silu(gate) * up`` of a merged ``[..., 2I]`` gate/up projection (compiled on CUDA)."""
 
 
 @dataclass
@@ -138,3 +143,14 @@ class Linear(nn.Module):
         if self.is_packed:
             return packed_linear(x, self.qweight, self.scales_zeros, self.group_size, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of a merged gate/up layer (two equal parts) applied to ``x``:
+        ``[..., N/2]``. Packed, on the GPU, for the few rows a GEMV serves, it is one launch
+        whose epilogue applies the activation (:func:`packed_linear_silu_mul`); otherwise the
+        projection, then one compiled activation kernel."""
+        if len(self.output_sizes) != 2 or self.output_sizes[0] != self.output_sizes[1]:
+            raise ValueError(f"silu_mul needs a gate/up layer of two equal parts, got parts {self.output_sizes}")
+        if self.is_packed and ops.fuses_silu_mul(x.numel() // x.shape[-1], self.qweight, self.scales_zeros, self.group_size):
+            return packed_linear_silu_mul(x, self.qweight, self.scales_zeros, self.group_size, self.bias)
+        return silu_and_mul(self(x))

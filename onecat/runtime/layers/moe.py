@@ -22,17 +22,10 @@ from torch import nn
 from onecat.kernels.moe import w4a16_moe
 from onecat.pack.volta_layout import TILE
 from onecat.runtime.context import get_context
-from onecat.runtime.layers.fusion import fused
-from onecat.runtime.layers.linear import Linear, LinearWeights
+from onecat.runtime.layers.linear import Linear, LinearWeights, silu_and_mul
 
 GATE, UP, DOWN = "gate_proj", "up_proj", "down_proj"
 
-
-@fused
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of a merged ``[..., 2I]`` gate/up projection."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 class FusedExperts(nn.Module):

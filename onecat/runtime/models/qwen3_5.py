@@ -41,7 +41,6 @@ from onecat.runtime.layers.delta_rule import gated_delta_rule_chunked, gated_del
 from onecat.runtime.layers.expert_parallel import routed_experts
 from onecat.runtime.layers.fusion import fused
 from onecat.runtime.layers.linear import Linear
-from onecat.runtime.layers.moe import silu_and_mul
 from onecat.runtime.layers.norm import (
     GatedRMSNorm,
     RMSNorm,
@@ -518,7 +517,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``."""
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.silu_mul(x))
 
 
 @fused
