@@ -16,6 +16,10 @@ over several layers' caches so that they come from DRAM, not L2):
 - ``sdpa``: the runtime's torch decode path (``PagedAttention._decode_torch``: gather the
   table's blocks, mask, SDPA) at the table width the runtime's graphs use today (the next
   power of two of the longest sequence's blocks, at least 16).
+- ``prep_then_kernel``: what a decode step ran before the prep form: ``attention_prep`` (the
+  queries and the new key normed and rotated, key and value written to the cache), then the
+  kernel with the output gate; ``prep_form``: the same work as one
+  :func:`onecat.kernels.attention.paged_decode_attention_prep` call (rotary dim 64, as Qwen3.5).
 On an H200 SDPA runs cuDNN / flash kernels that a V100 does not have; the kernel runs the
 compute_70 PTX when ``ONECAT_KERNEL_ARCH=70`` is set.
 """
@@ -29,7 +33,8 @@ import math
 import torch
 from kernels import copy_bandwidth_gbs  # bench/kernels.py (scripts run from bench/)
 
-from onecat.kernels.attention import paged_decode_attention
+from onecat.kernels.attention import paged_decode_attention, paged_decode_attention_prep
+from onecat.kernels.attention_prep import prepare_attention_inputs
 from onecat.kernels.timing import copies_for, graph_time_us
 from onecat.runtime.context import ForwardContext
 from onecat.runtime.engine.model_runner import next_power_of_two
@@ -93,6 +98,7 @@ def bench_case(lengths: list[int], copy_gbs: float, gen: torch.Generator) -> dic
         )  # fmt: skip
         sdpa_calls.append(lambda layer=layer, ctx=ctx: layer._decode_torch(q, ctx))
     t_sdpa = graph_time_us(sdpa_calls)
+    t_prep_then_kernel, t_prep_form = bench_prep(caches, exact, lens, gen)
     ideal = kv_bytes / (copy_gbs * 1e9) * 1e6
     return {
         "batch": batch,
@@ -105,7 +111,37 @@ def bench_case(lengths: list[int], copy_gbs: float, gen: torch.Generator) -> dic
         "sdpa_us": t_sdpa,
         "sdpa_width": graph_width,
         "speedup": t_sdpa / t_kernel,
+        "prep_then_kernel_us": t_prep_then_kernel,
+        "prep_form_us": t_prep_form,
     }
+
+
+def bench_prep(caches: list, table: torch.Tensor, lens: torch.Tensor, gen: torch.Generator) -> tuple[float, float]:
+    """(attention_prep then the gated kernel, the prep form) in us, one new token per sequence
+    at position ``len - 1``, its key and value written where the table puts that position."""
+    batch, rot = len(lens), 64
+    qkv = torch.randn(batch, 2 * (HEADS + KV_HEADS) * DIM, generator=gen, device="cuda").half()
+    positions = lens - 1
+    slots = table.gather(1, (positions // BLOCK).unsqueeze(1)).squeeze(1) * BLOCK + positions % BLOCK
+    q_weight = torch.randn(DIM, generator=gen, device="cuda") * 0.1
+    k_weight = torch.randn(DIM, generator=gen, device="cuda") * 0.1
+    inv_freq = 1.0 / (1e7 ** (torch.arange(0, rot, 2, device="cuda").float() / rot))
+    gate = qkv[:, : 2 * HEADS * DIM].view(batch, HEADS, 2 * DIM)[..., DIM:]
+    scale = DIM**-0.5
+
+    def two_launches(k, v):
+        q, _, _ = prepare_attention_inputs(qkv, positions, q_weight, k_weight, inv_freq, 1e-6, slots, k, v, HEADS,
+                                           KV_HEADS, DIM, rot)  # fmt: skip
+        return paged_decode_attention(q, k, v, table, lens, scale, gate=gate)
+
+    def one_launch(k, v):
+        return paged_decode_attention_prep(qkv, positions, q_weight, k_weight, inv_freq, 1e-6, rot, slots, k, v,
+                                           table, lens, scale, HEADS)  # fmt: skip
+
+    return (
+        graph_time_us([lambda k=k, v=v: two_launches(k, v) for k, v in caches]),
+        graph_time_us([lambda k=k, v=v: one_launch(k, v) for k, v in caches]),
+    )
 
 
 def main() -> None:
@@ -118,8 +154,9 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy_gbs:.0f} GB/s; "
           f"H={HEADS} KVH={KV_HEADS} D={DIM} block {BLOCK}")  # fmt: skip
-    print("| B | context | KV MB | ideal us | kernel us | kernel@32k us | % of copy bw | sdpa us (width) | sdpa / kernel |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| B | context | KV MB | ideal us | kernel us | kernel@32k us | % of copy bw | sdpa us (width) | sdpa / kernel "
+          "| prep + kernel us | prep form us |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for _, lengths in CASES:
         r = bench_case(lengths, copy_gbs, gen)
@@ -128,7 +165,7 @@ def main() -> None:
         print(
             f"| {r['batch']} | {r['lengths']} | {r['kv_mb']:.1f} | {r['ideal_us']:.1f} | {r['kernel_us']:.1f} "
             f"| {r['kernel_32k_us']:.1f} | {r['pct_copy']:.0f}% | {r['sdpa_us']:.1f} ({r['sdpa_width']}) "
-            f"| {r['speedup']:.2f}x |",
+            f"| {r['speedup']:.2f}x | {r['prep_then_kernel_us']:.1f} | {r['prep_form_us']:.1f} |",
             flush=True,
         )
     if args.out:

@@ -321,3 +321,63 @@ def test_prefill_chunks_run_fused_and_match_fp64(monkeypatch, past, length):
         got = layer._prefill(q, k_all[past:], v_all[past:], past, table)
         assert got.shape == (length, heads, dim) and torch.isfinite(got).all()
         assert ((got.double() - expected).abs() <= tolerance).all(), fused_bytes
+
+
+@pytest.mark.parametrize("splits", [1, 7, None])
+@pytest.mark.parametrize(
+    "batch, num_heads, kv_heads, dim, rot",
+    [(1, 24, 4, 256, 64), (8, 24, 4, 256, 64), (32, 16, 2, 256, 64), (8, 4, 2, 32, 16), (5, 12, 1, 64, 0),
+     (3, 4, 4, 128, 128)],
+)  # fmt: skip
+def test_prep_form_matches_fp64_and_writes_the_new_rows(splits, batch, num_heads, kv_heads, dim, rot):
+    """``paged_decode_attention_prep`` (the split kernel doing attention_prep's work for each
+    sequence's new token, position ctx - 1) against the fp64 input contract followed by fp64
+    attention over the cache holding the new rows: the new token's cache rows are NaN before
+    the call (the kernel writes them before it reads them), every other cache row is left as
+    it was, the output starts as NaN; a row whose slot is -1 writes nothing (and attends over
+    what its cache row holds)."""
+    from attention_prep_reference import assert_close_to_reference, reference_inputs
+
+    from onecat.kernels.attention import paged_decode_attention_prep
+
+    lengths = lengths_for(batch, 2)
+    _, k_cache, v_cache, tables, lens = make_inputs(lengths, num_heads, kv_heads, dim, seed=batch + dim + rot)
+    gen = torch.Generator(device="cuda").manual_seed(rot + 1)
+    width = 2 * (num_heads + kv_heads) * dim
+    wide = torch.randn(batch, width + 8, generator=gen, device="cuda").half()  # strided rows
+    qkv = wide[:, :width]
+    q_weight = torch.randn(dim, generator=gen, device="cuda") * 0.1
+    k_weight = torch.randn(dim, generator=gen, device="cuda") * 0.1
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rot, 2, device="cuda").float() / max(rot, 1)))
+    positions = lens - 1
+    slots = tables.gather(1, (positions // BLOCK).unsqueeze(1)).squeeze(1) * BLOCK + positions % BLOCK
+    slots[-1] = -1 if batch > 1 else slots[-1]  # a row that writes nothing (its cache row stays)
+    q64, k64, v64 = reference_inputs(qkv, positions, q_weight, k_weight, inv_freq, 1e-6, num_heads, kv_heads, dim, rot)
+    flat_k, flat_v = k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim)
+    expected_k, expected_v = flat_k.clone(), flat_v.clone()
+    written = slots[slots >= 0]
+    expected_k[written], expected_v[written] = k64.half()[slots >= 0], v64.half()[slots >= 0]
+    if batch > 1:  # the row without a slot attends over what its cache row holds
+        row = tables[-1, positions[-1] // BLOCK] * BLOCK + positions[-1] % BLOCK
+        expected_k[row], expected_v[row] = k64.half()[-1], v64.half()[-1]
+        flat_k[row], flat_v[row] = expected_k[row], expected_v[row]
+    flat_k[written], flat_v[written] = float("nan"), float("nan")
+    scale = dim**-0.5
+    ref_cache = (expected_k.view_as(k_cache), expected_v.view_as(v_cache))
+    gate = qkv[:, : 2 * num_heads * dim].view(batch, num_heads, 2 * dim)[..., dim:]
+    ref = gated(reference(q64, *ref_cache, tables, lens, scale), gate)
+    out = torch.full((batch, num_heads, dim), float("nan"), dtype=torch.float16, device="cuda")
+    paged_decode_attention_prep(
+        qkv, positions, q_weight, k_weight, inv_freq, 1e-6, rot, slots, k_cache, v_cache, tables, lens, scale,
+        num_heads, out=out, splits=splits,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    what = f"prep form, splits={splits} B={batch} H={num_heads} KVH={kv_heads} D={dim} rot={rot}"
+    check(out, ref, lens, what, tol=4e-3)
+    assert_close_to_reference(flat_k[written], k64[slots >= 0], f"{what}: new keys")
+    assert torch.equal(flat_v[written], v64.half()[slots >= 0]), f"{what}: new values"
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool, device="cuda")
+    untouched[written] = False
+    for name, got, want in (("keys", flat_k, expected_k), ("values", flat_v, expected_v)):
+        torch.testing.assert_close(got[untouched], want[untouched], rtol=0, atol=0, equal_nan=True,
+                                   msg=f"{what}: other cache rows of the {name} changed")  # fmt: skip

@@ -14,6 +14,7 @@ import pytest
 import torch
 from attention_prep_reference import assert_close_to_reference, reference_inputs
 
+from onecat.kernels import attention as attention_kernel
 from onecat.kernels import attention_prep
 from onecat.runtime.context import ForwardContext, PrefillChunk, set_context
 from onecat.runtime.layers.rotary import PartialRotaryEmbedding
@@ -195,16 +196,19 @@ class Passes:
     def run(self, path, x, positions, context, monkeypatch):
         layer = self.layer
         layer.attn.k_cache, layer.attn.v_cache = self.caches[path]
-        original = attention_prep.prepare_attention_inputs
+        def counted(original):
+            def call(*args, **kwargs):
+                self.fused_calls += 1
+                return original(*args, **kwargs)
 
-        def counted(*args, **kwargs):
-            self.fused_calls += 1
-            return original(*args, **kwargs)
+            return call
 
         with monkeypatch.context() as m:
             if path == "torch":
                 m.setattr(attention_prep, "supports", lambda *args: False)
-            m.setattr(attention_prep, "prepare_attention_inputs", counted)
+            # the input kernel, or (decode rows only) the decode kernel's form that does its work
+            m.setattr(attention_prep, "prepare_attention_inputs", counted(attention_prep.prepare_attention_inputs))
+            m.setattr(attention_kernel, "paged_decode_attention_prep", counted(attention_kernel.paged_decode_attention_prep))
             calls = self.fused_calls
             set_context(context())
             try:
@@ -248,8 +252,9 @@ def slots_of(blocks, start, count):
 def test_layer_fused_path_matches_torch_path(shape, monkeypatch):
     """Prefill (fresh and after cached tokens), a mixed step (verify rows of two positions, a
     padding row on the scratch slot, a new prompt and a continued one), a decode-only step
-    (no fresh keys returned), and a decode step captured in a CUDA graph whose slots and
-    positions change before the replay: outputs and caches agree with the torch path."""
+    (one row per sequence: the decode kernel's prep form, no input launch), and a decode step
+    captured in a CUDA graph whose slots and positions change before the replay: outputs and
+    caches agree with the torch path."""
     heads, kv_heads, dim, _ = shape
     layer, cfg = make_layer(heads, kv_heads, dim)
     passes = Passes(layer)

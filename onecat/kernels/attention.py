@@ -63,14 +63,15 @@ def num_splits(blocks: int, context_capacity: int, device_index: int, kernel=Non
 
 
 class _Plan:
-    """The two prepared launches of one (device, batch, heads, head dim, table shape)."""
+    """The two prepared launches of one (device, batch, heads, head dim, table shape, prep)."""
 
     def __init__(self, device_index: int, batch: int, num_heads: int, num_kv_heads: int,
-                 head_dim: int, width: int, block_size: int, splits: int | None) -> None:
+                 head_dim: int, width: int, block_size: int, splits: int | None, prep: bool = False) -> None:
         group = num_heads // num_kv_heads
         ng = heads_per_block(group)
         chunks = math.ceil(group / ng)
-        split_kernel = get_kernel(f"paged_attention_split_d{head_dim}_g{ng}", device_index)
+        name = "paged_attention_split_prep" if prep else "paged_attention_split"
+        split_kernel = get_kernel(f"{name}_d{head_dim}_g{ng}", device_index)
         reduce_kernel = get_kernel(f"paged_attention_reduce_d{head_dim}", device_index)
         blocks = batch * num_kv_heads * chunks
         self.splits = splits or num_splits(blocks, width * block_size, device_index, split_kernel)
@@ -78,7 +79,8 @@ class _Plan:
         p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
         self.split = PreparedLaunch(
             split_kernel, (self.splits, num_kv_heads * chunks, batch), _THREADS,
-            [p, ll, ll, p, p, p, i, p, p, p, p, i, i, i, i, ctypes.c_float, p, ll, ll],
+            [p, ll, ll, p, p, p, i, p, p, p, p, i, i, i, i, ctypes.c_float, p, ll, ll,
+             p, p, p, p, ctypes.c_float, i, p, ll],
         )  # fmt: skip
         self.reduce = (
             PreparedLaunch(reduce_kernel, (num_heads, batch, 1), head_dim, [p, i, p, p, p, i, i, i, p, ll, ll])
@@ -152,13 +154,28 @@ def paged_decode_attention(
         return out
     if width == 0:
         return out.zero_()
+    _launch(q, (q.stride(0), q.stride(1)), k_cache, v_cache, block_tables, context_lens, scale, num_heads, out,
+            splits, (gate_ptr, gate_sb, gate_sh))  # fmt: skip
+    return out
+
+
+def _launch(
+    q: torch.Tensor, q_strides: tuple[int, int], k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, num_heads: int, out: torch.Tensor,
+    splits: int | None, gate: tuple[int, int, int], prep: tuple | None = None,
+) -> None:
+    """The split (or split_prep, with ``prep`` = its extra arguments) and reduce launches on
+    validated inputs; ``q`` is the queries' or (prep) the qkv rows' base."""
+    batch, width = block_tables.shape
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    key = (device_index, batch, num_heads, num_kv_heads, head_dim, width, block_size, splits)
+    key = (device_index, batch, num_heads, num_kv_heads, head_dim, width, block_size, splits, prep is not None)
     plan = _plans.get(key)
     if plan is None:
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
-        plan = _plans[key] = _Plan(device_index, batch, num_heads, num_kv_heads, head_dim, width, block_size, splits)
+        plan = _plans[key] = _Plan(device_index, batch, num_heads, num_kv_heads, head_dim, width, block_size, splits,
+                                   prep is not None)  # fmt: skip
     stream = torch.cuda.current_stream(q.device).cuda_stream
     ws_acc = ws_ml = 0
     if plan.reduce is not None:
@@ -167,15 +184,96 @@ def paged_decode_attention(
         ws_ml = ws_acc + 4 * batch * num_heads * plan.splits * head_dim
     log2_block = block_size.bit_length() - 1
     plan.split(
-        stream, q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+        stream, q.data_ptr(), *q_strides, k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), width, context_lens.data_ptr(), out.data_ptr(), ws_acc, ws_ml,
-        num_heads, num_kv_heads, log2_block, plan.splits, scale * math.log2(math.e), gate_ptr, gate_sb, gate_sh,
+        num_heads, num_kv_heads, log2_block, plan.splits, scale * math.log2(math.e), *gate,
+        *(prep or (0, 0, 0, 0, 0.0, 0, 0, 0)),
     )  # fmt: skip
     if plan.reduce is not None:
         plan.reduce(
             stream, context_lens.data_ptr(), width, out.data_ptr(), ws_acc, ws_ml, num_heads,
-            log2_block, plan.splits, gate_ptr, gate_sb, gate_sh,
+            log2_block, plan.splits, *gate,
         )  # fmt: skip
+
+
+def prep_fits(head_dim: int, rotary_dim: int) -> bool:
+    """Whether :func:`paged_decode_attention_prep` takes this head shape: a head dim of
+    :data:`HEAD_DIMS` and a rotary dim whose half is a multiple of 8 (rotation partners sit in
+    the same register of another lane)."""
+    return head_dim in HEAD_DIMS and 0 <= rotary_dim <= head_dim and rotary_dim % 16 == 0
+
+
+def paged_decode_attention_prep(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    inv_freq: torch.Tensor,
+    eps: float,
+    rotary_dim: int,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    num_heads: int,
+    out: torch.Tensor | None = None,
+    splits: int | None = None,
+) -> torch.Tensor:
+    """A decode step's gated attention straight from the merged qkv projection, in the split
+    launch: ``onecat.kernels.attention_prep``'s work for each sequence's one new token
+    (RMSNorm (1 + w) and partial RoPE of queries and keys, the key and value written to cache
+    row ``slot_mapping[b]``), then :func:`paged_decode_attention` with the gate, so the step
+    runs no prep launch.
+
+    ``qkv`` fp16 ``[B, 2*H*D + 2*KVH*D]`` (per query head D query then D gate features, then
+    the keys, then the values; rows may be strided, features contiguous, 16-byte aligned);
+    ``positions``, ``slot_mapping`` int64 ``[B]``; the norms' weights ``[D]`` (used in fp32);
+    ``inv_freq`` fp32 ``[rotary_dim / 2]`` (:func:`prep_fits`); caches, tables and context
+    lengths as :func:`paged_decode_attention`, the new token counted in its context (position
+    ``context_len - 1``). One row per sequence: a row must not read a key another row of the
+    same call writes (speculative drafts run the two launches instead). Returns fp16
+    ``[B, H, D]``: ``attention * sigmoid(gate)``, rounded once.
+    """
+    where = "onecat.kernels.attention.paged_decode_attention_prep"
+    batch = qkv.shape[0]
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    checks = [
+        ("qkv", qkv.dtype == torch.float16 and qkv.dim() == 2 and qkv.stride(1) == 1
+         and qkv.shape[1] == 2 * (num_heads + num_kv_heads) * head_dim and qkv.stride(0) % 8 == 0
+         and qkv.data_ptr() % 16 == 0),
+        ("head shape", prep_fits(head_dim, rotary_dim) and num_heads % num_kv_heads == 0
+         and supports(qkv.device, k_cache.dtype, head_dim, block_size)),
+        ("positions", positions.dtype == torch.int64 and positions.shape == (batch,)),
+        ("slot_mapping", slot_mapping.dtype == torch.int64 and slot_mapping.shape == (batch,)),
+        ("inv_freq", inv_freq.dtype == torch.float32 and inv_freq.shape == (rotary_dim // 2,) and inv_freq.is_contiguous()),
+        ("q_weight / k_weight", q_weight.shape == (head_dim,) and k_weight.shape == (head_dim,)),
+        ("k_cache / v_cache", k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
+         and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0),
+        ("block_tables", block_tables.dtype == torch.int64 and block_tables.is_contiguous()
+         and block_tables.dim() == 2 and block_tables.shape[0] == batch),
+        ("context_lens", context_lens.dtype == torch.int64 and context_lens.is_contiguous()
+         and context_lens.numel() == batch),
+        ("out", out is None or (out.dtype == torch.float16 and out.is_contiguous()
+         and tuple(out.shape) == (batch, num_heads, head_dim) and out.data_ptr() % 16 == 0)),
+    ]  # fmt: skip
+    for name, ok in checks:
+        if not ok:
+            raise OnecatError(f"{where}: {name} has the wrong dtype, shape or layout (see the docstring)")
+    if out is None:
+        out = torch.empty(batch, num_heads, head_dim, dtype=torch.float16, device=qkv.device)
+    if batch == 0:
+        return out
+    if block_tables.shape[1] == 0:
+        return out.zero_()
+    q_weight, k_weight = q_weight.float().contiguous(), k_weight.float().contiguous()
+    positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()
+    prep = (positions.data_ptr(), q_weight.data_ptr(), k_weight.data_ptr(), inv_freq.data_ptr(), eps, rotary_dim,
+            slot_mapping.data_ptr(), num_blocks * block_size)  # fmt: skip
+    gate = (qkv.data_ptr() + 2 * head_dim, qkv.stride(0), 2 * head_dim)  # bytes: D halves in
+    _launch(qkv, (qkv.stride(0), 2 * head_dim), k_cache, v_cache, block_tables, context_lens, scale, num_heads,
+            out, splits, gate, prep)  # fmt: skip
     return out
 
 

@@ -53,6 +53,30 @@
 //
 // The output gate (when given) is applied by whichever kernel writes a sequence's output, in
 // fp32 before the one rounding to fp16: out = fp16(o * sigmoid(gate)), o the fp32 attention.
+//
+// `split_prep` (PREP = true): the same kernel that also does attention_prep.cu's work for the
+// step's one new token per sequence, so a decode step needs no prep launch.  Instead of q it
+// reads the layer's merged qkv projection (row b: per query head D query then D gate
+// features, then KVH*D keys, then KVH*D values; the gate pointer points into it):
+//   - every block norms (RMSNorm, (1 + w) weights q_weight / k_weight fp32 [D]) and rotates
+//     (partial RoPE of the first rotary_dim features, rotate-half, position positions[b],
+//     inv_freq fp32 [rotary_dim/2]) the queries of its NG heads in the phase-1 mapping: lane
+//     part1 holds features 8*part1 .. 8*part1+7, so the sum of squares meets by xor shuffles
+//     over the kLanes1 lanes of a token group and a feature's rotation partner (i +- r/2, r/2
+//     a multiple of 8) is the same register of lane part1 +- r/16; cos / sin of the r/2
+//     angles come from a shared table that the block fills first (sincospi in double);
+//   - the block whose range ends at ctx (it holds the new token, position ctx - 1) also
+//     prepares that token's key and copies its value into cache row slot_mapping[b] (when it
+//     lies in [0, num_slots); the table must map position ctx - 1 there) before its first
+//     tile, and reads keys and values with ld.global.cg (L2, coherent with its own writes
+//     after the barrier) instead of the read-only path.  Blocks of other head chunks of the
+//     same KV head write the same bytes.
+//   - the work is spread over the warps (items: the key, then the NG query heads), the
+//     roped queries go through shared memory, and every global load (the first tile's table
+//     entries included) is issued before the norms.
+// The roundings are attention_prep.cu's (its fp64 contract); only the order of the sum of
+// squares differs.  The caller guarantees one decode row per sequence (no drafts): a row never
+// reads a key that another row of the same launch writes.
 #include <cuda_fp16.h>
 
 namespace onecat_attn {
@@ -129,23 +153,79 @@ __device__ __forceinline__ int context_of(const long long* context_lens, int b, 
   return (int)ctx;
 }
 
+constexpr double kInvPi = 0.318309886183790671537767526745;
+
+// 8 cached keys or values: through the read-only path, or (COHERENT: the prep form, whose
+// blocks write the new token's row in the same launch) from L2 with ld.global.cg, which
+// sees a write that the block's barrier ordered before it.
+template <bool COHERENT>
+__device__ __forceinline__ uint4 load_kv(const half* p) {
+  if constexpr (COHERENT) return __ldcg(reinterpret_cast<const uint4*>(p));
+  return load8(p);
+}
+
+// RMSNorm with (1 + w) and partial RoPE of one head held 8 features a lane: lane `part` of a
+// group of L lanes (L = D / 8, groups of the warp independent and alike) holds features
+// 8*part .. 8*part+7 in `raw`.  Returns them rounded as attention_prep.cu rounds them.  Call
+// from all 32 lanes.
+template <int L>
+__device__ __forceinline__ uint4 norm_rope8(uint4 raw, int part, const float* __restrict__ weight, float eps,
+                                            int rotary_dim, const float* rot_cos, const float* rot_sin) {
+  constexpr int kD = L * kVec;
+  const int lane = threadIdx.x & 31;
+  float x[kVec];
+  unpack8(raw, x);
+  float squares = 0.f;
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) squares = fmaf(x[e], x[e], squares);
+#pragma unroll
+  for (int offset = 1; offset < L; offset <<= 1) squares += __shfl_xor_sync(0xffffffffu, squares, offset);
+  const float inv_rms = rsqrtf(squares / (float)kD + eps);
+  const int half_rot = rotary_dim >> 1;
+  const int shift = half_rot / kVec;  // lanes between a feature and its rotation partner
+  const int i0 = part * kVec;
+  const int partner = i0 < half_rot ? lane + shift : (i0 < rotary_dim ? lane - shift : lane);
+  float y[kVec];
+#pragma unroll
+  for (int e = 0; e < kVec; ++e)
+    y[e] = __half2float(__float2half_rn(__fmul_rn(__fmul_rn(x[e], inv_rms), 1.f + weight[i0 + e])));
+  float out[kVec];
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) {
+    const float other = __shfl_sync(0xffffffffu, y[e], partner & 31);
+    const int i = i0 + e;
+    if (i < half_rot) {
+      out[e] = __fsub_rn(__fmul_rn(y[e], rot_cos[i]), __fmul_rn(other, rot_sin[i]));
+    } else if (i < rotary_dim) {
+      out[e] = __fadd_rn(__fmul_rn(y[e], rot_cos[i - half_rot]), __fmul_rn(other, rot_sin[i - half_rot]));
+    } else {
+      out[e] = y[e];
+    }
+  }
+  return make_uint4(pack2(out[0], out[1]), pack2(out[2], out[3]), pack2(out[4], out[5]), pack2(out[6], out[7]));
+}
+
 // tokens per split: ceil(ctx / S) rounded up to whole kChunkTokens (the same rule in both kernels)
 __device__ __forceinline__ int chunk_of(int ctx, int num_splits) {
   const int per = (ctx + num_splits - 1) / num_splits;
   return ((per + kChunkTokens - 1) / kChunkTokens) * kChunkTokens;
 }
 
-template <int D, int NG>
+template <int D, int NG, bool PREP>
 __device__ __forceinline__ void split(const half* __restrict__ q, long long q_sb, long long q_sh,
-                                      const half* __restrict__ k_cache,
-                                      const half* __restrict__ v_cache,
+                                      const half* k_cache, const half* v_cache,
                                       const long long* __restrict__ block_tables, int width,
                                       const long long* __restrict__ context_lens,
                                       half* __restrict__ out, float* __restrict__ ws_acc,
                                       float* __restrict__ ws_ml, int num_heads, int num_kv_heads,
                                       int log2_block, int num_splits, float scale_log2,
                                       const half* __restrict__ gate, long long g_sb,
-                                      long long g_sh) {
+                                      long long g_sh, const long long* __restrict__ positions,
+                                      const float* __restrict__ q_weight,
+                                      const float* __restrict__ k_weight,
+                                      const float* __restrict__ inv_freq, float eps, int rotary_dim,
+                                      const long long* __restrict__ slot_mapping,
+                                      long long num_slots) {
   static_assert(D % 32 == 0 && D >= 32 && D <= 256, "head dim: a multiple of 32 up to 256");
   constexpr int kLanes1 = D / kVec;          // lanes per key row (phase 1)
   constexpr int kTokens1 = 32 / kLanes1;     // tokens per warp step (phase 1)
@@ -183,11 +263,77 @@ __device__ __forceinline__ void split(const half* __restrict__ q, long long q_sb
   // query elements of this lane (phase 1 mapping), pre-scaled; idle head slots are zero
   const int part1 = lane % kLanes1, token1 = lane / kLanes1;
   float qr[NG][kVec];
+  // PREP: the queries (roped, fp16) and cos / sin of the new token's angles
+  __shared__ __align__(16) half q_prepped[PREP ? NG : 1][PREP ? D : 1];
+  __shared__ float rot_cos[PREP ? D / 2 : 1], rot_sin[PREP ? D / 2 : 1];
+  const bool has_fresh = PREP && end == ctx;
+  const long long* table = block_tables + (size_t)b * width;
+  const int block_mask = (1 << log2_block) - 1;
+  // 0. cache rows of the tile's tokens from t0
+  auto fill_rows = [&](int t0, int n) {
+    for (int i = tid; i < n; i += kThreads) {
+      const int t = t0 + i;
+      rows[i] = (int)(table[t >> log2_block] << log2_block) + (t & block_mask);
+    }
+  };
+  if constexpr (PREP) {
+    // Every load first (the rows of the first tile too), then the angles, then the norms: the
+    // block's NG query heads and (has_fresh) the key are spread over the warps, items j =
+    // warp, warp + kWarps, ... of [key, heads 0..NG-1]; warp 1 also copies the value.
+    const half* row = q + b * q_sb;  // the qkv row
+    const long long slot = slot_mapping[b];
+    const float position = (float)positions[b];
+    constexpr int kItems = (NG + 1 + kWarps - 1) / kWarps;
+    uint4 raw[kItems];
 #pragma unroll
-  for (int g = 0; g < NG; ++g) {
-    const half* qh = q + b * q_sb + (h0 + g) * q_sh + part1 * kVec;
+    for (int j = 0; j < kItems; ++j) {
+      const int item = warp + j * kWarps;  // 0: the key, 1 + g: query head g
+      raw[j] = make_uint4(0, 0, 0, 0);
+      if (item == 0 && has_fresh) raw[j] = load8(row + (2 * num_heads + kvh) * D + part1 * kVec);
+      if (item >= 1 && item - 1 < heads) raw[j] = load8(row + (h0 + item - 1) * q_sh + part1 * kVec);
+    }
+    const uint4 v_raw = has_fresh && warp == 1
+                            ? load8(row + (2 * num_heads + num_kv_heads + kvh) * D + part1 * kVec)
+                            : make_uint4(0, 0, 0, 0);
+    fill_rows(begin, min(kTile, end - begin));
+    for (int i = tid; i < (rotary_dim >> 1); i += kThreads) {
+      const float angle = __fmul_rn(position, inv_freq[i]);
+      double sn, cs;  // in half turns, in double: exact reduction (as attention_prep.cu)
+      sincospi((double)angle * kInvPi, &sn, &cs);
+      rot_cos[i] = (float)cs;
+      rot_sin[i] = (float)sn;
+    }
+    __syncthreads();
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) qr[g][e] = g < heads ? __half2float(qh[e]) * scale_log2 : 0.f;
+    for (int j = 0; j < kItems; ++j) {
+      const int item = warp + j * kWarps;
+      if (item == 0 ? !has_fresh : item - 1 >= heads) continue;  // warp-uniform
+      const uint4 out8 = norm_rope8<kLanes1>(raw[j], part1, item == 0 ? k_weight : q_weight, eps, rotary_dim,
+                                             rot_cos, rot_sin);
+      if (token1 != 0) continue;
+      if (item > 0) {
+        *reinterpret_cast<uint4*>(&q_prepped[item - 1][part1 * kVec]) = out8;
+      } else if (slot >= 0 && slot < num_slots) {
+        *reinterpret_cast<uint4*>(const_cast<half*>(k_cache) + ((size_t)slot * num_kv_heads + kvh) * D + part1 * kVec) = out8;
+      }
+    }
+    if (has_fresh && warp == 1 && token1 == 0 && slot >= 0 && slot < num_slots)
+      *reinterpret_cast<uint4*>(const_cast<half*>(v_cache) + ((size_t)slot * num_kv_heads + kvh) * D + part1 * kVec) = v_raw;
+    __syncthreads();  // the new row is in the cache (L2) for this block's coherent loads below
+#pragma unroll
+    for (int g = 0; g < NG; ++g) {
+      float f[kVec];
+      unpack8(g < heads ? *reinterpret_cast<const uint4*>(&q_prepped[g][part1 * kVec]) : make_uint4(0, 0, 0, 0), f);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) qr[g][e] = f[e] * scale_log2;
+    }
+  } else {
+#pragma unroll
+    for (int g = 0; g < NG; ++g) {
+      const half* qh = q + b * q_sb + (h0 + g) * q_sh + part1 * kVec;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) qr[g][e] = g < heads ? __half2float(qh[e]) * scale_log2 : 0.f;
+    }
   }
   if (tid < NG) {
     m_run[tid] = neg_inf();
@@ -205,17 +351,13 @@ __device__ __forceinline__ void split(const half* __restrict__ q, long long q_sb
   const size_t row_stride = (size_t)num_kv_heads * D;
   const half* k_head = k_cache + (size_t)kvh * D + part1 * kVec;
   const half* v_head = v_cache + (size_t)kvh * D + col;
-  const long long* table = block_tables + (size_t)b * width;
-  const int block_mask = (1 << log2_block) - 1;
 
   for (int t0 = begin; t0 < end; t0 += kTile) {
     const int n = min(kTile, end - t0);
-    // 0. cache rows of the tile's tokens
-    for (int i = tid; i < n; i += kThreads) {
-      const int t = t0 + i;
-      rows[i] = (int)(table[t >> log2_block] << log2_block) + (t & block_mask);
+    if (!PREP || t0 != begin) {  // (the prep form filled the first tile's rows already)
+      fill_rows(t0, n);
+      __syncthreads();
     }
-    __syncthreads();
 
     // 1. scores of the tile (warp-uniform loop: every lane takes part in the shuffles)
     for (int i0 = warp * kTokens1; i0 < n; i0 += kWarps * kTokens1 * kUnroll) {
@@ -223,7 +365,7 @@ __device__ __forceinline__ void split(const half* __restrict__ q, long long q_sb
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int i = i0 + u * kWarps * kTokens1 + token1;
-        raw[u] = i < n ? load8(k_head + (size_t)rows[i] * row_stride) : make_uint4(0, 0, 0, 0);
+        raw[u] = i < n ? load_kv<PREP>(k_head + (size_t)rows[i] * row_stride) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -285,7 +427,7 @@ __device__ __forceinline__ void split(const half* __restrict__ q, long long q_sb
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int i = i0 + u * kTokens3 + token3;
-        raw[u] = i < n ? load8(v_head + (size_t)rows[i] * row_stride) : make_uint4(0, 0, 0, 0);
+        raw[u] = i < n ? load_kv<PREP>(v_head + (size_t)rows[i] * row_stride) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -376,10 +518,14 @@ __device__ __forceinline__ void reduce(const long long* __restrict__ context_len
   const half *q, long long q_sb, long long q_sh, const half *k_cache, const half *v_cache,   \
       const long long *block_tables, int width, const long long *context_lens, half *out,    \
       float *ws_acc, float *ws_ml, int num_heads, int num_kv_heads, int log2_block,          \
-      int num_splits, float scale_log2, const half *gate, long long g_sb, long long g_sh
+      int num_splits, float scale_log2, const half *gate, long long g_sb, long long g_sh,    \
+      const long long *positions, const float *q_weight, const float *k_weight,              \
+      const float *inv_freq, float eps, int rotary_dim, const long long *slot_mapping,       \
+      long long num_slots
 #define ONECAT_SPLIT_ARGS                                                                    \
   q, q_sb, q_sh, k_cache, v_cache, block_tables, width, context_lens, out, ws_acc, ws_ml,    \
-      num_heads, num_kv_heads, log2_block, num_splits, scale_log2, gate, g_sb, g_sh
+      num_heads, num_kv_heads, log2_block, num_splits, scale_log2, gate, g_sb, g_sh,         \
+      positions, q_weight, k_weight, inv_freq, eps, rotary_dim, slot_mapping, num_slots
 #define ONECAT_REDUCE_PARAMS                                                                 \
   const long long *context_lens, int width, half *out, const float *ws_acc,                 \
       const float *ws_ml, int num_heads, int log2_block, int num_splits, const half *gate,      \
@@ -387,40 +533,72 @@ __device__ __forceinline__ void reduce(const long long* __restrict__ context_len
 #define ONECAT_REDUCE_ARGS                                                                   \
   context_lens, width, out, ws_acc, ws_ml, num_heads, log2_block, num_splits, gate, g_sb, g_sh
 
-// One line per kernel (build.kernel_names reads these names): split for head dim D and NG
-// query heads per block, reduce for head dim D.
+// One line per kernel (build.kernel_names reads these names): split (and split_prep) for head
+// dim D and NG query heads per block, reduce for head dim D.
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_d32_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 1>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_d32_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 1, false>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_d32_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 2>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_d32_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 2, false>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_d32_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 4>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_d32_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 4, false>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_d32_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 8>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_d32_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 8, false>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_d64_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 1>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_d64_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 1, false>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_d64_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 2>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_d64_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 2, false>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_d64_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 4>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_d64_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 4, false>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_d64_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 8>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_d64_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 8, false>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_d128_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 1>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_d128_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 1, false>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_d128_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 2>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_d128_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 2, false>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_d128_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 4>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_d128_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 4, false>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_d128_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 8>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_d128_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 8, false>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_d256_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 1>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_d256_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 1, false>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_d256_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 2>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_d256_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 2, false>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_d256_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 4>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_d256_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 4, false>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_d256_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 8>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_d256_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 8, false>(ONECAT_SPLIT_ARGS); }
+extern "C" __global__ void __launch_bounds__(128, 1)
+paged_attention_split_prep_d32_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 1, true>(ONECAT_SPLIT_ARGS); }
+extern "C" __global__ void __launch_bounds__(128, 1)
+paged_attention_split_prep_d32_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 2, true>(ONECAT_SPLIT_ARGS); }
+extern "C" __global__ void __launch_bounds__(128, 1)
+paged_attention_split_prep_d32_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 4, true>(ONECAT_SPLIT_ARGS); }
+extern "C" __global__ void __launch_bounds__(128, 1)
+paged_attention_split_prep_d32_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 8, true>(ONECAT_SPLIT_ARGS); }
+extern "C" __global__ void __launch_bounds__(128, 1)
+paged_attention_split_prep_d64_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 1, true>(ONECAT_SPLIT_ARGS); }
+extern "C" __global__ void __launch_bounds__(128, 1)
+paged_attention_split_prep_d64_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 2, true>(ONECAT_SPLIT_ARGS); }
+extern "C" __global__ void __launch_bounds__(128, 1)
+paged_attention_split_prep_d64_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 4, true>(ONECAT_SPLIT_ARGS); }
+extern "C" __global__ void __launch_bounds__(128, 1)
+paged_attention_split_prep_d64_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 8, true>(ONECAT_SPLIT_ARGS); }
+extern "C" __global__ void __launch_bounds__(128, 1)
+paged_attention_split_prep_d128_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 1, true>(ONECAT_SPLIT_ARGS); }
+extern "C" __global__ void __launch_bounds__(128, 1)
+paged_attention_split_prep_d128_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 2, true>(ONECAT_SPLIT_ARGS); }
+extern "C" __global__ void __launch_bounds__(128, 1)
+paged_attention_split_prep_d128_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 4, true>(ONECAT_SPLIT_ARGS); }
+extern "C" __global__ void __launch_bounds__(128, 1)
+paged_attention_split_prep_d128_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 8, true>(ONECAT_SPLIT_ARGS); }
+extern "C" __global__ void __launch_bounds__(128, 1)
+paged_attention_split_prep_d256_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 1, true>(ONECAT_SPLIT_ARGS); }
+extern "C" __global__ void __launch_bounds__(128, 1)
+paged_attention_split_prep_d256_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 2, true>(ONECAT_SPLIT_ARGS); }
+extern "C" __global__ void __launch_bounds__(128, 1)
+paged_attention_split_prep_d256_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 4, true>(ONECAT_SPLIT_ARGS); }
+extern "C" __global__ void __launch_bounds__(128, 1)
+paged_attention_split_prep_d256_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 8, true>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(256)
 paged_attention_reduce_d32(ONECAT_REDUCE_PARAMS) { onecat_attn::reduce<32>(ONECAT_REDUCE_ARGS); }
 extern "C" __global__ void __launch_bounds__(256)

@@ -22,6 +22,11 @@ layer's token-wise ``project``), elsewhere by each call itself. Then:
 With an output ``gate`` (Qwen3.5's gated attention) :meth:`PagedAttention.forward` returns
 ``attention * sigmoid(gate)``: the decode kernel applies it where it writes its output (no
 separate elementwise kernel), the torch paths with :func:`sigmoid_gate`.
+
+A pass of decode rows only, one per sequence, skips the input kernel on CUDA:
+:meth:`PagedAttention.decode_from_qkv` runs the decode kernel's ``split_prep`` form, which
+norms and rotates the queries and the new key itself and writes the new key and value into
+the cache (:meth:`PagedAttention.decodes_from_qkv` says when).
 """
 
 from __future__ import annotations
@@ -122,6 +127,33 @@ class PagedAttention(nn.Module):
         return attention_kernel.supports(
             self.k_cache.device, self.k_cache.dtype, self.head_dim, self.k_cache.shape[1]
         ) if self.k_cache.dim() == 4 else False
+
+    def decodes_from_qkv(self, qkv: torch.Tensor, rotary_dim: int) -> bool:
+        """True when the current pass is decode rows only, one per sequence (no drafts), on the
+        CUDA decode kernel with an allocated fp16 cache and a head shape its ``split_prep``
+        form takes: then :meth:`decode_from_qkv` replaces the input kernel and the decode
+        launch."""
+        ctx = get_context()
+        return (
+            ctx.num_decodes == qkv.shape[0] > 0 and not ctx.prefills and ctx.decode_width == 1
+            and qkv.is_cuda and qkv.dtype == torch.float16 and self.k_cache.numel() > 0
+            and self.uses_decode_kernel() and attention_kernel.prep_fits(self.head_dim, rotary_dim)
+            and attention_prep.supports(qkv.device, qkv.dtype, self.head_dim, rotary_dim)
+        )  # fmt: skip
+
+    def decode_from_qkv(
+        self, qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+        inv_freq: torch.Tensor, eps: float, rotary_dim: int,
+    ) -> torch.Tensor:
+        """A decode pass's gated attention ``[B, H, D]`` from the merged qkv projection in one
+        launch (plus the split reduce): queries and the new keys normed and rotated, keys and
+        values written at the context's ``slot_mapping`` (``attention.paged_decode_attention_prep``)."""
+        ctx = get_context()
+        rows = qkv.shape[0]
+        return attention_kernel.paged_decode_attention_prep(
+            qkv, positions, q_weight, k_weight, inv_freq, eps, rotary_dim, ctx.slot_mapping[:rows],
+            self.k_cache, self.v_cache, ctx.decode_block_tables, ctx.decode_context_lens, self.scale, self.num_heads,
+        )  # fmt: skip
 
     def _decode(self, q: torch.Tensor, ctx: ForwardContext, gate: torch.Tensor | None = None) -> torch.Tensor:
         if q.dtype == self.k_cache.dtype and self.uses_decode_kernel() and (gate is None or gate.dtype == q.dtype):

@@ -12,6 +12,7 @@ each :class:`Linear` lists the checkpoint linears it merges in ``sources`` for t
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +89,15 @@ def _padded_rows_loader(rows: int) -> Callable[[torch.Tensor, torch.Tensor], Non
     return load
 
 
+class DecodeQKV(NamedTuple):
+    """What :meth:`GatedAttention.project` hands the core in a decode pass that the decode
+    kernel prepares itself (``PagedAttention.decodes_from_qkv``): the merged projection and
+    the rows' positions."""
+
+    qkv: torch.Tensor
+    positions: torch.Tensor
+
+
 class GatedAttention(nn.Module):
     """Softmax attention whose output is gated per feature by ``sigmoid(gate)``.
 
@@ -129,6 +139,8 @@ class GatedAttention(nn.Module):
         a ``[T, H, D]`` view of the projection. Elsewhere the torch path
         (:func:`attention_inputs`) runs and the core writes the cache."""
         qkv = self.qkv_proj(x)
+        if self.attn.decodes_from_qkv(qkv, self.rotary.rotary_dim):  # the core does it all
+            return (DecodeQKV(qkv, positions),), ()
         if self.attn.fuses_inputs(qkv.device, qkv.dtype, self.rotary.rotary_dim):
             q, k, v = self.attn.prepare_inputs(
                 qkv, positions, self.q_norm.weight, self.k_norm.weight, self.rotary.inv_freq,
@@ -148,10 +160,17 @@ class GatedAttention(nn.Module):
         return (q, k, v), (gate,)
 
     def core(
-        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, gate: torch.Tensor | None = None
+        self, q: torch.Tensor | DecodeQKV, k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+        gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The part that mixes tokens of a sequence (reads the batch context): ``[T, H, D]``,
-        times ``sigmoid(gate)`` when the gate is given."""
+        times ``sigmoid(gate)`` when the gate is given (a :class:`DecodeQKV`: the decode
+        kernel prepares its inputs itself and applies the gate)."""
+        if isinstance(q, DecodeQKV):
+            return self.attn.decode_from_qkv(
+                q.qkv, q.positions, self.q_norm.weight, self.k_norm.weight, self.rotary.inv_freq,
+                self.q_norm.eps, self.rotary.rotary_dim,
+            )  # fmt: skip
         stored = self.attn.fuses_inputs(q.device, q.dtype, self.rotary.rotary_dim)  # by project
         return self.attn(q, k, v, stored=stored, gate=gate)
 
