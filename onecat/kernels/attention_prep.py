@@ -4,7 +4,8 @@ their first ``rotary_dim`` features (partial RoPE) and write keys and values str
 the layer's paged KV cache, for every token of a step. It replaces the torch path's ~10 fused
 elementwise kernels and two cache scatters (``runtime.models.qwen3_5.attention_inputs`` and
 ``PagedAttention._store``), which stay the reference and the path for CPUs, fp32 and other
-head sizes.
+head sizes. A pass of one decode row per sequence does not launch it: the decode-attention
+kernel's prep form (``attention.paged_decode_attention_prep``) does the same work itself.
 """
 
 from __future__ import annotations
