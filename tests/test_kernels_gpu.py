@@ -112,6 +112,24 @@ def test_every_variant_and_split(n, k, g):
                 check_close(out, ref, f"{n}x{k} g{g} M={m} {variant.name}")
 
 
+def replays(op, static_x: torch.Tensor, *args, rounds: int = 2):
+    """Capture ``op(static_x, *args)`` in a CUDA graph, then per round: new random ``static_x``,
+    the output poisoned with NaN, one replay; yields the output after each."""
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph):
+            static_y = op(static_x, *args)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(rounds):
+        static_x.copy_(torch.randn(static_x.shape, dtype=static_x.dtype, device=static_x.device))
+        static_y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        yield static_y
+
+
 def silu_mul_reference(y64: torch.Tensor) -> torch.Tensor:
     """fp64 ``silu(gate) * up`` of an fp64 gate/up output (gate columns first)."""
     gate, up = y64.chunk(2, dim=-1)
@@ -159,18 +177,7 @@ def test_silu_mul_op_graph_capture_and_rejects_odd_halves():
         static_x = torch.randn(m, k, dtype=torch.float16, device="cuda")
         eager = packed_linear_silu_mul(static_x, qweight, scales_zeros, g)
         check_close(eager, silu_mul_reference(static_x.double() @ w.t()), f"op M={m}", scale=2)
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            with torch.cuda.graph(graph):
-                static_y = torch.ops.onecat.w4a16_linear_silu_mul(static_x, qweight, scales_zeros, g)
-        torch.cuda.current_stream().wait_stream(stream)
-        for _ in range(2):
-            static_x.copy_(torch.randn(m, k, dtype=torch.float16, device="cuda"))
-            static_y.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
+        for static_y in replays(torch.ops.onecat.w4a16_linear_silu_mul, static_x, qweight, scales_zeros, g):
             check_close(static_y, silu_mul_reference(static_x.double() @ w.t()), f"graph M={m}", scale=2)
     odd_q, odd_sz, _ = make_weight(96, k, g, seed=13)
     with pytest.raises(OnecatError, match="multiple of 64"):
@@ -218,18 +225,7 @@ def test_cuda_graph_capture_and_replay():
     for m in (1, 8, 100):
         static_x = torch.randn(m, k, dtype=torch.float16, device="cuda")
         w4a16_linear(static_x, qweight, scales_zeros, g)  # load the kernels before capture
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            with torch.cuda.graph(graph):
-                static_y = w4a16_linear(static_x, qweight, scales_zeros, g)
-        torch.cuda.current_stream().wait_stream(stream)
-        for _ in range(2):
-            static_x.copy_(torch.randn(m, k, dtype=torch.float16, device="cuda"))
-            static_y.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
+        for static_y in replays(w4a16_linear, static_x, qweight, scales_zeros, g):
             check_close(static_y, static_x.double() @ w.t(), f"graph replay M={m}")
 
 

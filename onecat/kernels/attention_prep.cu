@@ -30,10 +30,10 @@
 //         out[i]       = fp16( y[i] cos(angle) - y[i + r/2] sin(angle) )
 //         out[i + r/2] = fp16( y[i + r/2] cos(angle) + y[i] sin(angle) )
 //     out[i] = y[i] for i >= r.
-// cos and sin of the fp32 angle are evaluated in double (sincospi: an exact range reduction,
-// no Payne-Hanek stack frame for angles past 1e5) and rounded to fp32.  The rotation's
-// products and sums are rounded one by one (no fused multiply-add), as torch computes them
-// elementwise.  Values are copied unchanged.
+// cos and sin of the fp32 angle are evaluated in double and rounded to fp32, and the
+// rotation's products and sums are rounded one by one (rope_angle, norm_feature and
+// rotate_feature in w4a16_common.cuh, shared with paged_attention.cu's prep form).  Values
+// are copied unchanged.
 //
 // Thread mapping: block (token t, group of 4 heads), 128 threads = 4 warps, one warp per head
 // of the token's H + 2*KVH heads (query heads, then key heads, then value heads).  Lane l
@@ -42,13 +42,12 @@
 // rotation's partner feature i +- r/2 lives in another lane, so each warp stages its normed
 // rotary features in its own slice of shared memory.  The block first fills a shared table of
 // cos / sin of the token's r/2 angles (shared by its heads).
-#include <cuda_fp16.h>
+#include "w4a16_common.cuh"
 
 namespace onecat_prep {
 constexpr int kWarps = 4;
 constexpr int kMaxDim = 256;
 constexpr int kMaxPerLane = kMaxDim / 32;
-constexpr double kInvPi = 0.318309886183790671537767526745;
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -75,11 +74,7 @@ extern "C" __global__ void __launch_bounds__(128)
   // 1. cos / sin of this token's angles, shared by the block's heads
   const float position = (float)positions[t];
   for (int i = threadIdx.x; i < half_rot; i += 32 * kWarps) {
-    const float angle = __fmul_rn(position, inv_freq[i]);
-    double s, c;  // in half turns, in double: exact reduction, no Payne-Hanek stack frame
-    sincospi((double)angle * kInvPi, &s, &c);
-    cos_table[i] = (float)c;
-    sin_table[i] = (float)s;
+    onecat::rope_angle(position, inv_freq[i], cos_table[i], sin_table[i]);
   }
   __syncthreads();
 
@@ -125,7 +120,7 @@ extern "C" __global__ void __launch_bounds__(128)
   for (int j = 0; j < kMaxPerLane; ++j) {
     if (j < per_lane) {
       const int i = lane + 32 * j;
-      x[j] = __half2float(__float2half_rn(__fmul_rn(__fmul_rn(x[j], inv_rms), 1.f + weight[i])));
+      x[j] = onecat::norm_feature(x[j], inv_rms, weight[i]);
       if (i < rotary_dim) mine[i] = x[j];
     }
   }
@@ -145,10 +140,10 @@ extern "C" __global__ void __launch_bounds__(128)
       const int i = lane + 32 * j;
       float y = x[j];
       if (i < half_rot) {
-        y = __fsub_rn(__fmul_rn(y, cos_table[i]), __fmul_rn(mine[i + half_rot], sin_table[i]));
+        y = onecat::rotate_feature(y, mine[i + half_rot], cos_table[i], sin_table[i], true);
       } else if (i < rotary_dim) {
         const int f = i - half_rot;
-        y = __fadd_rn(__fmul_rn(y, cos_table[f]), __fmul_rn(mine[f], sin_table[f]));
+        y = onecat::rotate_feature(y, mine[f], cos_table[f], sin_table[f], false);
       }
       const half out = __float2half_rn(y);
       if (dst) dst[i] = out;

@@ -77,7 +77,7 @@
 // The roundings are attention_prep.cu's (its fp64 contract); only the order of the sum of
 // squares differs.  The caller guarantees one decode row per sequence (no drafts): a row never
 // reads a key that another row of the same launch writes.
-#include <cuda_fp16.h>
+#include "w4a16_common.cuh"
 
 namespace onecat_attn {
 constexpr int kWarps = 4;
@@ -153,8 +153,6 @@ __device__ __forceinline__ int context_of(const long long* context_lens, int b, 
   return (int)ctx;
 }
 
-constexpr double kInvPi = 0.318309886183790671537767526745;
-
 // 8 cached keys or values: through the read-only path, or (COHERENT: the prep form, whose
 // blocks write the new token's row in the same launch) from L2 with ld.global.cg, which
 // sees a write that the block's barrier ordered before it.
@@ -188,16 +186,16 @@ __device__ __forceinline__ uint4 norm_rope8(uint4 raw, int part, const float* __
   float y[kVec];
 #pragma unroll
   for (int e = 0; e < kVec; ++e)
-    y[e] = __half2float(__float2half_rn(__fmul_rn(__fmul_rn(x[e], inv_rms), 1.f + weight[i0 + e])));
+    y[e] = onecat::norm_feature(x[e], inv_rms, weight[i0 + e]);
   float out[kVec];
 #pragma unroll
   for (int e = 0; e < kVec; ++e) {
     const float other = __shfl_sync(0xffffffffu, y[e], partner & 31);
     const int i = i0 + e;
     if (i < half_rot) {
-      out[e] = __fsub_rn(__fmul_rn(y[e], rot_cos[i]), __fmul_rn(other, rot_sin[i]));
+      out[e] = onecat::rotate_feature(y[e], other, rot_cos[i], rot_sin[i], true);
     } else if (i < rotary_dim) {
-      out[e] = __fadd_rn(__fmul_rn(y[e], rot_cos[i - half_rot]), __fmul_rn(other, rot_sin[i - half_rot]));
+      out[e] = onecat::rotate_feature(y[e], other, rot_cos[i - half_rot], rot_sin[i - half_rot], false);
     } else {
       out[e] = y[e];
     }
@@ -297,11 +295,7 @@ __device__ __forceinline__ void split(const half* __restrict__ q, long long q_sb
                             : make_uint4(0, 0, 0, 0);
     fill_rows(begin, min(kTile, end - begin));
     for (int i = tid; i < (rotary_dim >> 1); i += kThreads) {
-      const float angle = __fmul_rn(position, inv_freq[i]);
-      double sn, cs;  // in half turns, in double: exact reduction (as attention_prep.cu)
-      sincospi((double)angle * kInvPi, &sn, &cs);
-      rot_cos[i] = (float)cs;
-      rot_sin[i] = (float)sn;
+      onecat::rope_angle(position, inv_freq[i], rot_cos[i], rot_sin[i]);
     }
     __syncthreads();
 #pragma unroll

@@ -1,6 +1,7 @@
 // Shared pieces of onecat's sm_70 W4A16 kernels: the packed layout, the in-register dequant
 // and the split-K finish; also the 8-half vector helpers of the norm, router and all-reduce
-// kernels.  Compiled by NVRTC 12 for compute_70 / sm_70; no torch headers.
+// kernels, and the attention inputs' norm / RoPE roundings (attention_prep.cu and the decode
+// attention's prep form in paged_attention.cu).  Compiled by NVRTC 12 for compute_70 / sm_70; no torch headers.
 //
 // Packed layout (version 1, docs/FORMAT.md, onecat/pack/volta_layout.py), W [N out, K in]:
 //   qweight      u32   [N/32][K/32][32 lanes][4 words]   one 32x32 tile = 512 contiguous bytes
@@ -95,6 +96,33 @@ __device__ __forceinline__ uint4 rms_scale(const float (&r)[8], float rstd, floa
 #pragma unroll
   for (int k = 0; k < 8; ++k) y[k] = r[k] * rstd * (1.f + w[k]);
   return round_to_half(y);
+}
+
+// --- gated attention's inputs: per-head RMSNorm (1 + w), then partial RoPE ------------------
+// The roundings of the torch reference (runtime.models.qwen3_5.attention_inputs), in one
+// place for both kernels that prepare queries and keys.
+
+// cos and sin of the fp32 angle fp32(position) * inv_freq, evaluated in double (sincospi: an
+// exact range reduction, no Payne-Hanek stack frame for angles past 1e5), rounded to fp32.
+__device__ __forceinline__ void rope_angle(float position, float inv_freq, float& cos_out, float& sin_out) {
+  constexpr double kInvPi = 0.318309886183790671537767526745;
+  const float angle = __fmul_rn(position, inv_freq);
+  double s, c;  // in half turns
+  sincospi((double)angle * kInvPi, &s, &c);
+  cos_out = (float)c;
+  sin_out = (float)s;
+}
+
+// One normed feature as the activations hold it: fp16(x * inv_rms * (1 + w)), back in fp32.
+__device__ __forceinline__ float norm_feature(float x, float inv_rms, float w) {
+  return __half2float(__float2half_rn(__fmul_rn(__fmul_rn(x, inv_rms), 1.f + w)));
+}
+
+// One rotated feature (rotate-half): y cos - partner sin in the first half of the rotary
+// features, y cos + partner sin in the second; products and sums rounded one by one (no fused
+// multiply-add), as torch computes them elementwise.
+__device__ __forceinline__ float rotate_feature(float y, float partner, float c, float s, bool first_half) {
+  return first_half ? __fsub_rn(__fmul_rn(y, c), __fmul_rn(partner, s)) : __fadd_rn(__fmul_rn(y, c), __fmul_rn(partner, s));
 }
 
 // One packed word (8 nibbles) -> 4 fp16 pairs (k0,k1) (k2,k3) (k4,k5) (k6,k7), dequantised.

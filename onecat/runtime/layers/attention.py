@@ -136,8 +136,8 @@ class PagedAttention(nn.Module):
         ctx = get_context()
         return (
             ctx.num_decodes == qkv.shape[0] > 0 and not ctx.prefills and ctx.decode_width == 1
-            and qkv.is_cuda and qkv.dtype == torch.float16 and self.k_cache.numel() > 0
-            and self.uses_decode_kernel() and attention_kernel.prep_fits(self.head_dim, rotary_dim)
+            and self.k_cache.numel() > 0 and self.uses_decode_kernel()
+            and attention_kernel.prep_fits(self.head_dim, rotary_dim)
             and attention_prep.supports(qkv.device, qkv.dtype, self.head_dim, rotary_dim)
         )  # fmt: skip
 
