@@ -47,7 +47,7 @@ WMMA_BUILT = {
 WMMAR_BUILT = {
     8: ((4, 2), (4, 4), (8, 2)),
     16: ((4, 2), (8, 2)),
-    32: ((4, 2),),
+    32: ((4, 2), (8, 2)),
     64: ((4, 2),),
 }
 """The same for the register-dequant kernels (``w4a16_wmmar_*``)."""
