@@ -6,6 +6,8 @@ answers, with thinking on and with ``chat_template_kwargs: {"enable_thinking": f
 from __future__ import annotations
 
 import pytest
+
+pytest.importorskip("pydantic")  # the server modules below need it (the GPU machine may lack it)
 from chat_output_helpers import ScriptedSampler, add_up, check_every_split, sse_deltas
 from server_helpers import make_engine
 
