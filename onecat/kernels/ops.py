@@ -151,7 +151,7 @@ def _resolve(
         plan = _NO_ROWS
     else:
         variant = tuning.choose_variant(m, qweight, scales_zeros, group_size)
-        plan = launch_plan(variant, m, n, k, group_size, x.device.index, silu_mul and variant.kind == "gemv")
+        plan = launch_plan(variant, m, n, k, group_size, x.device.index, silu_mul and variant.fuses_silu_mul(n))
         if not tuning.is_remembered(m, n, k, group_size, x.device.index):
             return plan
     if len(_plans) > 1 << 14:  # prefill chunks of every length: stay bounded
@@ -307,8 +307,8 @@ def fuses_silu_mul(rows: int, qweight: torch.Tensor, scales_zeros: torch.Tensor,
     GPU: the variant chosen for that many rows (``tuning.choose_variant``, resolved once and
     remembered) is a GEMV, whose epilogue applies the activation. Otherwise a caller does
     better to run :func:`packed_linear` and its own fused activation kernel."""
-    if not qweight.is_cuda or rows <= 0 or (qweight.shape[0] * 32) % 64:
+    if not qweight.is_cuda or rows <= 0:
         return False
     from onecat.kernels import tuning
 
-    return tuning.choose_variant(rows, qweight, scales_zeros, group_size).kind == "gemv"
+    return tuning.choose_variant(rows, qweight, scales_zeros, group_size).fuses_silu_mul(qweight.shape[0] * 32)

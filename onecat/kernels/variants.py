@@ -106,6 +106,12 @@ class Variant:
         """Whether this variant can run weights quantized with ``group_size``."""
         return self.kind != "wmmar" or group_size % WMMAR_GROUP == 0
 
+    def fuses_silu_mul(self, n: int) -> bool:
+        """Whether a ``silu_mul`` plan of this variant takes a merged gate/up weight of ``n`` rows:
+        only the GEMV has the SwiGLU epilogue, and it pairs whole 32-row tiles (``n`` a multiple
+        of 64)."""
+        return self.kind == "gemv" and n % 64 == 0
+
     def kernel_name(self) -> str:
         """The ``extern "C"`` name of the kernel this variant launches."""
         if self.kind == "gemv":
@@ -177,7 +183,7 @@ def launch_plan(
     plan = _plans.get(key)
     if plan is not None:
         return plan
-    if silu_mul and (n % 64 or variant.kind != "gemv"):
+    if silu_mul and not variant.fuses_silu_mul(n):
         raise OnecatError(
             f"a SwiGLU epilogue needs a GEMV variant and N a multiple of 64 (two halves of whole tiles), "
             f"got {variant.name} and N={n}"

@@ -538,6 +538,14 @@ class MLP(nn.Module):
         """``x [T, hidden]`` -> ``[T, hidden]``."""
         return self.down_proj(self.gate_up_proj.silu_mul(x))
 
+    def forward_with_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward(norm(all_reduce(x) + residual))`` and the new residual (what
+        :meth:`DecoderLayer.end` needs, as :meth:`SparseMoE.forward_with_norm` gives)."""
+        h, residual = all_reduce_add_rms_norm(x, residual, norm.weight, norm.eps)
+        return self(h), residual
+
 
 @fused
 def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -715,13 +723,10 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything token-wise after the mixer's core: (output before its all-reduce and the
         residual add, residual)."""
-        norm = self.post_attention_layernorm
+        # tensor parallel: the MLP / MoE sums the ranks' row-parallel parts, fused with the add
+        # and the norm (a MoE decode pass runs both inside its router's launch)
         out = self.mixer.finish(core, *carry)
-        if isinstance(self.mlp, SparseMoE):  # decode: the add and the norm inside the router's launch
-            return self.mlp.forward_with_norm(out, residual, norm)
-        # tensor parallel: sum the ranks' row-parallel parts (fused with the add and the norm)
-        h, residual = all_reduce_add_rms_norm(out, residual, norm.weight, norm.eps)
-        return self.mlp(h), residual
+        return self.mlp.forward_with_norm(out, residual, self.post_attention_layernorm)
 
 
 class Qwen3_5Model(nn.Module):
