@@ -157,6 +157,14 @@ __device__ __forceinline__ void dequant_tile(uint4 v, half2 sz, half2 out[16]) {
   dequant_word(v.w, s2, nzs2, out + 12);
 }
 
+// n / d for 0 <= n with n * d < 2^32 (tile counts) by one multiply-high instead of an integer
+// division: magic = ceil(2^32 / d), exact in that range; d = 1 is kept as magic 0.
+struct SmallDivisor {
+  unsigned magic;
+  __device__ __forceinline__ explicit SmallDivisor(int d) : magic(d > 1 ? 0xFFFFFFFFu / (unsigned)d + 1u : 0u) {}
+  __device__ __forceinline__ int div(int n) const { return magic ? (int)__umulhi((unsigned)n, magic) : n; }
+};
+
 // Walks the (s, nzs) pairs of one lane along k tiles in increasing order without an integer
 // division per tile: `next()` returns the pair of the current k tile and advances.
 struct ScaleCursor {

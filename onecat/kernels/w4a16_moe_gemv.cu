@@ -230,6 +230,7 @@ __device__ __forceinline__ void down_body(const half* __restrict__ h, const void
   const int split_end = min(total, ((int)blockIdx.z + 1) * per_split);
   const int v_begin = (int)blockIdx.z * per_split + warp * per_warp;
   const int v_end = min(split_end, v_begin + per_warp);
+  const SmallDivisor by_itiles(itiles), by_group(tiles_per_group);  // no division per tile
   float acc = 0.0f;
 #pragma unroll 1
   for (int v = v_begin; v < v_end; v += kDownBatch) {
@@ -242,14 +243,14 @@ __device__ __forceinline__ void down_body(const half* __restrict__ h, const void
       const int vt = v + b;
       valid[b] = false;
       if (vt < v_end) {
-        const int j = vt / itiles;
+        const int j = by_itiles.div(vt);
         const int kt = vt - j * itiles;
         const int p = t * top_k + j;
         const int e = pair_expert(ids, ids64, p, E);  // warp-uniform
         if (e >= 0) {
           const size_t tile = (size_t)e * htiles + c;
           wv[b] = load_weights_streaming(w2_qweight + (tile * itiles + kt) * 32 + lane);
-          sz[b] = __ldg(w2_scales + (tile * groups + kt / tiles_per_group) * 32 + lane);
+          sz[b] = __ldg(w2_scales + (tile * groups + by_group.div(kt)) * 32 + lane);
           rw[b] = pair_weight(weights, weights32, p);
           valid[b] = true;
         }

@@ -66,6 +66,7 @@ constexpr int kRouterMaxWarps = 16;        // largest block the decode router ta
 constexpr int kRouterTokens = 8;           // most tokens staged in shared memory at a time
 constexpr int kRouterStageHalfs = 16384;   // 32 KB of staged x: 8 tokens of H = 2048
 constexpr int kRowVecs = 8;                // 128-bit weight loads a lane holds: 2048 columns
+constexpr int kStageBatch = 2;             // x vectors a thread stages (loads in flight) per round
 
 __device__ __forceinline__ bool route_better(float v, int i, float bv, int bi) {
   return bi < 0 || v > bv || (v == bv && i < bi);
@@ -325,17 +326,34 @@ w4a16_moe_route_decode(const half* __restrict__ x, int x_stride, int T, int H,
   if (has_row) load_row(wv, w, 0, H);  // in flight while x is staged
   const int chunk = min(kRouterTokens, kRouterStageHalfs / H);  // tokens staged at a time
   const int vecs = H / 8;                                        // 16-byte vectors per x row
+  const SmallDivisor by_vecs(vecs);                              // token of a staged vector
   for (int t0 = 0; t0 < T; t0 += chunk) {
     const int n = min(chunk, T - t0);
     if (t0 > 0) __syncthreads();  // the previous chunk's readers are done
-    for (int v = threadIdx.x; v < n * vecs; v += blockDim.x) {
-      const int j = v / vecs;
-      uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + (size_t)(t0 + j) * x_stride) + (v - j * vecs));
-      if (residual != nullptr) {
-        xv = add_rounded(xv, __ldg(reinterpret_cast<const uint4*>(residual) + (size_t)t0 * vecs + v));
-        if (blockIdx.x == 0) reinterpret_cast<uint4*>(summed_out)[(size_t)t0 * vecs + v] = xv;
+    // kStageBatch vectors a thread per round, all loads issued first: the rounds, not the
+    // vectors, pay the L2 latency (8 tokens of H = 2048 on 256 threads: 2 rounds, not 8).
+    for (int v0 = threadIdx.x; v0 < n * vecs; v0 += kStageBatch * blockDim.x) {
+      uint4 xv[kStageBatch], rv[kStageBatch];
+#pragma unroll
+      for (int b = 0; b < kStageBatch; ++b) {
+        const int v = v0 + b * blockDim.x;
+        if (v < n * vecs) {
+          const int j = by_vecs.div(v);
+          xv[b] = __ldg(reinterpret_cast<const uint4*>(x + (size_t)(t0 + j) * x_stride) + (v - j * vecs));
+          if (residual != nullptr) rv[b] = __ldg(reinterpret_cast<const uint4*>(residual) + (size_t)t0 * vecs + v);
+        }
       }
-      reinterpret_cast<uint4*>(xs)[v] = xv;
+#pragma unroll
+      for (int b = 0; b < kStageBatch; ++b) {
+        const int v = v0 + b * blockDim.x;
+        if (v < n * vecs) {
+          if (residual != nullptr) {
+            xv[b] = add_rounded(xv[b], rv[b]);
+            if (blockIdx.x == 0) reinterpret_cast<uint4*>(summed_out)[(size_t)t0 * vecs + v] = xv[b];
+          }
+          reinterpret_cast<uint4*>(xs)[v] = xv[b];
+        }
+      }
     }
     __syncthreads();
     if (residual != nullptr) {  // the RMSNorm of the staged sums, in place
@@ -347,14 +365,28 @@ w4a16_moe_route_decode(const half* __restrict__ x, int x_stride, int T, int H,
         if (lane == 0) rstd[j] = rsqrtf(squares / (float)H + eps);
       }
       __syncthreads();
-      for (int v = threadIdx.x; v < n * vecs; v += blockDim.x) {
-        const int j = v / vecs, c = v - j * vecs;
-        float r[8];
-        unpack(reinterpret_cast<const uint4*>(xs)[v], r);
-        const float4* w = reinterpret_cast<const float4*>(norm_w) + 2 * c;
-        const uint4 normed = rms_scale(r, rstd[j], __ldg(w), __ldg(w + 1));
-        reinterpret_cast<uint4*>(xs)[v] = normed;
-        if (blockIdx.x == 0) reinterpret_cast<uint4*>(normed_out)[(size_t)t0 * vecs + v] = normed;
+      for (int v0 = threadIdx.x; v0 < n * vecs; v0 += kStageBatch * blockDim.x) {
+        float4 w0[kStageBatch], w1[kStageBatch];  // the norm weights of the round, loads first
+#pragma unroll
+        for (int b = 0; b < kStageBatch; ++b) {
+          const int v = v0 + b * blockDim.x;
+          if (v < n * vecs) {
+            const float4* w = reinterpret_cast<const float4*>(norm_w) + 2 * (v - by_vecs.div(v) * vecs);
+            w0[b] = __ldg(w);
+            w1[b] = __ldg(w + 1);
+          }
+        }
+#pragma unroll
+        for (int b = 0; b < kStageBatch; ++b) {
+          const int v = v0 + b * blockDim.x;
+          if (v < n * vecs) {
+            float r[8];
+            unpack(reinterpret_cast<const uint4*>(xs)[v], r);
+            const uint4 normed = rms_scale(r, rstd[by_vecs.div(v)], w0[b], w1[b]);
+            reinterpret_cast<uint4*>(xs)[v] = normed;
+            if (blockIdx.x == 0) reinterpret_cast<uint4*>(normed_out)[(size_t)t0 * vecs + v] = normed;
+          }
+        }
       }
       __syncthreads();
     }

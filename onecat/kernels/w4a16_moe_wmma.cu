@@ -166,7 +166,7 @@ __device__ __forceinline__ void moe_tile(const half* __restrict__ a, const int* 
     FragAB owner[2], s2[2], nzs2[2];
     load_packed_b<false>(owner, sP_warp);
     const int tiles_per_group = group_size / kTile;
-    int group = -1;
+    int group_end = 0;  // s2 / nzs2 hold the scales of k tiles below it (chunks meet each boundary)
     load_chunk(0);
     for (int kc = 0; kc < ktiles; kc += kMoeChunk) {
       __syncthreads();  // the previous chunk's fragments have been read
@@ -180,8 +180,8 @@ __device__ __forceinline__ void moe_tile(const half* __restrict__ a, const int* 
       __syncthreads();
       if (kc + kMoeChunk < ktiles) load_chunk(kc + kMoeChunk);  // overlaps the MMAs below
       if (tile_ok) {
-        if (kc / tiles_per_group != group) {  // warp-uniform: this group's (s, nzs) per slot
-          group = kc / tiles_per_group;
+        if (kc == group_end) {  // warp-uniform: this group's (s, nzs) per slot
+          group_end += tiles_per_group;
           slot_scales(owner, sz_chunk, s2, nzs2);
         }
         FragAB packed[2];

@@ -150,9 +150,15 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
     FragAB owner[kNFrags];
     load_packed_b<kM8>(owner, sP_warp);
     FragAB s2[kNFrags], nzs2[kNFrags];  // per slot pair: (s, s) and (nzs, nzs) of its columns
-    int group = -1;
-
-    if (k_begin < k_end) load_chunk(k_begin);
+    // s2 / nzs2 hold the scales of k tiles below group_end: first those of k_begin's group,
+    // gathered once the first chunk's loads are back.  Sub-chunks step by 2 k tiles from an
+    // even k_begin and groups are whole pairs of them, so the loop meets every later group's
+    // first tile exactly: no division in it.
+    int group_end = (k_begin / tiles_per_group + 1) * tiles_per_group;
+    if (k_begin < k_end) {
+      load_chunk(k_begin);
+      if (tile_ok) slot_scales(owner, sz[0], s2, nzs2);
+    }
     for (int kc = k_begin; kc < k_end; kc += kChunkTiles) {
       const int valid_tiles = min(kChunkTiles, k_end - kc);  // even: K % 64 == 0
       __syncthreads();  // the previous chunk's fragments have been read
@@ -174,9 +180,8 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
 #pragma unroll
         for (int sub = 0; sub < CT / 2; ++sub) {
           if (2 * sub < valid_tiles) {
-            const int g = (kc + 2 * sub) / tiles_per_group;
-            if (g != group) {  // warp-uniform: this group's (s, nzs) for every slot
-              group = g;
+            if (kc + 2 * sub == group_end) {  // warp-uniform: the next group's (s, nzs) for every slot
+              group_end += tiles_per_group;
               slot_scales(owner, sz_chunk[sub], s2, nzs2);
             }
             FragAB packed[kNFrags];
