@@ -258,33 +258,37 @@ def bench_moe(tokens_list: list[int], copy_gbs: float) -> list[dict]:
 
 
 def gather_shapes() -> dict[str, list]:
-    """The (warps, batch) shapes ``w4a16_moe_gemv.cu`` builds per gather kernel, and the rows
-    per block of its grouped decode kernels."""
+    """The (warps, batch) shapes ``w4a16_moe_gemv.cu`` builds per gather kernel, and the
+    (warps, batch, rows per block) shapes of its grouped decode kernels."""
     from onecat.kernels import build
 
-    found: dict[str, list[tuple[int, int]]] = {"gate_up": [], "down": [], "grouped_rows": []}
+    found: dict[str, list[tuple[int, ...]]] = {"gate_up": [], "down": [], "grouped": []}
     for name in build.kernel_names("w4a16_moe_gemv"):
         if match := re.fullmatch(r"w4a16_moe_gemv_(gate_up|down)_w(\d+)_b(\d+)", name):
             kind, warps, batch = match.groups()
             found[kind].append((int(warps), int(batch)))
-        elif match := re.fullmatch(r"w4a16_moe_gemv_grouped_gate_up_w\d+_b\d+_r(\d+)", name):
-            found["grouped_rows"].append(int(match.group(1)))
+        elif match := re.fullmatch(r"w4a16_moe_gemv_grouped_gate_up_w(\d+)_b(\d+)_r(\d+)", name):
+            found["grouped"].append(tuple(int(v) for v in match.groups()))
     return found
 
 
 def bench_gather_shapes(tokens_list: list[int]) -> list[dict]:
     """The gather path of the MoE op with every built (gate_up, down) kernel shape, and the
-    grouped decode path with every built rows-per-block, 35B-A3B layer: microseconds per op
-    call for each (CUDA graphs, two weight copies)."""
+    grouped decode path with every built (warps, batch, rows per block), 35B-A3B layer with its
+    shared expert folded in as the runtime runs it (expert E of E+1 stacked, chosen by every
+    token as pair column top_k): microseconds per op call for each (CUDA graphs, two weight
+    copies)."""
     e, h, i = MOE_EXPERTS, MOE_HIDDEN, MOE_INTER
-    packed = [(*random_experts(e, 2 * i, h), *random_experts(e, h, i)) for _ in range(2)]
+    packed = [(*random_experts(e + 1, 2 * i, h), *random_experts(e + 1, h, i)) for _ in range(2)]
     shapes = gather_shapes()
     rows = []
     for tokens in tokens_list:
-        if tokens * MOE_TOP_K > GATHER_MAX_PAIRS:
+        if tokens * (MOE_TOP_K + 1) > GATHER_MAX_PAIRS:
             continue
         x = torch.randn(tokens, h, dtype=torch.float16, device="cuda")
+        shared = torch.full((tokens, 1), e, dtype=torch.int32, device="cuda")
         routings = [moe_routing(tokens, seed) for seed in range(8)]
+        routings = [(torch.cat([ids, shared], 1), torch.cat([w, torch.sigmoid(w[:, :1])], 1)) for ids, w in routings]
         calls = [functools.partial(w4a16_moe, x, ids, w, *packed[n % 2], GROUP) for n, (ids, w) in enumerate(routings)]
         timings = {}
         with mock.patch.object(moe, "GROUPED_GEMV_MIN_TOKENS", 1 << 30):
@@ -292,10 +296,10 @@ def bench_gather_shapes(tokens_list: list[int]) -> list[dict]:
                 for down in shapes["down"]:
                     with mock.patch.object(moe, "GATHER_SHAPES", ((1 << 30, gate, down),)):
                         timings[f"gate_up w{gate[0]} b{gate[1]} + down w{down[0]} b{down[1]}"] = graph_time_us(calls)
-        for rows_per_block in shapes["grouped_rows"]:
+        for warps, batch, rows_per_block in shapes["grouped"]:
             with mock.patch.object(moe, "GROUPED_GEMV_MIN_TOKENS", 1), \
-                    mock.patch.object(moe, "GROUPED_GEMV_ROWS", rows_per_block):
-                timings[f"grouped {rows_per_block} rows"] = graph_time_us(calls)
+                    mock.patch.object(moe, "GROUPED_GEMV_SHAPE", (warps, batch, rows_per_block)):
+                timings[f"grouped w{warps} b{batch} r{rows_per_block}"] = graph_time_us(calls)
         best = min(timings, key=timings.get)
         print(f"gather T={tokens}: best {best} {timings[best]:.1f} us; " + "; ".join(
             f"{k} {v:.1f}" for k, v in sorted(timings.items(), key=lambda kv: kv[1])), flush=True)

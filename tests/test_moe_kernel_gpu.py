@@ -393,19 +393,22 @@ def test_every_gather_kernel_shape_matches_fp64(experts_35b, tokens, monkeypatch
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 8, 32])
-def test_every_grouped_gemv_row_count_matches_fp64(experts_35b, tokens, monkeypatch):
-    """The grouped decode kernels at every built rows-per-block, forced on from one token:
-    one pair per expert (1 token), partial row tiles, and experts with more pairs than a
-    block holds (every token's slot 0 on expert 5: several row tiles of one expert)."""
+def test_every_grouped_gemv_shape_matches_fp64(experts_35b, tokens, monkeypatch):
+    """The grouped decode kernels at every built (warps, batch, rows per block), forced on
+    from one token: one pair per expert (1 token), partial row tiles, and experts with more
+    pairs than a block holds (every token's slot 0 on expert 5: several row tiles of one
+    expert)."""
+    import re
+
     from onecat.kernels import build, moe
 
-    built = sorted({int(n.rsplit("_r", 1)[1]) for n in build.kernel_names("w4a16_moe_gemv")
-                    if n.startswith("w4a16_moe_gemv_grouped_gate_up_")})
+    built = sorted({tuple(int(v) for v in m.groups()) for n in build.kernel_names("w4a16_moe_gemv")
+                    if (m := re.fullmatch(r"w4a16_moe_gemv_grouped_gate_up_w(\d+)_b(\d+)_r(\d+)", n))})
     assert built, "no grouped decode kernels are built"
     x, ids, weights = random_routing(tokens, E, TOP_K, seed=300 + tokens)
     ids[:, 0] = 5
     ref = reference(x, ids, weights, experts_35b, G)
     monkeypatch.setattr(moe, "GROUPED_GEMV_MIN_TOKENS", 1)
-    for rows in built:
-        monkeypatch.setattr(moe, "GROUPED_GEMV_ROWS", rows)
-        check_close(run_op(x, ids, weights, experts_35b), ref, f"T={tokens} {rows} rows a block", "grouped-GEMV")
+    for shape in built:
+        monkeypatch.setattr(moe, "GROUPED_GEMV_SHAPE", shape)
+        check_close(run_op(x, ids, weights, experts_35b), ref, f"T={tokens} grouped shape {shape}", "grouped-GEMV")

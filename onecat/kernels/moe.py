@@ -11,7 +11,7 @@ expert parallelism, vLLM's ``-1``) contribute nothing.
   gather-GEMV launches (``w4a16_moe_gemv.cu``): gate+up with SiLU-and-multiply per pair,
   then the down projection per token over its experts with the routing weights applied.
   From :data:`GROUPED_GEMV_MIN_TOKENS` tokens on, the pairs are first sorted by expert on
-  the GPU and each block serves up to :data:`GROUPED_GEMV_ROWS` pairs of one expert, so a
+  the GPU and each block serves up to :data:`GROUPED_GEMV_SHAPE` pairs of one expert, so a
   chosen expert's weights are read once per step however many tokens chose it; a last
   launch adds each token's pairs in a fixed order.
 - CUDA, more pairs (prefill): the pairs are sorted by expert on the GPU by one small kernel,
@@ -100,9 +100,10 @@ GROUPED_GEMV_MIN_TOKENS = 16
 so that each chosen expert's weights are read and dequantised once for all its tokens
 (``w4a16_moe_gemv_grouped_*``), and a last launch adds each token's pairs; below it, one
 block per pair (``w4a16_moe_gemv_gate_up`` / ``_down``)."""
-GROUPED_GEMV_ROWS = 2
-"""Pairs of one expert per block of the grouped decode kernels (built: 2 and 4)."""
-_GROUPED_GEMV_WARPS, _GROUPED_GEMV_BATCH = 4, 4
+GROUPED_GEMV_SHAPE = (4, 4, 2)
+"""``(warps per block, k tiles per warp step, pairs of one expert per block)`` of the grouped
+decode kernels (``ONECAT_MOE_GROUPED`` in ``w4a16_moe_gemv.cu`` builds the others that
+``bench/kernels.py --moe-shapes`` compares)."""
 
 
 MAX_DOWN_SPLITS = 4
@@ -237,7 +238,7 @@ def _launch_grouped_gemv(
     tile, row tile of one expert), then each token's sum over its pairs."""
     t, h = x.shape
     i, pairs = hidden.shape[1], hidden.shape[0]
-    rows, warps, batch = GROUPED_GEMV_ROWS, _GROUPED_GEMV_WARPS, _GROUPED_GEMV_BATCH
+    warps, batch, rows = GROUPED_GEMV_SHAPE
     shape = f"w{warps}_b{batch}_r{rows}"
     meta = torch.empty(2 * (e + 1) + pairs, dtype=torch.int32, device=x.device)
     row_tiles = math.ceil(pairs / rows) + min(e, pairs)
