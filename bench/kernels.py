@@ -14,9 +14,9 @@ The MoE section times ``torch.ops.onecat.w4a16_moe`` (routed experts of one Qwen
 layer: 256 experts, H=2048, I=512, top-8, g128) at 1/8/32/256/2048 tokens against the bytes
 of the experts each call touches (distinct experts x their packed bytes, + x and out) at the
 device copy bandwidth, and against an fp16 grouped matmul of the same routing
-(``torch._grouped_mm`` on tokens already sorted by expert where this torch and GPU run it,
-else a per-expert ``torch.matmul`` loop over the routed experts, captured in a graph): both
-baselines leave out the routing and sorting that the op includes. Each call rotates over 8
+(``torch._grouped_mm`` on tokens already sorted by expert where this torch and GPU run it
+and a CUDA graph captures it, else a per-expert ``torch.matmul`` loop over the routed experts,
+captured in a graph, so that both sides are kernel time): both baselines leave out the routing and sorting that the op includes. Each call rotates over 8
 routings and 2 weight copies so that touched experts are mostly cold in L2.
 """
 
@@ -158,9 +158,10 @@ def moe_routing(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, weights
 
 
-def _fp16_grouped_call(x, ids, w13_t, w2_t):
-    """An fp16 grouped-matmul MoE of this routing (tokens pre-sorted by expert), as a
-    zero-argument callable, and its name."""
+def _fp16_grouped_calls(x, ids, w13_t, w2_t) -> list[tuple]:
+    """fp16 grouped-matmul MoEs of this routing (tokens pre-sorted by expert) as
+    ``(zero-argument callable, name)``: ``torch._grouped_mm`` where this torch and GPU run
+    it, then a per-expert ``torch.matmul`` loop over the routed experts."""
     top_k = ids.shape[1]
     flat = ids.flatten().long()
     order = torch.argsort(flat, stable=True)
@@ -168,6 +169,7 @@ def _fp16_grouped_call(x, ids, w13_t, w2_t):
     counts = torch.bincount(flat, minlength=MOE_EXPERTS)
     offs = torch.cumsum(counts, 0).to(torch.int32)
     inter = w2_t.shape[1]
+    calls = []
 
     def grouped():
         gate_up = torch._grouped_mm(xs, w13_t, offs=offs)
@@ -179,9 +181,9 @@ def _fp16_grouped_call(x, ids, w13_t, w2_t):
             raise RuntimeError("torch._grouped_mm missing")
         grouped()
         torch.cuda.synchronize()
-        return grouped, "torch._grouped_mm"
+        calls.append((grouped, "torch._grouped_mm"))
     except (RuntimeError, NotImplementedError) as exc:
-        print(f"torch._grouped_mm unusable here ({str(exc).splitlines()[0]}): per-expert loop", file=sys.stderr)
+        print(f"torch._grouped_mm unusable here ({str(exc).splitlines()[0]})", file=sys.stderr)
     bounds = [0] + torch.cumsum(counts, 0).tolist()
     pieces = [(e, bounds[e], bounds[e + 1]) for e in range(MOE_EXPERTS) if bounds[e + 1] > bounds[e]]
 
@@ -191,19 +193,21 @@ def _fp16_grouped_call(x, ids, w13_t, w2_t):
             hidden = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
             hidden @ w2_t[e]
 
-    return loop, "per-expert torch.matmul loop"
+    calls.append((loop, "per-expert torch.matmul loop"))
+    return calls
 
 
-def eager_time_us(fn, repeats: int = 50) -> float:
-    """Mean microseconds of ``fn`` run eagerly (CUDA events around ``repeats`` calls, after a warm-up)."""
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / repeats
+def fp16_baseline_us(x, ids, w13_t, w2_t) -> tuple[float, str]:
+    """Microseconds of the first fp16 grouped MoE of :func:`_fp16_grouped_calls` that a CUDA
+    graph captures (kernel time, as the op's; ``torch._grouped_mm`` copies to the host during
+    capture on some builds), and its name."""
+    for call, how in _fp16_grouped_calls(x, ids, w13_t, w2_t):
+        try:
+            return graph_time_us([call]), how
+        except RuntimeError as exc:
+            print(f"{how} not capturable in a CUDA graph ({str(exc).splitlines()[0][:80]})", file=sys.stderr)
+            torch.cuda.synchronize()
+    raise RuntimeError("no fp16 grouped MoE baseline could be captured")
 
 
 def bench_moe(tokens_list: list[int], copy_gbs: float) -> list[dict]:
@@ -225,13 +229,7 @@ def bench_moe(tokens_list: list[int], copy_gbs: float) -> list[dict]:
         touched = sum(torch.unique(ids).numel() for ids, _ in routings) / len(routings)
         moved = touched * per_expert + 2 * 2 * tokens * h
         gbs = moved / (t_ours * 1e-6) / 1e9
-        baseline, how = _fp16_grouped_call(x, routings[0][0], w13_t, w2_t)
-        try:
-            t_fp16 = graph_time_us([baseline])
-        except RuntimeError as exc:  # torch._grouped_mm may not be capturable: time it eagerly
-            print(f"fp16 baseline outside CUDA graphs ({str(exc).splitlines()[0][:80]})", file=sys.stderr)
-            torch.cuda.synchronize()
-            t_fp16 = eager_time_us(baseline)
+        t_fp16, how = fp16_baseline_us(x, routings[0][0], w13_t, w2_t)
         pairs = tokens * MOE_TOP_K
         small = pairs <= moe.SMALL_TILE_PAIRS_PER_EXPERT * e
         if pairs > GATHER_MAX_PAIRS:
