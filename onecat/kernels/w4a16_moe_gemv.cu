@@ -54,6 +54,15 @@
 //   w4a16_moe_gemv_pair_sum: grid (ceil(H/1024), T), 256 threads of 4 columns: out[t] = the
 //     sum of the token's pair rows in j order (deterministic), ids outside [0, E) skipped.
 //
+// Activation staging (gate_up, both paths; grouped down): each lane needs all 32 x (or h)
+// values of every k tile it multiplies, and a global load of them inside the loop waits on
+// the tile's dequantisation and then on an L1 / L2 round trip, once per row and tile, in
+// series.  So gate_up's warps first copy their k range of the x rows (kStageMaxH halfs at
+// most a row: 8 KB a row of shared memory) and the grouped down's block copies its h rows
+// (kStageMaxI) to shared memory, all loads in flight at once, and the loops read them with
+// broadcast 128-bit LDS.  Wider rows take the unstaged instantiation.  H200, 35B-A3B layer:
+// the op at 32 tokens 127.5 -> 113.8 us (BENCHMARKS.md, 2026-12-02).
+//
 // Why not fp32 atomics into a workspace for the sum over experts: they need a memset and a
 // conversion pass per step (two more launches at decode, where launches dominate) and
 // their order varies from run to run; the virtual-K walk needs neither.
@@ -63,6 +72,8 @@
 #include "w4a16_common.cuh"
 
 namespace onecat {
+constexpr int kStageMaxH = 4096;  // widest x row (halfs) gate_up stages in shared memory
+constexpr int kStageMaxI = 2048;  // widest h row (halfs) the grouped down stages
 
 // Expert of pair p, or -1 when it lies outside [0, E).
 __device__ __forceinline__ int pair_expert(const void* ids, int ids64, int p, int E) {
@@ -76,15 +87,14 @@ __device__ __forceinline__ float pair_weight(const void* w, int w32, int p) {
              : __half2float(reinterpret_cast<const half*>(w)[p]);
 }
 
-// Dot product of this lane's 32 dequantised k of one tile `w` with x[k], `xk` pointing at
-// the tile's first k (16-byte aligned; broadcast loads).
-__device__ __forceinline__ float dot_dequantised(const half2 (&w)[16], const half* __restrict__ xk) {
-  const uint4* xp = reinterpret_cast<const uint4*>(xk);
+// Dot product of this lane's 32 dequantised k of one tile `w` with the tile's 32 x values
+// `x` (8 per 128-bit vector).
+__device__ __forceinline__ float dot_values(const half2 (&w)[16], const uint4 (&x)[4]) {
   float acc = 0.0f;
 #pragma unroll
   for (int pair = 0; pair < 2; ++pair) {  // 16 k per pair of words
-    const uint4 xa = __ldg(xp + 2 * pair);
-    const uint4 xb = __ldg(xp + 2 * pair + 1);
+    const uint4 xa = x[2 * pair];
+    const uint4 xb = x[2 * pair + 1];
     const half2* wp = w + 8 * pair;
     half2 p = __hmul2(wp[0], as_half2(xa.x));
     half2 q = __hmul2(wp[4], as_half2(xb.x));
@@ -100,6 +110,14 @@ __device__ __forceinline__ float dot_dequantised(const half2 (&w)[16], const hal
   return acc;
 }
 
+// The same with x read from global memory, `xk` pointing at the tile's first k (16-byte
+// aligned; broadcast loads).
+__device__ __forceinline__ float dot_dequantised(const half2 (&w)[16], const half* __restrict__ xk) {
+  const uint4* xp = reinterpret_cast<const uint4*>(xk);
+  const uint4 x[4] = {__ldg(xp), __ldg(xp + 1), __ldg(xp + 2), __ldg(xp + 3)};
+  return dot_values(w, x);
+}
+
 // The same for a packed tile (`wv`, `sz`), dequantised first.
 __device__ __forceinline__ float dot_tile(uint4 wv, half2 sz, const half* __restrict__ xk) {
   half2 w[16];
@@ -112,7 +130,7 @@ __device__ __forceinline__ float dot_tile(uint4 wv, half2 sz, const half* __rest
 // ranges of `per_warp` over the block's warps, each lane's gate and up tiles loaded
 // (kBatch k tiles in flight) and dequantised once for all rows; warp 0 adds the warps' sums
 // and writes fp16(silu(g) * u) to hr[i][c*32 + column].
-template <int kWarps, int kBatch, int R>
+template <int kWarps, int kBatch, int R, bool kStaged>
 __device__ __forceinline__ void gate_up_tile(const half* const (&xr)[R], half* const (&hr)[R], int rows, int e,
                                              const uint4* __restrict__ w13_qweight,
                                              const half2* __restrict__ w13_scales, int H, int I,
@@ -134,6 +152,23 @@ __device__ __forceinline__ void gate_up_tile(const half* const (&xr)[R], half* c
   float g[R], u[R];
 #pragma unroll
   for (int i = 0; i < R; ++i) g[i] = u[i] = 0.0f;
+  // kStaged: the warp first copies its k range of the x rows to shared memory (one round
+  // trip, all loads in flight), so the dot products read x with broadcast LDS instead of a
+  // global load per row and tile that waits on the weights' dequantisation (a serial L1 /
+  // L2 round trip per row and tile).  Warps' ranges are disjoint: no block barrier.
+  __shared__ uint4 xs[kStaged ? R : 1][kStaged ? kStageMaxH / 8 : 1];
+  constexpr int kVecs = kTile / 8;  // 128-bit x vectors per k tile
+  if (kStaged && kt_begin < kt_end) {
+    const int first = kt_begin * kVecs, count = (kt_end - kt_begin) * kVecs;
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      if (i < rows) {
+        const uint4* src = reinterpret_cast<const uint4*>(xr[i]);
+        for (int v = lane; v < count; v += 32) xs[i][first + v] = __ldg(src + first + v);
+      }
+    }
+    __syncwarp();
+  }
   if (kt_begin < kt_end) {
     ScaleCursor gate_s(w13_scales + gate_tile * groups * 32 + lane, kt_begin, tiles_per_group);
     ScaleCursor up_s(w13_scales + up_tile * groups * 32 + lane, kt_begin, tiles_per_group);
@@ -159,9 +194,12 @@ __device__ __forceinline__ void gate_up_tile(const half* const (&xr)[R], half* c
 #pragma unroll
           for (int i = 0; i < R; ++i) {
             if (i < rows) {
-              const half* xk = xr[i] + (size_t)(kt + b) * kTile;
-              g[i] += dot_dequantised(wgd, xk);
-              u[i] += dot_dequantised(wud, xk);
+              uint4 xv[kVecs];
+              const uint4* xp = reinterpret_cast<const uint4*>(xr[i] + (size_t)(kt + b) * kTile);
+#pragma unroll
+              for (int q = 0; q < kVecs; ++q) xv[q] = kStaged ? xs[i][(kt + b) * kVecs + q] : __ldg(xp + q);
+              g[i] += dot_values(wgd, xv);
+              u[i] += dot_values(wud, xv);
             }
           }
         }
@@ -204,7 +242,10 @@ __device__ __forceinline__ void gate_up_body(const half* __restrict__ x, const v
   if (e < 0) return;  // another rank's expert: h[p] is never read
   const half* xr[1] = {x + (size_t)(p / top_k) * H};
   half* hr[1] = {h + (size_t)p * I};
-  gate_up_tile<kGateUpWarps, kGateUpBatch, 1>(xr, hr, 1, e, w13_qweight, w13_scales, H, I, group_size, per_warp);
+  if (H <= kStageMaxH)
+    gate_up_tile<kGateUpWarps, kGateUpBatch, 1, true>(xr, hr, 1, e, w13_qweight, w13_scales, H, I, group_size, per_warp);
+  else
+    gate_up_tile<kGateUpWarps, kGateUpBatch, 1, false>(xr, hr, 1, e, w13_qweight, w13_scales, H, I, group_size, per_warp);
 }
 
 template <int kDownWarps, int kDownBatch>
@@ -300,23 +341,39 @@ __device__ __forceinline__ void grouped_gate_up_body(const half* __restrict__ x,
     xr[i] = x + (size_t)(__ldg(sorted_pairs + rt.r0 + min(i, rt.rows - 1)) / top_k) * H;
     hr[i] = h + (size_t)(rt.r0 + i) * I;
   }
-  gate_up_tile<kWarps, kBatch, R>(xr, hr, rt.rows, rt.e, w13_qweight, w13_scales, H, I, group_size, per_warp);
+  if (H <= kStageMaxH)
+    gate_up_tile<kWarps, kBatch, R, true>(xr, hr, rt.rows, rt.e, w13_qweight, w13_scales, H, I, group_size, per_warp);
+  else
+    gate_up_tile<kWarps, kBatch, R, false>(xr, hr, rt.rows, rt.e, w13_qweight, w13_scales, H, I, group_size, per_warp);
 }
 
 // Grouped down: warp w of block (b, tile) computes output column tile c = b * kWarps + w of
 // down_e(h[s]) over all I/32 k tiles for the sorted positions s of one row tile (h in sorted
 // order, as the grouped gate_up writes it), and stores w[p] * that, fp32, at row p (the pair
 // of s) of pair_out [P, H]; w4a16_moe_gemv_pair_sum adds each token's rows in j order.
-template <int kWarps, int kBatch, int R>
+template <int kWarps, int kBatch, int R, bool kStaged>
 __device__ __forceinline__ void grouped_down_body(const half* __restrict__ h, const int* __restrict__ meta,
                                                   int E, const void* weights, int weights32,
                                                   const uint4* __restrict__ w2_qweight,
                                                   const half2* __restrict__ w2_scales,
                                                   float* __restrict__ pair_out, int H, int I, int group_size) {
   RowTile rt;
-  if (!find_row_tile(meta, E, R, blockIdx.y, rt)) return;
+  if (!find_row_tile(meta, E, R, blockIdx.y, rt)) return;  // uniform over the block
   const int lane = threadIdx.x & 31;
   const int c = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  // kStaged: the block copies the tile's h rows (all warps read all of them) to shared
+  // memory first, so the dot products read them with broadcast LDS (see gate_up_tile).
+  __shared__ uint4 hs[kStaged ? R : 1][kStaged ? kStageMaxI / 8 : 1];
+  if (kStaged) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      if (i < rt.rows) {
+        const uint4* src = reinterpret_cast<const uint4*>(h + (size_t)(rt.r0 + i) * I);
+        for (int v = threadIdx.x; v < I / 8; v += 32 * kWarps) hs[i][v] = __ldg(src + v);
+      }
+    }
+    __syncthreads();
+  }
   if (c >= H / kTile) return;  // no block-wide synchronisation below
   const int* sorted_pairs = meta + 2 * (E + 1);
   const int ktiles = I / kTile;
@@ -348,8 +405,15 @@ __device__ __forceinline__ void grouped_down_body(const half* __restrict__ h, co
         half2 w[16];
         dequant_tile(wv[b], sz[b], w);
 #pragma unroll
-        for (int i = 0; i < R; ++i)
-          if (i < rt.rows) acc[i] += dot_dequantised(w, hr[i] + (size_t)(kt + b) * kTile);
+        for (int i = 0; i < R; ++i) {
+          if (i < rt.rows) {
+            uint4 hv[kTile / 8];
+            const uint4* hp = reinterpret_cast<const uint4*>(hr[i] + (size_t)(kt + b) * kTile);
+#pragma unroll
+            for (int q = 0; q < kTile / 8; ++q) hv[q] = kStaged ? hs[i][(kt + b) * (kTile / 8) + q] : __ldg(hp + q);
+            acc[i] += dot_values(w, hv);
+          }
+        }
       }
     }
   }
@@ -398,8 +462,12 @@ w4a16_moe_gemv_pair_sum(const float* __restrict__ pair_out, const void* ids, int
   extern "C" __global__ void __launch_bounds__(32 * WARPS) w4a16_moe_gemv_grouped_down_w##WARPS##_b##BATCH##_r##R( \
       const half* h, const int* meta, int E, const void* weights, int weights32,                 \
       const uint4* w2_qweight, const half2* w2_scales, float* pair_out, int H, int I, int group_size) { \
-    onecat::grouped_down_body<WARPS, BATCH, R>(h, meta, E, weights, weights32, w2_qweight, w2_scales, \
-                                               pair_out, H, I, group_size);                     \
+    if (I <= onecat::kStageMaxI)                                                                \
+      onecat::grouped_down_body<WARPS, BATCH, R, true>(h, meta, E, weights, weights32, w2_qweight, w2_scales, \
+                                                     pair_out, H, I, group_size);               \
+    else                                                                                        \
+      onecat::grouped_down_body<WARPS, BATCH, R, false>(h, meta, E, weights, weights32, w2_qweight, w2_scales, \
+                                                      pair_out, H, I, group_size);              \
   }
 
 #define ONECAT_MOE_GATE_UP(WARPS, BATCH)                                                          \
