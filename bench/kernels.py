@@ -158,7 +158,9 @@ def moe_routing(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, weights
 
 
-def _fp16_grouped_calls(x, ids, w13_t, w2_t) -> list[tuple]:
+def _fp16_grouped_calls(
+    x: torch.Tensor, ids: torch.Tensor, w13_t: torch.Tensor, w2_t: torch.Tensor
+) -> list[tuple]:
     """fp16 grouped-matmul MoEs of this routing (tokens pre-sorted by expert) as
     ``(zero-argument callable, name)``: ``torch._grouped_mm`` where this torch and GPU run
     it, then a per-expert ``torch.matmul`` loop over the routed experts."""
@@ -197,7 +199,9 @@ def _fp16_grouped_calls(x, ids, w13_t, w2_t) -> list[tuple]:
     return calls
 
 
-def fp16_baseline_us(x, ids, w13_t, w2_t) -> tuple[float, str]:
+def fp16_baseline_us(
+    x: torch.Tensor, ids: torch.Tensor, w13_t: torch.Tensor, w2_t: torch.Tensor
+) -> tuple[float, str]:
     """Microseconds of the first fp16 grouped MoE of :func:`_fp16_grouped_calls` that a CUDA
     graph captures (kernel time, as the op's; ``torch._grouped_mm`` copies to the host during
     capture on some builds), and its name."""
