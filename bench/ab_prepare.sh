@@ -15,6 +15,12 @@
 #
 # It runs bench/e2e.py new, base, new, base, ... and prints each figure's runs and the ratio
 # of the medians (new / base); the JSON of every run goes to $OUT.
+#
+# More candidates in the same call (device time is scarce): AB_PATCHES="a.diff b.diff" makes
+# one more side per patch, the new side with that patch applied (named after the file,
+# underscores as dashes), interleaved with the others and each compared with base; at most
+# three fit the 64 MiB a call carries.  With AB_TESTS="tests/x.py ..." at run time, every
+# side but base first runs those GPU tests.
 set -eu
 base_rev=${1:?usage: bench/ab_prepare.sh BASE_REV [NEW_REV]}
 new_rev=${2:-}
@@ -29,10 +35,19 @@ if [ -n "$new_rev" ]; then
 else
   git ls-files -co --exclude-standard onecat bench tests | tar -cf - -T - | tar -x -C .ab/new
 fi
-for side in base new; do
+sides="new"
+for patch in ${AB_PATCHES:-}; do
+  side=$(basename "$patch" .diff | tr '_' '-')
+  mkdir -p ".ab/$side" && cp -r .ab/new/onecat .ab/new/bench ".ab/$side"  # tests: new's, linked at run time
+  git apply --directory=".ab/$side" "$patch" || { echo "ab_prepare: $patch does not apply to the new side" >&2; exit 1; }
+  sides="$sides $side"
+done
+echo "$sides" > .ab/sides
+for side in base $sides; do
   (cd ".ab/$side" && PYTHONPATH=$PWD "$python" -m onecat.cli build-kernels --arch sm_70 --out .ptx >/dev/null) &
 done
 wait
+rm -f .ab/*/.ptx/*.cubin  # the lent GPU runs the compute_70 PTX; carry stays under its 64 MiB (3 patches)
 cp bench/ab_summary.py .ab/
 cat > .ab/run.sh <<'RUN'
 #!/usr/bin/env bash
@@ -45,8 +60,15 @@ models=${1:-35b-a3b,27b}
 batches=${2:-1,8,32}
 rounds=${3:-2}
 export ONECAT_KERNEL_ARCH=70 PYTHONUNBUFFERED=1
+sides=$(cat "$here/sides")
+for side in ${AB_TESTS:+$sides}; do
+  echo "== GPU tests, $side"
+  [ -e "$here/$side/tests" ] || ln -s "$here/new/tests" "$here/$side/tests"
+  (cd "$here/$side" && PYTHONPATH=$PWD ONECAT_KERNEL_DIR=$PWD/.ptx timeout 300 python3 -m pytest -q -p no:cacheprovider \
+    -m gpu $AB_TESTS 2>&1 | tail -n 2)
+done
 for round in $(seq 1 "$rounds"); do
-  for side in new base; do
+  for side in $sides base; do
     echo "== $side, round $round"
     (cd "$here/$side/bench" && PYTHONPATH="$here/$side" ONECAT_KERNEL_DIR="$here/$side/.ptx" \
       timeout 300 python3 e2e.py --models "$models" --batches "$batches" --skip-hf --prefill-repeats 1 \
@@ -56,4 +78,4 @@ done
 python3 "$here/ab_summary.py" "$out"
 RUN
 chmod +x .ab/run.sh
-echo "prepared .ab (base $base_rev, new ${new_rev:-working tree}); carry .ab and run: bash .ab/run.sh"
+echo "prepared .ab (base $base_rev, new ${new_rev:-working tree}, sides: $sides); carry .ab and run: bash .ab/run.sh"

@@ -1,7 +1,8 @@
 """Summarise interleaved A/B e2e runs (``bench/ab_prepare.sh``): per model and figure, every
-run of each side and the ratio of the medians (new / base).
+run of each side and the ratio of the medians (side / base), for every side that is not base
+(``new`` and one per ``AB_PATCHES`` patch).
 
-    python bench/ab_summary.py OUT_DIR        # reads OUT_DIR/e2e_{new,base}_{round}.json
+    python bench/ab_summary.py OUT_DIR        # reads OUT_DIR/e2e_{side}_{round}.json
 """
 
 from __future__ import annotations
@@ -29,16 +30,16 @@ def collect(out_dir: Path) -> dict[tuple[str, str, str], list[float]]:
 
 
 def summary(values: dict[tuple[str, str, str], list[float]]) -> list[str]:
-    """One line per (model, figure) that both sides measured."""
+    """One line per (side, model, figure) that the side and base both measured."""
     lines = []
-    for (side, model, figure), new in sorted(values.items()):
+    for (side, model, figure), new in sorted(values.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
         base = values.get(("base", model, figure))
-        if side != "new" or not base:
+        if side == "base" or not base:
             continue
         ratio = statistics.median(new) / statistics.median(base)
         lines.append(
-            f"{model:8s} {figure:18s} new {' '.join(f'{v:.1f}' for v in new):24s} "
-            f"base {' '.join(f'{v:.1f}' for v in base):24s} new/base {ratio:.3f}"
+            f"{model:8s} {figure:18s} {side} {' '.join(f'{v:.1f}' for v in new):24s} "
+            f"base {' '.join(f'{v:.1f}' for v in base):24s} {side}/base {ratio:.3f}"
         )
     return lines
 

@@ -39,3 +39,14 @@ def test_summary_skips_figures_one_side_lacks(tmp_path):
     ab = load_summary_module()
     write_run(tmp_path / "e2e_new_1.json", 110.0, 300.0)
     assert ab.summary(ab.collect(tmp_path)) == []
+
+
+def test_summary_compares_every_patch_side_with_base(tmp_path):
+    ab = load_summary_module()
+    write_run(tmp_path / "e2e_new_1.json", 110.0, 300.0)
+    write_run(tmp_path / "e2e_wmmar-three-stages_1.json", 150.0, 300.0)
+    write_run(tmp_path / "e2e_base_1.json", 100.0, 300.0)
+    lines = [line for line in ab.summary(ab.collect(tmp_path)) if line.split()[1] == "decode_b1_tok_s"]
+    assert len(lines) == 2
+    assert lines[0].split()[2] == "new" and lines[0].endswith("new/base 1.100")
+    assert lines[1].split()[2] == "wmmar-three-stages" and lines[1].endswith("wmmar-three-stages/base 1.500")
