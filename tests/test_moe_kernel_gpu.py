@@ -212,6 +212,22 @@ def test_small_shapes_and_odd_tile_counts(h, inter, g):
                     path_of(tokens, 2))
 
 
+def test_rows_wider_than_the_staging_take_global_loads():
+    """H = 4608 (wider than the 4096 halfs gate_up stages in shared memory) and I = 2304
+    (wider than the grouped down's 2048), E = 4: the unstaged instantiations, on the gather
+    path (3 tokens) and the grouped-GEMV path (20 tokens)."""
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    e, h, inter = 4, 4608, 2304
+    tensors = (*random_stacked(e, 2 * inter, h, G, gen), *random_stacked(e, h, inter, G, gen))
+    for tokens in (3, 20):
+        ids = torch.stack([torch.randperm(e, device="cuda", generator=gen)[:2] for _ in range(tokens)]).int()
+        weights = torch.rand(tokens, 2, device="cuda", generator=gen)
+        x = torch.randn(tokens, h, device="cuda", generator=gen).half()
+        y = run_op(x, ids, weights, tensors, G)
+        check_close(y, reference(x, ids, weights, tensors, G), f"E={e} H={h} I={inter} T={tokens}",
+                    path_of(tokens, 2))
+
+
 # --- router ------------------------------------------------------------------------------
 
 
