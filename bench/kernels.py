@@ -15,9 +15,10 @@ layer: 256 experts, H=2048, I=512, top-8, g128) at 1/8/32/256/2048 tokens agains
 of the experts each call touches (distinct experts x their packed bytes, + x and out) at the
 device copy bandwidth, and against an fp16 grouped matmul of the same routing
 (``torch._grouped_mm`` on tokens already sorted by expert where this torch and GPU run it
-and a CUDA graph captures it, else a per-expert ``torch.matmul`` loop over the routed experts,
-captured in a graph, so that both sides are kernel time): both baselines leave out the routing and sorting that the op includes. Each call rotates over 8
-routings and 2 weight copies so that touched experts are mostly cold in L2.
+and a CUDA graph captures it, else a per-expert ``torch.matmul`` loop over the routed
+experts, captured in a graph, so that both sides are kernel time): both baselines leave out
+the routing and sorting that the op includes. Each call rotates over 8 routings and 2 weight
+copies so that touched experts are mostly cold in L2.
 """
 
 from __future__ import annotations
@@ -264,13 +265,11 @@ def gather_shapes() -> dict[str, list]:
     (warps, batch, rows per block) shapes of its grouped decode kernels."""
     from onecat.kernels import build
 
-    found: dict[str, list[tuple[int, ...]]] = {"gate_up": [], "down": [], "grouped": []}
+    found: dict[str, list[tuple[int, ...]]] = {"gate_up": [], "down": [], "grouped": moe.built_grouped_gemv_shapes()}
     for name in build.kernel_names("w4a16_moe_gemv"):
         if match := re.fullmatch(r"w4a16_moe_gemv_(gate_up|down)_w(\d+)_b(\d+)", name):
             kind, warps, batch = match.groups()
             found[kind].append((int(warps), int(batch)))
-        elif match := re.fullmatch(r"w4a16_moe_gemv_grouped_gate_up_w(\d+)_b(\d+)_r(\d+)", name):
-            found["grouped"].append(tuple(int(v) for v in match.groups()))
     return found
 
 

@@ -11,7 +11,7 @@ expert parallelism, vLLM's ``-1``) contribute nothing.
   gather-GEMV launches (``w4a16_moe_gemv.cu``): gate+up with SiLU-and-multiply per pair,
   then the down projection per token over its experts with the routing weights applied.
   From :data:`GROUPED_GEMV_MIN_TOKENS` tokens on, the pairs are first sorted by expert on
-  the GPU and each block serves up to :data:`GROUPED_GEMV_SHAPE` pairs of one expert, so a
+  the GPU and each block serves a few pairs of one expert (:data:`GROUPED_GEMV_SHAPE`), so a
   chosen expert's weights are read once per step however many tokens chose it; a last
   launch adds each token's pairs in a fixed order.
 - CUDA, more pairs (prefill): the pairs are sorted by expert on the GPU by one small kernel,
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import re
 
 import torch
 import torch.nn.functional as F
@@ -102,8 +103,18 @@ so that each chosen expert's weights are read and dequantised once for all its t
 block per pair (``w4a16_moe_gemv_gate_up`` / ``_down``)."""
 GROUPED_GEMV_SHAPE = (4, 4, 2)
 """``(warps per block, k tiles per warp step, pairs of one expert per block)`` of the grouped
-decode kernels (``ONECAT_MOE_GROUPED`` in ``w4a16_moe_gemv.cu`` builds the others that
+decode kernels (:func:`built_grouped_gemv_shapes` lists the others that
 ``bench/kernels.py --moe-shapes`` compares)."""
+
+
+def built_grouped_gemv_shapes() -> list[tuple[int, int, int]]:
+    """Every ``(warps, batch, rows)`` the grouped decode kernels are built in
+    (``ONECAT_MOE_GROUPED`` in ``w4a16_moe_gemv.cu``), sorted."""
+    from onecat.kernels import build
+
+    pattern = re.compile(r"w4a16_moe_gemv_grouped_gate_up_w(\d+)_b(\d+)_r(\d+)")
+    return sorted({tuple(int(v) for v in m.groups()) for name in build.kernel_names("w4a16_moe_gemv")
+                   if (m := pattern.fullmatch(name))})  # fmt: skip
 
 
 MAX_DOWN_SPLITS = 4

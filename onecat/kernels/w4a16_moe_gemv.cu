@@ -118,6 +118,16 @@ __device__ __forceinline__ float dot_dequantised(const half2 (&w)[16], const hal
   return dot_values(w, x);
 }
 
+// The 32 activation values of k tile kt of one row: from its shared-memory copy `staged`
+// (kStaged) or from global memory at `row`.
+template <bool kStaged>
+__device__ __forceinline__ void tile_values(uint4 (&out)[kTile / 8], const uint4* staged, const half* __restrict__ row,
+                                            int kt) {
+  const uint4* src = reinterpret_cast<const uint4*>(row + (size_t)kt * kTile);
+#pragma unroll
+  for (int q = 0; q < kTile / 8; ++q) out[q] = kStaged ? staged[kt * (kTile / 8) + q] : __ldg(src + q);
+}
+
 // The same for a packed tile (`wv`, `sz`), dequantised first.
 __device__ __forceinline__ float dot_tile(uint4 wv, half2 sz, const half* __restrict__ xk) {
   half2 w[16];
@@ -195,9 +205,7 @@ __device__ __forceinline__ void gate_up_tile(const half* const (&xr)[R], half* c
           for (int i = 0; i < R; ++i) {
             if (i < rows) {
               uint4 xv[kVecs];
-              const uint4* xp = reinterpret_cast<const uint4*>(xr[i] + (size_t)(kt + b) * kTile);
-#pragma unroll
-              for (int q = 0; q < kVecs; ++q) xv[q] = kStaged ? xs[i][(kt + b) * kVecs + q] : __ldg(xp + q);
+              tile_values<kStaged>(xv, xs[i], xr[i], kt + b);
               g[i] += dot_values(wgd, xv);
               u[i] += dot_values(wud, xv);
             }
@@ -408,9 +416,7 @@ __device__ __forceinline__ void grouped_down_body(const half* __restrict__ h, co
         for (int i = 0; i < R; ++i) {
           if (i < rt.rows) {
             uint4 hv[kTile / 8];
-            const uint4* hp = reinterpret_cast<const uint4*>(hr[i] + (size_t)(kt + b) * kTile);
-#pragma unroll
-            for (int q = 0; q < kTile / 8; ++q) hv[q] = kStaged ? hs[i][(kt + b) * (kTile / 8) + q] : __ldg(hp + q);
+            tile_values<kStaged>(hv, hs[i], hr[i], kt + b);
             acc[i] += dot_values(w, hv);
           }
         }
