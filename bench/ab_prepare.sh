@@ -8,7 +8,7 @@
 #
 #   bash bench/ab_prepare.sh BASE_REV [NEW_REV]     # NEW_REV default: the working tree
 #
-# writes .ab/base and .ab/new (onecat, bench, tests and their PTX) and .ab/run.sh; carry .ab
+# writes .ab/base and .ab/new (onecat, bench and their PTX; tests from NEW_REV when given) and .ab/run.sh; carry .ab
 # and run there:
 #
 #   bash .ab/run.sh [MODELS] [BATCHES] [ROUNDS]    # default: 35b-a3b,27b 1,8,32 2
@@ -25,6 +25,7 @@ set -eu
 base_rev=${1:?usage: bench/ab_prepare.sh BASE_REV [NEW_REV]}
 new_rev=${2:-}
 python=${PYTHON:-python}
+case "$python" in */*) python="$(cd "$(dirname "$python")" && pwd)/$(basename "$python")" ;; esac  # builds run in .ab/<side>
 root=$(git rev-parse --show-toplevel)
 cd "$root"
 rm -rf .ab
@@ -33,12 +34,12 @@ git archive "$base_rev" onecat bench | tar -x -C .ab/base
 if [ -n "$new_rev" ]; then
   git archive "$new_rev" onecat bench tests | tar -x -C .ab/new
 else
-  git ls-files -co --exclude-standard onecat bench tests | tar -cf - -T - | tar -x -C .ab/new
+  git ls-files -co --exclude-standard onecat bench | tar -cf - -T - | tar -x -C .ab/new  # tests: the carried tree's
 fi
 sides="new"
 for patch in ${AB_PATCHES:-}; do
   side=$(basename "$patch" .diff | tr '_' '-')
-  mkdir -p ".ab/$side" && cp -r .ab/new/onecat .ab/new/bench ".ab/$side"  # tests: new's, linked at run time
+  mkdir -p ".ab/$side" && cp -r .ab/new/onecat .ab/new/bench ".ab/$side"  # tests: linked at run time
   git apply --directory=".ab/$side" "$patch" || { echo "ab_prepare: $patch does not apply to the new side" >&2; exit 1; }
   sides="$sides $side"
 done
@@ -47,6 +48,9 @@ for side in base $sides; do
   (cd ".ab/$side" && PYTHONPATH=$PWD "$python" -m onecat.cli build-kernels --arch sm_70 --out .ptx >/dev/null) &
 done
 wait
+for side in base $sides; do
+  ls ".ab/$side/.ptx/"*.ptx >/dev/null 2>&1 || { echo "ab_prepare: the $side side's PTX did not build (PYTHON=$python)" >&2; exit 1; }
+done
 rm -f .ab/*/.ptx/*.cubin  # the lent GPU runs the compute_70 PTX; carry stays under its 64 MiB (3 patches)
 cp bench/ab_summary.py .ab/
 cat > .ab/run.sh <<'RUN'
@@ -63,7 +67,8 @@ export ONECAT_KERNEL_ARCH=70 PYTHONUNBUFFERED=1
 sides=$(cat "$here/sides")
 for side in ${AB_TESTS:+$sides}; do
   echo "== GPU tests, $side"
-  [ -e "$here/$side/tests" ] || ln -s "$here/new/tests" "$here/$side/tests"
+  tests="$here/new/tests"; [ -e "$tests" ] || tests="$here/../tests"
+  [ -e "$here/$side/tests" ] || ln -s "$tests" "$here/$side/tests"
   (cd "$here/$side" && PYTHONPATH=$PWD ONECAT_KERNEL_DIR=$PWD/.ptx timeout 300 python3 -m pytest -q -p no:cacheprovider \
     -m gpu $AB_TESTS 2>&1 | tail -n 2)
 done

@@ -147,7 +147,7 @@ def kernel_names(program: str) -> list[str]:
         found = re.findall(r"^ONECAT_GEMV\((\d+), (\d+), (\d+), \d+\)$", text, flags=re.M)
         return [f"w4a16_gemv_m{m}_w{w}_u{u}" for m, w, u in found]
     if program == "w4a16_wmma":
-        found = re.findall(r"^ONECAT_(WMMAR?)\((\d+), (\d+), (\d+)\)$", text, flags=re.M)
+        found = re.findall(r"^ONECAT_(WMMAR?)\((\d+), (\d+), (\d+)(?:, \d+)?\)", text, flags=re.M)
         return [f"w4a16_{kind.lower()}_mt{t}_w{w}_c{c}" for kind, t, w, c in found]
     if program.startswith(("w4a16_moe", "paged_attention", "gdn_prefill", "gdn_decode", "attention_prep", "all_reduce",
                            "rms_norm")):

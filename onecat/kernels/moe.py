@@ -311,14 +311,13 @@ def _cuda_moe(
              *_ints(top_k, e, h, i, group_size, math.ceil(h // TILE / gate_warps))],
         )  # fmt: skip
         splits = down_splits(t, h // TILE, device)
-        partials = stream_buffer("moe_down_partials", x.device, stream, splits * t * h, zeroed=False)
-        counters = stream_buffer("moe_down_counters", x.device, stream, t * (h // TILE), zeroed=True)
+        split_words = stream_buffer("moe_down_split_words", x.device, stream, 2 * t * h, zeroed=True)  # u64 [T, H]
         get_kernel(f"w4a16_moe_gemv_down_w{down_warps}_b{down_batch}", device).launch(
             (h // TILE, t, splits), 32 * down_warps, stream,
             [_ptr(hidden), _ptr(ids), *flags, _ptr(weights), *weights32, _ptr(w2_qweight),
              _ptr(w2_scales_zeros), _ptr(out),
              *_ints(top_k, e, h, i, group_size, math.ceil(math.ceil(top_k * (i // TILE) / splits) / down_warps)),
-             _ptr(partials), _ptr(counters)],
+             _ptr(split_words)],
         )  # fmt: skip
         return out
     # Grouped path: row tiles of one expert each; the grid covers the most tiles P pairs

@@ -164,8 +164,8 @@ class LaunchPlan:
 
     variant: Variant
     per: int  # GEMV: k tiles per warp; wmma: k tiles per split; dequant: unused
-    workspace_floats: int  # fp32 partial sums [M, N]; 0 when the kernel needs no workspace
-    counters: int  # int counters after the partial sums
+    workspace_floats: int  # split-K partial sums (32-bit units); 0 when the kernel needs none
+    counters: int  # 32-bit words after them: arrival counters, or the GEMV's SwiGLU pair words
     launch: PreparedLaunch  # the kernel with its grid, block and argument slots (built once)
     silu_mul: bool = False  # the output is silu(gate) * up [M, N/2] (see the module doc)
 
@@ -200,20 +200,24 @@ def launch_plan(
         slots = _sm_count(device_index) * kernel.max_active_blocks(_DEQUANT_THREADS)
         grid, block = (min(math.ceil(items / (_DEQUANT_THREADS // 32)), 4 * slots), 1, 1), _DEQUANT_THREADS
     elif variant.kind == "gemv":
-        per = variant.split or gemv_tiles_per_warp(kernel, n, k, device_index)
+        # A column tile's split word counts at most 255 warps (w4a16_common.cuh, split_sum_add).
+        per = max(variant.split or gemv_tiles_per_warp(kernel, n, k, device_index), math.ceil(ktiles / 254))
         warps = math.ceil((n // 32) * ktiles / per)
         grid, block = (math.ceil(warps / _GEMV_WARPS), 1, 1), 32 * _GEMV_WARPS
-        if per % ktiles != 0:  # some warp ranges cut a column tile
-            workspace, counters = m * n, n // 32
-        if silu_mul:  # the pair counters follow the split counters
-            counters = n // 32 + n // 64
+        if per % ktiles != 0:  # some warp ranges cut a column tile: one 64-bit split word per output
+            workspace = 2 * m * n
+        if silu_mul:  # then one 64-bit word per output column pair
+            counters = m * n
     else:
-        splits = variant.split or wmma_splits(kernel, variant, m, n, k, device_index)
+        # A split word counts at most 255 splits (w4a16_common.cuh, split_sum_add).
+        splits = min(variant.split or wmma_splits(kernel, variant, m, n, k, device_index), 255)
         per = math.ceil(math.ceil(ktiles / splits) / variant.chunk) * variant.chunk
         splits = math.ceil(ktiles / per)
         grid = (math.ceil(n // 32 / variant.width), splits, math.ceil(m / variant.rows))
         block = 32 * variant.width
-        if splits > 1:
+        if splits > 1 and variant.rows == 8:  # one 64-bit split word per output
+            workspace = 2 * m * n
+        elif splits > 1:  # fp32 partial sums and an arrival counter per (column group, row tile)
             workspace, counters = m * n, grid[0] * grid[2]
     if len(_plans) >= _MAX_PLANS:
         _plans.clear()
@@ -277,9 +281,8 @@ def run_plan(
         partials = scratch.data_ptr()
         counters = partials + 4 * plan.workspace_floats
     args = [x.data_ptr(), qweight.data_ptr(), scales_zeros.data_ptr(), 0 if bias is None else bias.data_ptr()]
-    if plan.silu_mul:  # the GEMV finishes gate / up tiles in a scratch y, then writes out
-        y = torch.empty((m, n), dtype=torch.float16, device=x.device)
-        plan.launch(stream, *args, y.data_ptr(), partials, counters, m, n, k, group_size, plan.per, out.data_ptr())
+    if plan.silu_mul:  # the GEMV pairs gate and up columns through its pair words and writes out only
+        plan.launch(stream, *args, 0, partials, counters, m, n, k, group_size, plan.per, out.data_ptr())
     else:
         plan.launch(stream, *args, out.data_ptr(), partials, counters, m, n, k, group_size, plan.per,
                     *([0] if plan.variant.kind == "gemv" else []))  # fmt: skip

@@ -208,6 +208,40 @@ __device__ __forceinline__ void store_dequantised_column(half* sB, int ld, int l
   }
 }
 
+// Split-K sums in ONE 64-bit word per output, so that the last contributor learns it is last
+// from the same atomic that adds its partial sum: no fence, no arrival counter, no read-back.
+// Word = count << 56 | sum of (round(partial * 2^24) + 2^47): each contributor adds its fp32
+// partial as a 2^-24 fixed-point integer (partials saturate at +-2^23, 128 x fp16's largest
+// number) biased to be non-negative, and 1 to the count; 255 contributors at most keep the
+// biased sum below 2^56.  The integer sum is exact, so the result does not depend on the
+// order of arrival.  The last contributor gets the total (fp32) and zeroes the word again for
+// the next launch (`words` start zeroed).
+constexpr int kSplitCountShift = 56;
+constexpr int kSplitMaxArrivals = 255;
+constexpr float kSplitScale = 16777216.0f;                      // 2^24
+constexpr float kSplitLimit = 140737479966720.0f;               // 2^47 - 2^23 (exact in fp32)
+constexpr long long kSplitBias = 1ll << 47;
+
+// Adds `partial` to `word`; returns the word as this atomic left it.  Issue all of a thread's
+// adds before looking at their results (split_sum_total), so that the round trips overlap.
+__device__ __forceinline__ unsigned long long split_sum_add(unsigned long long* word, float partial) {
+  const float scaled = fminf(fmaxf(partial * kSplitScale, -kSplitLimit), kSplitLimit);
+  const unsigned long long add =
+      (1ull << kSplitCountShift) + static_cast<unsigned long long>(__float2ll_rn(scaled) + kSplitBias);
+  return atomicAdd(word, add) + add;
+}
+
+// Whether the add that returned `now` was the last of `arrivals`; then `total` is the sum and
+// `word` is zeroed again.
+__device__ __forceinline__ bool split_sum_total(unsigned long long now, int arrivals, unsigned long long* word,
+                                                float& total) {
+  if (static_cast<int>(now >> kSplitCountShift) != arrivals) return false;
+  const long long biased = static_cast<long long>(now & ((1ull << kSplitCountShift) - 1));
+  total = __ll2float_rn(biased - arrivals * kSplitBias) * (1.0f / kSplitScale);
+  *word = 0ull;
+  return true;
+}
+
 // Split-K finish, called by every thread of a block after its partial sums were added to the
 // fp32 workspace with atomicAdd.  The last block to arrive for `counter` (a zeroed int per
 // output tile) returns true and may then read the complete sums (with ld.global.cg: the

@@ -12,15 +12,17 @@
 // A range crosses column-tile boundaries: the warp keeps one fp32 accumulator per row for
 // the current column tile and flushes it at each boundary:
 //   - if the warp covered the whole column tile, it writes y (+bias) directly;
-//   - otherwise it adds its partials to a zeroed fp32 workspace [rows, N] with atomicAdd and
-//     bumps the tile's counter; the last of the (known) number of warps covering the tile
-//     reads the sums back (ld.global.cg), writes y (+bias) and zeroes its workspace entries
-//     and the counter again, so one persistent workspace serves every launch.
+//   - otherwise each lane adds its partial to the column's 64-bit split word (split_sum_add,
+//     w4a16_common.cuh: one atomic that also counts the arrivals), and the lane whose atomic
+//     completes the (known) number of warps covering the tile writes y (+bias) and zeroes the
+//     word.  One L2 round trip ends the kernel, where a fp32 atomic workspace needs three
+//     (atomics, fence + counter, read-back): ~1.3-2.8 us a call on an H200 (BENCHMARKS.md).
 // With `act` (a SwiGLU layer's merged gate/up projection: gate columns 0..N/2-1, up columns
-// N/2..N-1) y is scratch and the kernel's output is act[rows, N/2] = silu(gate) * up: whoever
-// finishes a column tile writes it to y and bumps the tile PAIR's counter (gate tile t and up
-// tile t + N/64, counters after the split counters); the second of the pair reads the other
-// tile back (ld.global.cg) and writes act, so no separate activation launch runs.
+// N/2..N-1) the kernel's output is act[rows, N/2] = silu(gate) * up and y is not written:
+// whoever finishes a column adds its fp16 value and a count to the column PAIR's 64-bit word
+// (gate in bits 0-15, up in bits 16-31, count from bit 32; words [rows, N/2] after the split
+// words); the second of the pair gets both values back from its atomic, writes act and zeroes
+// the word, so no separate activation launch runs.
 // Inside a range the warp runs a two-stage software pipeline over register batches of
 // UNROLL tiles: while one batch (UNROLL 128-bit loads per lane) is dequantised and multiplied,
 // the loads of the next batch are in flight, so every warp always keeps UNROLL * 512 bytes
@@ -68,34 +70,28 @@ __device__ __forceinline__ void compute_tile(uint4 wv, half2 sz, float (&acc)[M]
   }
 }
 
-// A SwiGLU launch's column tile is final in `done` (and in y): count its pair (gate tile t,
-// up tile t + N/64) finished; the second of the two reads the other tile back and writes
-// act[m, t*32 + column] = silu(gate) * up, then re-zeroes the pair's counter.
+// A SwiGLU launch's column is final in `done[m]` for every `finished[m]`: add it to the column
+// pair's word (gate column c and up column c + N/2 share word [m, c]); the second of the two
+// gets both values back from its atomic, writes act[m, c] = silu(gate) * up and re-zeroes the
+// word.
 template <int M>
-__device__ __forceinline__ void finish_silu_mul_pair(const half (&done)[M], const half* y, half* __restrict__ act,
-                                                     int* pair_counters, int tile, int rows, int N) {
-  const int lane = threadIdx.x & 31;
+__device__ __forceinline__ void finish_silu_mul_pair(const half (&done)[M], const bool (&finished)[M],
+                                                     half* __restrict__ act, unsigned long long* pair_words,
+                                                     int tile, int N) {
   const int half_tiles = N / (2 * kTile);
   const bool is_gate = tile < half_tiles;
-  const int pair = is_gate ? tile : tile - half_tiles;
-  const int other_tile = is_gate ? tile + half_tiles : pair;
-  __threadfence();
-  __syncwarp();
-  int previous = 0;
-  if (lane == 0) previous = atomicAdd(pair_counters + pair, 1);
-  if (__shfl_sync(0xffffffffu, previous, 0) == 0) return;  // the other tile is not done yet
-  __threadfence();
-  const int column = lane_column(lane);
+  const int column = (is_gate ? tile : tile - half_tiles) * kTile + lane_column(threadIdx.x & 31);
 #pragma unroll
-  for (int m = 0; m < M; ++m)
-    if (m < rows) {
-      const unsigned short bits =
-          __ldcg(reinterpret_cast<const unsigned short*>(y + (size_t)m * N + other_tile * kTile + column));
-      const half other = __ushort_as_half(bits);
-      act[(size_t)m * (N / 2) + pair * kTile + column] =
-          is_gate ? silu_mul(done[m], other) : silu_mul(other, done[m]);
-    }
-  if (lane == 0) pair_counters[pair] = 0;
+  for (int m = 0; m < M; ++m) {
+    if (!finished[m]) continue;
+    unsigned long long* word = pair_words + (size_t)m * (N / 2) + column;
+    const unsigned long long add = (1ull << 32) | (static_cast<unsigned long long>(__half_as_ushort(done[m])) << (is_gate ? 0 : 16));
+    const unsigned long long now = atomicAdd(word, add) + add;
+    if ((now >> 32) != 2ull) continue;  // the other column is not done yet
+    act[(size_t)m * (N / 2) + column] = silu_mul(__ushort_as_half(static_cast<unsigned short>(now)),
+                                                 __ushort_as_half(static_cast<unsigned short>(now >> 16)));
+    *word = 0ull;
+  }
 }
 
 template <int UNROLL>
@@ -131,7 +127,8 @@ template <int M, int UNROLL>
 __device__ __forceinline__ void gemv_warp(const half* __restrict__ x, const uint4* __restrict__ qweight,
                                           const half2* __restrict__ scales_zeros,
                                           const half* __restrict__ bias, half* __restrict__ y,
-                                          float* __restrict__ workspace, int* __restrict__ counters,
+                                          unsigned long long* __restrict__ split_words,
+                                          unsigned long long* __restrict__ pair_words,
                                           int rows, int N, int K, int group_size, int per_warp,
                                           int warp_id, half* __restrict__ act) {
   const int lane = threadIdx.x & 31;
@@ -189,42 +186,23 @@ __device__ __forceinline__ void gemv_warp(const half* __restrict__ x, const uint
 
     const int n = tile * kTile + lane_column(lane);
     const float bias_n = bias ? __half2float(bias[n]) : 0.0f;
-    half done[M];  // the column's final values, once this warp finished the tile
-    bool finished = false;
-    if (kt_begin == 0 && kt_end == ktiles) {
+    half done[M];       // the column's final values ...
+    bool finished[M];   // ... where this lane completed them
+    const bool whole = kt_begin == 0 && kt_end == ktiles;
+    // Warps covering this tile: those whose ranges meet [tile_begin, tile_begin + ktiles).
+    const int arrivals = (tile_begin + ktiles - 1) / per_warp - tile_begin / per_warp + 1;
+    unsigned long long now[M];
 #pragma unroll
-      for (int m = 0; m < M; ++m) {
-        done[m] = __float2half_rn(acc[m] + bias_n);
-        if (m < rows) y[(size_t)m * N + n] = done[m];
-      }
-      finished = true;
-    } else {
+    for (int m = 0; m < M; ++m)
+      if (!whole && m < rows) now[m] = split_sum_add(split_words + (size_t)m * N + n, acc[m]);
 #pragma unroll
-      for (int m = 0; m < M; ++m)
-        if (m < rows) atomicAdd(workspace + (size_t)m * N + n, acc[m]);
-      __threadfence();
-      __syncwarp();
-      // Warps covering this tile: those whose ranges meet [tile_begin, tile_begin + ktiles).
-      const int arrivals = (tile_begin + ktiles - 1) / per_warp - tile_begin / per_warp + 1;
-      int previous = 0;
-      if (lane == 0) previous = atomicAdd(counters + tile, 1);
-      previous = __shfl_sync(0xffffffffu, previous, 0);
-      if (previous == arrivals - 1) {
-        __threadfence();
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-          done[m] = __float2half_rn(0.0f);
-          if (m < rows) {
-            done[m] = __float2half_rn(__ldcg(workspace + (size_t)m * N + n) + bias_n);
-            y[(size_t)m * N + n] = done[m];
-            workspace[(size_t)m * N + n] = 0.0f;  // leave it zeroed for the next launch
-          }
-        }
-        if (lane == 0) counters[tile] = 0;
-        finished = true;
-      }
+    for (int m = 0; m < M; ++m) {
+      float total = acc[m];
+      finished[m] = m < rows && (whole || split_sum_total(now[m], arrivals, split_words + (size_t)m * N + n, total));
+      done[m] = __float2half_rn(total + bias_n);
+      if (finished[m] && act == nullptr) y[(size_t)m * N + n] = done[m];
     }
-    if (act != nullptr && finished) finish_silu_mul_pair<M>(done, y, act, counters + N / kTile, tile, rows, N);
+    if (act != nullptr) finish_silu_mul_pair<M>(done, finished, act, pair_words, tile, N);
     pos = seg_end;
   }
 }
@@ -237,9 +215,9 @@ __device__ __forceinline__ void gemv_warp(const half* __restrict__ x, const uint
 #define ONECAT_GEMV(M, WARPS, UNROLL, MINB)                                                         \
   extern "C" __global__ void __launch_bounds__(32 * WARPS, MINB) w4a16_gemv_m##M##_w##WARPS##_u##UNROLL( \
       const half* x, const uint4* qweight, const half2* scales_zeros, const half* bias,       \
-      half* y, float* workspace, int* counters, int rows, int N, int K, int group_size,        \
-      int per_warp, half* act) {                                                               \
-    onecat::gemv_warp<M, UNROLL>(x, qweight, scales_zeros, bias, y, workspace, counters, rows, \
+      half* y, unsigned long long* split_words, unsigned long long* pair_words, int rows, int N, \
+      int K, int group_size, int per_warp, half* act) {                                        \
+    onecat::gemv_warp<M, UNROLL>(x, qweight, scales_zeros, bias, y, split_words, pair_words, rows, \
                                  N, K, group_size, per_warp,                                   \
                                  blockIdx.x * WARPS + (threadIdx.x >> 5), act);                \
   }

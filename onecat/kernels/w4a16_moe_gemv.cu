@@ -36,9 +36,11 @@
 //     weighted sum over experts is part of the reduction.  S = 1 (the host's choice from
 //     about two tokens up): the block writes out.  S > 1 (one token: H/32 = 64 blocks would
 //     leave half of the SMs idle with three dependent rounds of loads per warp): each block
-//     writes its fp32 partial to ws[s][t][H], and the last of the S blocks of (c, t) to
-//     arrive (a counter, left zeroed) adds them in split order and writes out.  No memset,
-//     a deterministic summation order, one write of out.
+//     adds its fp32 partial to the column's 64-bit split word [t][H] (split_sum_add,
+//     w4a16_common.cuh: an exact fixed-point sum, so the result does not depend on the order
+//     of arrival, and a count in the same atomic), and the block whose add completes the S
+//     splits writes out and re-zeroes the word.  No memset, no fence or read-back round trip,
+//     one write of out.
 //
 // Grouped decode (from moe.GROUPED_GEMV_MIN_TOKENS tokens): with one block per pair, an
 // expert chosen by n tokens (the folded shared expert: by every token) is read n times.
@@ -262,7 +264,7 @@ __device__ __forceinline__ void down_body(const half* __restrict__ h, const void
                                           const uint4* __restrict__ w2_qweight,
                                           const half2* __restrict__ w2_scales, half* __restrict__ out,
                                           int top_k, int E, int H, int I, int group_size, int per_warp,
-                                          float* ws, int* counters) {
+                                          unsigned long long* split_words) {
   const int c = blockIdx.x;
   const int t = blockIdx.y;
   const int splits = gridDim.z;
@@ -315,19 +317,14 @@ __device__ __forceinline__ void down_body(const half* __restrict__ h, const void
   __syncthreads();
   const size_t column = (size_t)c * kTile + lane_column(lane);
   float sum = 0.0f;
-  if (warp == 0) {
+  if (warp != 0) return;
 #pragma unroll
-    for (int w = 0; w < kDownWarps; ++w) sum += partial[w][lane];
-    if (splits > 1) ws[((size_t)blockIdx.z * gridDim.y + t) * H + column] = sum;
-  }
+  for (int w = 0; w < kDownWarps; ++w) sum += partial[w][lane];
   if (splits > 1) {
-    if (!arrive_last(counters + (size_t)t * htiles + c, splits)) return;
-    if (warp == 0) {
-      sum = 0.0f;
-      for (int i = 0; i < splits; ++i) sum += __ldcg(ws + ((size_t)i * gridDim.y + t) * H + column);
-    }
+    unsigned long long* word = split_words + (size_t)t * H + column;
+    if (!split_sum_total(split_sum_add(word, sum), splits, word, sum)) return;
   }
-  if (warp == 0) out[(size_t)t * H + column] = __float2half_rn(sum);
+  out[(size_t)t * H + column] = __float2half_rn(sum);
 }
 
 // --- grouped decode: one block per (column tile, row tile of one expert) ------------------
@@ -488,9 +485,9 @@ w4a16_moe_gemv_pair_sum(const float* __restrict__ pair_out, const void* ids, int
   extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) w4a16_moe_gemv_down_w##WARPS##_b##BATCH( \
       const half* h, const void* ids, int ids64, const void* weights, int weights32,            \
       const uint4* w2_qweight, const half2* w2_scales, half* out, int top_k, int E, int H, int I, \
-      int group_size, int per_warp, float* ws, int* counters) {                                 \
+      int group_size, int per_warp, unsigned long long* split_words) {                           \
     onecat::down_body<WARPS, BATCH>(h, ids, ids64, weights, weights32, w2_qweight, w2_scales, out, \
-                                    top_k, E, H, I, group_size, per_warp, ws, counters);        \
+                                    top_k, E, H, I, group_size, per_warp, split_words);         \
   }
 
 ONECAT_MOE_GATE_UP(8, 4)

@@ -27,9 +27,13 @@
 //   Rows are padded by 8 halves (to 144 or 272 bytes): fragment addresses stay 32-byte
 //   aligned and consecutive rows start 4 banks apart.
 //   Epilogue: accumulators go through shared memory (fp32, row stride 36) so that each warp
-//   writes full 64-byte rows of y; with S > 1 they are added to a zeroed fp32 workspace (which the last block zeroes
-//   again after reading it, so one persistent workspace serves every launch) and
-//   the last block of the (column group, row tile) writes y (see arrive_last).
+//   writes full 64-byte rows of y.  With S > 1 at MT = 8, each lane adds its column's partials
+//   to 64-bit split words [M, N] (split_sum_add, w4a16_common.cuh: the atomic also counts the
+//   splits, so no fence, counter or read-back) and whichever split completes an output writes
+//   it; from MT = 16 they are added to a zeroed fp32 workspace [M, N] and the last block of the
+//   (column group, row tile) reads them back (arrive_last: a fence, a counter, a read-back).
+//   H200: the split words made 8-row decode 3-4% faster end to end, and 32-row decode 12%
+//   slower (BENCHMARKS.md, 2026-12-02).
 //
 // Register-dequant variant (w4a16_wmmar_*, group sizes that are multiples of 64): step 1
 // above moves 4 bytes of fp16 through shared memory per weight (a store, then the wmma.load
@@ -231,7 +235,7 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
     }
   }
 
-  // Epilogue: fragments -> shared (fp32) -> full rows of y (or the split-K workspace).
+  // Epilogue: fragments -> shared (fp32) -> full rows of y (or the split words).
   __syncthreads();
   float* sC_warp = sC + warp * MT * kLdc;
   if constexpr (kM8) {
@@ -252,31 +256,53 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
     }
     return;
   }
-  if (tile_ok) {
-    for (int r = 0; r < rows; ++r) atomicAdd(workspace + (size_t)(m0 + r) * N + n, sC_warp[r * kLdc + lane]);
-  }
-  if (arrive_last(counters + blockIdx.z * gridDim.x + blockIdx.x, gridDim.y) && tile_ok) {
-    const float b = bias ? __half2float(bias[n]) : 0.0f;
-    for (int r = 0; r < rows; ++r) {
-      const size_t at = (size_t)(m0 + r) * N + n;
-      y[at] = __float2half_rn(__ldcg(workspace + at) + b);
-      workspace[at] = 0.0f;  // the last block leaves the workspace zeroed for the next launch
+  if (!tile_ok && kM8) return;
+  const float b = tile_ok && bias ? __half2float(bias[n]) : 0.0f;
+  if constexpr (kM8) {
+    // Split K at 8 rows: each lane adds its column's partials to the 64-bit split words (all
+    // rows' atomics in flight at once); where its add completes the gridDim.y splits, it
+    // writes y.
+    unsigned long long* words = reinterpret_cast<unsigned long long*>(workspace) + (size_t)m0 * N + n;
+    unsigned long long now[MT];
+#pragma unroll
+    for (int r = 0; r < MT; ++r)
+      if (r < rows) now[r] = split_sum_add(words + r * N, sC_warp[r * kLdc + lane]);
+#pragma unroll
+    for (int r = 0; r < MT; ++r) {
+      float total;
+      if (r < rows && split_sum_total(now[r], gridDim.y, words + r * N, total))
+        y[(size_t)(m0 + r) * N + n] = __float2half_rn(total + b);
+    }
+  } else {
+    // Split K from 16 rows: fp32 atomics into the zeroed workspace [M, N], then the last block
+    // of the (column group, row tile) reads the sums back (arrive_last).  Return-valued 64-bit
+    // atomics for every output cost more than this round trip saves here (H200, 27B b32).
+    if (tile_ok)
+      for (int r = 0; r < rows; ++r) atomicAdd(workspace + (size_t)(m0 + r) * N + n, sC_warp[r * kLdc + lane]);
+    if (arrive_last(counters + blockIdx.z * gridDim.x + blockIdx.x, gridDim.y) && tile_ok) {
+      for (int r = 0; r < rows; ++r) {
+        const size_t at = (size_t)(m0 + r) * N + n;
+        y[at] = __float2half_rn(__ldcg(workspace + at) + b);
+        workspace[at] = 0.0f;  // the last block leaves the workspace zeroed for the next launch
+      }
     }
   }
 }
 
 }  // namespace onecat
 
-#define ONECAT_WMMA_KERNEL(NAME, MT, WARPS, CT, PACKED)                                        \
-  extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(                                \
+#define ONECAT_WMMA_KERNEL(NAME, MT, WARPS, CT, PACKED, MINB)                                  \
+  extern "C" __global__ void __launch_bounds__(32 * WARPS, MINB) NAME(                          \
       const half* x, const uint4* qweight, const half2* scales_zeros, const half* bias,       \
       half* y, float* workspace, int* counters, int M, int N, int K, int group_size,          \
       int ktiles_per_split) {                                                                  \
     onecat::wmma_body<MT, WARPS, CT, PACKED>(x, qweight, scales_zeros, bias, y, workspace,      \
                                              counters, M, N, K, group_size, ktiles_per_split); \
   }
-#define ONECAT_WMMA(MT, WARPS, CT) ONECAT_WMMA_KERNEL(w4a16_wmma_mt##MT##_w##WARPS##_c##CT, MT, WARPS, CT, false)
-#define ONECAT_WMMAR(MT, WARPS, CT) ONECAT_WMMA_KERNEL(w4a16_wmmar_mt##MT##_w##WARPS##_c##CT, MT, WARPS, CT, true)
+// MINB: resident blocks per SM asked of ptxas (a register cap; 1: none).
+#define ONECAT_WMMA(MT, WARPS, CT) ONECAT_WMMA_KERNEL(w4a16_wmma_mt##MT##_w##WARPS##_c##CT, MT, WARPS, CT, false, 1)
+#define ONECAT_WMMAR(MT, WARPS, CT, MINB) \
+  ONECAT_WMMA_KERNEL(w4a16_wmmar_mt##MT##_w##WARPS##_c##CT, MT, WARPS, CT, true, MINB)
 
 ONECAT_WMMA(8, 4, 2)
 ONECAT_WMMA(8, 4, 4)
@@ -288,11 +314,11 @@ ONECAT_WMMA(32, 4, 2)
 ONECAT_WMMA(32, 4, 4)
 ONECAT_WMMA(64, 4, 2)
 // register-dequant variants (group size a multiple of 64)
-ONECAT_WMMAR(8, 4, 2)
-ONECAT_WMMAR(8, 4, 4)
-ONECAT_WMMAR(8, 8, 2)
-ONECAT_WMMAR(16, 4, 2)
-ONECAT_WMMAR(16, 8, 2)
-ONECAT_WMMAR(32, 4, 2)
-ONECAT_WMMAR(32, 8, 2)
-ONECAT_WMMAR(64, 4, 2)
+ONECAT_WMMAR(8, 4, 2, 5)  // 96 registers: 5 blocks of 4 warps an SM (the b8 decode kernel)
+ONECAT_WMMAR(8, 4, 4, 1)
+ONECAT_WMMAR(8, 8, 2, 1)
+ONECAT_WMMAR(16, 4, 2, 1)
+ONECAT_WMMAR(16, 8, 2, 1)
+ONECAT_WMMAR(32, 4, 2, 1)
+ONECAT_WMMAR(32, 8, 2, 1)
+ONECAT_WMMAR(64, 4, 2, 1)
