@@ -20,7 +20,10 @@
 # one more side per patch, the new side with that patch applied (named after the file,
 # underscores as dashes), interleaved with the others and each compared with base; at most
 # three fit the 64 MiB a call carries.  With AB_TESTS="tests/x.py ..." at run time, every
-# side but base first runs those GPU tests.
+# side but base first runs those GPU tests.  With AB_BENCH="command" at run time, each side
+# runs that command instead of e2e, in its tree with its PTX, SIDE / ROUND / OUT exported
+# (e.g. AB_BENCH='python3 bench/kernels.py --m 32 --moe-tokens "" --out $OUT/k_${SIDE}_$ROUND.md'),
+# which is how a timing-only probe patch (a kernel with a cost removed) is compared with base.
 set -eu
 base_rev=${1:?usage: bench/ab_prepare.sh BASE_REV [NEW_REV]}
 new_rev=${2:-}
@@ -75,12 +78,17 @@ done
 for round in $(seq 1 "$rounds"); do
   for side in $sides base; do
     echo "== $side, round $round"
+    if [ -n "${AB_BENCH:-}" ]; then  # a kernel benchmark instead of e2e; SIDE, ROUND and OUT set
+      (cd "$here/$side" && SIDE=$side ROUND=$round OUT=$out PYTHONPATH=$PWD ONECAT_KERNEL_DIR=$PWD/.ptx \
+        timeout 300 bash -c "$AB_BENCH" 2>&1 | tail -n 40)
+      continue
+    fi
     (cd "$here/$side/bench" && PYTHONPATH="$here/$side" ONECAT_KERNEL_DIR="$here/$side/.ptx" \
       timeout 300 python3 e2e.py --models "$models" --batches "$batches" --skip-hf --prefill-repeats 1 \
       --out "$out/e2e_${side}_$round.json" 2>&1 | grep -E "^  [0-9].*(batch|prefill)|Error" )
   done
 done
-python3 "$here/ab_summary.py" "$out"
+[ -n "${AB_BENCH:-}" ] || python3 "$here/ab_summary.py" "$out"
 RUN
 chmod +x .ab/run.sh
 echo "prepared .ab (base $base_rev, new ${new_rev:-working tree}, sides: $sides); carry .ab and run: bash .ab/run.sh"
