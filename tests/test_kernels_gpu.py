@@ -112,6 +112,33 @@ def test_every_variant_and_split(n, k, g):
                 check_close(out, ref, f"{n}x{k} g{g} M={m} {variant.name}")
 
 
+@pytest.mark.parametrize(
+    "variant_name", ["gemv-m1-u2-p5", "gemv-m4-u2-p5", "wmma-mt8-w4-c2-s3", "wmmar-mt8-w4-c2-s3", "wmmar-mt32-w4-c2-s3"]
+)
+def test_split_sums_keep_a_nan_visible(variant_name):
+    """A NaN activation must not come out finite from a split-K sum: the 64-bit split words
+    (GEMV, 8-row tensor-core kernels) count a NaN partial as their largest value, so its row
+    overflows to inf; the fp32 workspace of the larger tiles propagates NaN. Other rows stay
+    correct, and the words are left zeroed for the next call."""
+    from onecat.kernels.variants import Variant, run_variant
+
+    n, k, g = 1024, 5120, 128
+    qweight, scales_zeros, w = make_weight(n, k, g, seed=21)
+    variant = Variant.parse(variant_name)
+    m = min(variant.rows, 4)
+    x = torch.randn(m, k, dtype=torch.float16, device="cuda")
+    bad = x.clone()
+    bad[0, 7] = float("nan")
+    out = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+    run_variant(variant, bad, qweight, scales_zeros, g, out=out)
+    assert not torch.isfinite(out[0]).any(), f"{variant_name}: a NaN input gave finite outputs"
+    if m > 1:
+        check_close(out[1:], bad[1:].double() @ w.t(), f"{variant_name} rows without NaN")
+    out.fill_(float("nan"))
+    run_variant(variant, x, qweight, scales_zeros, g, out=out)  # the words were re-zeroed
+    check_close(out, x.double() @ w.t(), f"{variant_name} after the NaN call")
+
+
 def replays(op, static_x: torch.Tensor, *args, rounds: int = 2):
     """Capture ``op(static_x, *args)`` in a CUDA graph, then per round: new random ``static_x``,
     the output poisoned with NaN, one replay; yields the output after each."""

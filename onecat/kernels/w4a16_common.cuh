@@ -212,8 +212,8 @@ __device__ __forceinline__ void store_dequantised_column(half* sB, int ld, int l
 // from the same atomic that adds its partial sum: no fence, no arrival counter, no read-back.
 // Word = count << 56 | sum of (round(partial * 2^24) + 2^47): each contributor adds its fp32
 // partial as a 2^-24 fixed-point integer (partials saturate at +-2^23, 128 x fp16's largest
-// number) biased to be non-negative, and 1 to the count; 255 contributors at most keep the
-// biased sum below 2^56.  The integer sum is exact, so the result does not depend on the
+// number; NaN counts as +2^23) biased to be non-negative, and 1 to the count; 255
+// contributors at most keep the biased sum below 2^56.  The integer sum is exact, so the result does not depend on the
 // order of arrival.  The last contributor gets the total (fp32) and zeroes the word again for
 // the next launch (`words` start zeroed).
 constexpr int kSplitCountShift = 56;
@@ -225,7 +225,10 @@ constexpr long long kSplitBias = 1ll << 47;
 // Adds `partial` to `word`; returns the word as this atomic left it.  Issue all of a thread's
 // adds before looking at their results (split_sum_total), so that the round trips overlap.
 __device__ __forceinline__ unsigned long long split_sum_add(unsigned long long* word, float partial) {
-  const float scaled = fminf(fmaxf(partial * kSplitScale, -kSplitLimit), kSplitLimit);
+  // A NaN partial sums as the largest one, so that the output overflows (fp16 inf) rather
+  // than looking finite.
+  const float product = partial * kSplitScale;
+  const float scaled = product != product ? kSplitLimit : fminf(fmaxf(product, -kSplitLimit), kSplitLimit);
   const unsigned long long add =
       (1ull << kSplitCountShift) + static_cast<unsigned long long>(__float2ll_rn(scaled) + kSplitBias);
   return atomicAdd(word, add) + add;
