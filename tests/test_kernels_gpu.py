@@ -165,8 +165,8 @@ def silu_mul_reference(y64: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("n,k,g", [(1024, 5120, 128), (4352, 2048, 64), (192, 512, 32), (2176, 640, 128)])
 def test_silu_mul_epilogue_every_gemv_variant_and_split(n, k, g):
-    """The GEMV's SwiGLU launches (gate tile t paired with up tile t + N/64 through a pair
-    counter) against fp64: ranges that cut tiles or span two, half widths of 3 and 34 pairs;
+    """The GEMV's SwiGLU launches (gate column c paired with up column c + N/2 through a
+    64-bit pair word) against fp64: ranges that cut tiles or span two, half widths of 3 and 34 pairs;
     the tensor-core variants have no such epilogue and refuse the plan."""
     from onecat.kernels.variants import Variant, all_variants, run_variant
 
@@ -188,7 +188,7 @@ def test_silu_mul_epilogue_every_gemv_variant_and_split(n, k, g):
                 bias = torch.randn(n, dtype=torch.float16, device="cuda") if m % 2 else None
                 y64 = x.double() @ w.t() + (0 if bias is None else bias.double())
                 out = torch.full((m, n // 2), float("nan"), dtype=torch.float16, device="cuda")
-                for _ in range(2):  # twice: the pair counters must be left zeroed
+                for _ in range(2):  # twice: the pair words must be left zeroed
                     run_variant(variant, x, qweight, scales_zeros, g, bias, out=out, silu_mul=True)
                 check_close(out, silu_mul_reference(y64), f"silu_mul {n}x{k} g{g} M={m} {variant.name}", scale=2)
 
