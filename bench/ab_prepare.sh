@@ -8,8 +8,8 @@
 #
 #   bash bench/ab_prepare.sh BASE_REV [NEW_REV]     # NEW_REV default: the working tree
 #
-# writes .ab/base and .ab/new (onecat, bench and their PTX; tests from NEW_REV when given) and .ab/run.sh; carry .ab
-# and run there:
+# writes .ab/base and .ab/new (onecat, bench and their PTX; tests from NEW_REV when given)
+# and .ab/run.sh; carry .ab and run there:
 #
 #   bash .ab/run.sh [MODELS] [BATCHES] [ROUNDS]    # default: 35b-a3b,27b 1,8,32 2
 #

@@ -55,6 +55,9 @@ WMMAR_GROUP = 64
 """The register-dequant kernels need group sizes that are multiples of this (64 k per packed
 fragment share one scale)."""
 _TENSOR_CORE_BUILT = {"wmma": WMMA_BUILT, "wmmar": WMMAR_BUILT}
+SPLIT_MAX_ARRIVALS = 255
+"""Most contributors one 64-bit split word counts (``split_sum_add`` in w4a16_common.cuh):
+GEMV warps covering one column tile, or splits of K of the 8-row tensor-core kernels."""
 
 _GEMV_WARPS = 4
 _DEQUANT_THREADS = 128
@@ -200,8 +203,9 @@ def launch_plan(
         slots = _sm_count(device_index) * kernel.max_active_blocks(_DEQUANT_THREADS)
         grid, block = (min(math.ceil(items / (_DEQUANT_THREADS // 32)), 4 * slots), 1, 1), _DEQUANT_THREADS
     elif variant.kind == "gemv":
-        # A column tile's split word counts at most 255 warps (w4a16_common.cuh, split_sum_add).
-        per = max(variant.split or gemv_tiles_per_warp(kernel, n, k, device_index), math.ceil(ktiles / 254))
+        # A range of `per` tiles meets at most ceil(ktiles / per) + 1 column-tile ranges.
+        per = max(variant.split or gemv_tiles_per_warp(kernel, n, k, device_index),
+                  math.ceil(ktiles / (SPLIT_MAX_ARRIVALS - 1)))  # fmt: skip
         warps = math.ceil((n // 32) * ktiles / per)
         grid, block = (math.ceil(warps / _GEMV_WARPS), 1, 1), 32 * _GEMV_WARPS
         if per % ktiles != 0:  # some warp ranges cut a column tile: one 64-bit split word per output
@@ -209,8 +213,7 @@ def launch_plan(
         if silu_mul:  # then one 64-bit word per output column pair
             counters = m * n
     else:
-        # A split word counts at most 255 splits (w4a16_common.cuh, split_sum_add).
-        splits = min(variant.split or wmma_splits(kernel, variant, m, n, k, device_index), 255)
+        splits = min(variant.split or wmma_splits(kernel, variant, m, n, k, device_index), SPLIT_MAX_ARRIVALS)
         per = math.ceil(math.ceil(ktiles / splits) / variant.chunk) * variant.chunk
         splits = math.ceil(ktiles / per)
         grid = (math.ceil(n // 32 / variant.width), splits, math.ceil(m / variant.rows))

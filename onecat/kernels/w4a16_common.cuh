@@ -213,11 +213,11 @@ __device__ __forceinline__ void store_dequantised_column(half* sB, int ld, int l
 // Word = count << 56 | sum of (round(partial * 2^24) + 2^47): each contributor adds its fp32
 // partial as a 2^-24 fixed-point integer (partials saturate at +-2^23, 128 x fp16's largest
 // number; NaN counts as +2^23) biased to be non-negative, and 1 to the count; 255
-// contributors at most keep the biased sum below 2^56.  The integer sum is exact, so the result does not depend on the
+// contributors at most (the hosts' plans ensure it: variants.SPLIT_MAX_ARRIVALS) keep the
+// biased sum below 2^56.  The integer sum is exact, so the result does not depend on the
 // order of arrival.  The last contributor gets the total (fp32) and zeroes the word again for
 // the next launch (`words` start zeroed).
 constexpr int kSplitCountShift = 56;
-constexpr int kSplitMaxArrivals = 255;
 constexpr float kSplitScale = 16777216.0f;                      // 2^24
 constexpr float kSplitLimit = 140737479966720.0f;               // 2^47 - 2^23 (exact in fp32)
 constexpr long long kSplitBias = 1ll << 47;
