@@ -24,6 +24,7 @@
 # runs that command instead of e2e, in its tree with its PTX, SIDE / ROUND / OUT exported
 # (e.g. AB_BENCH='python3 bench/kernels.py --m 32 --moe-tokens "" --out $OUT/k_${SIDE}_$ROUND.md'),
 # which is how a timing-only probe patch (a kernel with a cost removed) is compared with base.
+# More than 6 output files (a call brings back 8 at most) are packed into $OUT/ab_runs.tar.
 set -eu
 base_rev=${1:?usage: bench/ab_prepare.sh BASE_REV [NEW_REV]}
 new_rev=${2:-}
@@ -89,6 +90,12 @@ for round in $(seq 1 "$rounds"); do
   done
 done
 [ -n "${AB_BENCH:-}" ] || python3 "$here/ab_summary.py" "$out"
+# A lent GPU call brings back at most 8 files from $OUT: more than 6 outputs (logs aside,
+# which the caller may still be writing) go into one tar, unpacked here with tar -xf.
+outputs=$(cd "$out" && ls -1 | grep -v -e '\.log$' -e '^ab_runs\.tar$' || true)
+if [ "$(printf '%s\n' "$outputs" | grep -c .)" -gt 6 ]; then
+  (cd "$out" && tar -cf ab_runs.tar $outputs && rm -f $outputs && echo "run.sh: outputs packed in ab_runs.tar")
+fi
 RUN
 chmod +x .ab/run.sh
 echo "prepared .ab (base $base_rev, new ${new_rev:-working tree}, sides: $sides); carry .ab and run: bash .ab/run.sh"
