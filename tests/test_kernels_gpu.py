@@ -116,10 +116,10 @@ def test_every_variant_and_split(n, k, g):
     "variant_name", ["gemv-m1-u2-p5", "gemv-m4-u2-p5", "wmma-mt8-w4-c2-s3", "wmmar-mt8-w4-c2-s3", "wmmar-mt32-w4-c2-s3"]
 )
 def test_split_sums_keep_a_nan_visible(variant_name):
-    """A NaN activation must not come out finite from a split-K sum: the 64-bit split words
-    (GEMV, 8-row tensor-core kernels) count a NaN partial as their largest value, so its row
-    overflows to inf; the fp32 workspace of the larger tiles propagates NaN. Other rows stay
-    correct, and the words are left zeroed for the next call."""
+    """A NaN activation must not come out finite from a split-K sum: the GEMV's 64-bit split
+    words count a NaN partial as their largest value, so its row overflows to inf; the
+    tensor-core kernels' fp32 slices propagate NaN. Other rows stay correct, and the next call
+    is clean (words re-zeroed, slices rewritten)."""
     from onecat.kernels.variants import Variant, run_variant
 
     n, k, g = 1024, 5120, 128

@@ -57,7 +57,7 @@ fragment share one scale)."""
 _TENSOR_CORE_BUILT = {"wmma": WMMA_BUILT, "wmmar": WMMAR_BUILT}
 SPLIT_MAX_ARRIVALS = 255
 """Most contributors one 64-bit split word counts (``split_sum_add`` in w4a16_common.cuh):
-GEMV warps covering one column tile, or splits of K of the 8-row tensor-core kernels."""
+GEMV warps covering one column tile; the tensor-core kernels' splits of K are capped alike."""
 
 _GEMV_WARPS = 4
 _DEQUANT_THREADS = 128
@@ -167,10 +167,11 @@ class LaunchPlan:
 
     variant: Variant
     per: int  # GEMV: k tiles per warp; wmma: k tiles per split; dequant: unused
-    workspace_floats: int  # split-K partial sums (32-bit units); 0 when the kernel needs none
+    workspace_floats: int  # split-K partial sums (32-bit units) zero on entry and exit; 0: none
     counters: int  # 32-bit words after them: arrival counters, or the GEMV's SwiGLU pair words
     launch: PreparedLaunch  # the kernel with its grid, block and argument slots (built once)
     silu_mul: bool = False  # the output is silu(gate) * up [M, N/2] (see the module doc)
+    slice_floats: int = 0  # 8-32-row wmma splits: fp32 partials per split, any content on entry
 
 
 _plans: dict[tuple, LaunchPlan] = {}
@@ -197,7 +198,7 @@ def launch_plan(
         raise OnecatError(f"kernel variant {variant.name} needs a group size that is a multiple of {WMMAR_GROUP}, got {group_size}")
     kernel = get_kernel(variant.kernel_name(), device_index)
     ktiles = k // 32
-    workspace = counters = per = 0
+    workspace = counters = per = slices = 0
     if variant.kind == "dequant":
         items = (n // 32) * math.ceil(ktiles / 4)
         slots = _sm_count(device_index) * kernel.max_active_blocks(_DEQUANT_THREADS)
@@ -218,16 +219,16 @@ def launch_plan(
         splits = math.ceil(ktiles / per)
         grid = (math.ceil(n // 32 / variant.width), splits, math.ceil(m / variant.rows))
         block = 32 * variant.width
-        if splits > 1 and variant.rows == 8:  # one 64-bit split word per output
-            workspace = 2 * m * n
-        elif splits > 1:  # fp32 partial sums and an arrival counter per (column group, row tile)
+        if splits > 1 and variant.rows < 64:  # a slice of fp32 partials per split; an arrival counter per (column group, row tile)
+            slices, counters = splits * grid[2] * variant.rows * n, grid[0] * grid[2]
+        elif splits > 1:  # fp32 atomics into zeroed sums
             workspace, counters = m * n, grid[0] * grid[2]
     if len(_plans) >= _MAX_PLANS:
         _plans.clear()
     p, i = ctypes.c_void_p, ctypes.c_int
     arg_types = {"dequant": [p, p, p, i, i, i], "gemv": [p] * 7 + [i] * 5 + [p]}.get(variant.kind, [p] * 7 + [i] * 5)
     launch = PreparedLaunch(kernel, grid, block, arg_types)
-    plan = _plans[key] = LaunchPlan(variant, per, workspace, counters, launch, silu_mul)
+    plan = _plans[key] = LaunchPlan(variant, per, workspace, counters, launch, silu_mul, slices)
     return plan
 
 
@@ -279,10 +280,12 @@ def run_plan(
             return torch.addmm(bias, x, weight.t(), out=out)
         return torch.mm(x, weight.t(), out=out)
     partials = counters = 0
-    if plan.workspace_floats or plan.counters:
+    if plan.workspace_floats or plan.counters:  # what the kernels leave zero for the next launch
         scratch = stream_buffer("w4a16-split", x.device, stream, plan.workspace_floats + plan.counters, zeroed=True)
         partials = scratch.data_ptr()
         counters = partials + 4 * plan.workspace_floats
+    if plan.slice_floats:  # kept apart: the slices are left holding partials
+        partials = stream_buffer("w4a16-split-slices", x.device, stream, plan.slice_floats, zeroed=False).data_ptr()
     args = [x.data_ptr(), qweight.data_ptr(), scales_zeros.data_ptr(), 0 if bias is None else bias.data_ptr()]
     if plan.silu_mul:  # the GEMV pairs gate and up columns through its pair words and writes out only
         plan.launch(stream, *args, 0, partials, counters, m, n, k, group_size, plan.per, out.data_ptr())

@@ -27,13 +27,11 @@
 //   Rows are padded by 8 halves (to 144 or 272 bytes): fragment addresses stay 32-byte
 //   aligned and consecutive rows start 4 banks apart.
 //   Epilogue: accumulators go through shared memory (fp32, row stride 36) so that each warp
-//   writes full 64-byte rows of y.  With S > 1 at MT = 8, each lane adds its column's partials
-//   to 64-bit split words [M, N] (split_sum_add, w4a16_common.cuh: the atomic also counts the
-//   splits, so no fence, counter or read-back) and whichever split completes an output writes
-//   it; from MT = 16 they are added to a zeroed fp32 workspace [M, N] and the last block of the
-//   (column group, row tile) reads them back (arrive_last: a fence, a counter, a read-back).
-//   H200: the split words made 8-row decode 3-4% faster end to end, and 32-row decode 12%
-//   slower (BENCHMARKS.md, 2026-12-02).
+//   writes full 64-byte rows of y.  With S > 1, up to MT = 32 each split stores them in its
+//   own fp32 slice of a workspace (plain stores, any content on entry) and the last block of
+//   the (column group, row tile) adds the slices in split order (arrive_last: a fence, a
+//   counter, a read-back); at MT = 64 they are added to a zeroed fp32 [M, N] with atomics and
+//   read back by the last block.
 //
 // Register-dequant variant (w4a16_wmmar_*, group sizes that are multiples of 64): step 1
 // above moves 4 bytes of fp16 through shared memory per weight (a store, then the wmma.load
@@ -235,7 +233,7 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
     }
   }
 
-  // Epilogue: fragments -> shared (fp32) -> full rows of y (or the split words).
+  // Epilogue: fragments -> shared (fp32) -> full rows of y (or the split slices).
   __syncthreads();
   float* sC_warp = sC + warp * MT * kLdc;
   if constexpr (kM8) {
@@ -256,35 +254,59 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
     }
     return;
   }
-  if (!tile_ok && kM8) return;
   const float b = tile_ok && bias ? __half2float(bias[n]) : 0.0f;
-  if constexpr (kM8) {
-    // Split K at 8 rows: each lane adds its column's partials to the 64-bit split words (all
-    // rows' atomics in flight at once); where its add completes the gridDim.y splits, it
-    // writes y.
-    unsigned long long* words = reinterpret_cast<unsigned long long*>(workspace) + (size_t)m0 * N + n;
-    unsigned long long now[MT];
+  {
+    // Split K from 8 to 32 rows: each split stores its fp32 partials in its own slice of a
+    // workspace laid out [S][row tiles][column tiles][MT][32] (one 128-byte row of a warp's
+    // tile after another: one base pointer and constant offsets), with plain stores: no
+    // atomics, nothing to re-zero.  The last block of the (column group, row tile)
+    // (arrive_last) adds the S slices in split order, so the sum does not depend on the order
+    // of arrival.  64 rows (no registers to spare for loads in flight): fp32 atomics into a
+    // zeroed [M, N], read back and re-zeroed by the last block.  Return-valued 64-bit atomics
+    // for every output cost more than either here (H200, 27B b32).
+    const int splits = gridDim.y;
+    const size_t slice = (size_t)gridDim.z * tiles_n * MT * 32;  // floats per split
+    float* mine = workspace + ((size_t)blockIdx.z * tiles_n + (tile_ok ? tile : 0)) * MT * 32 + lane;
+    if constexpr (MT >= 64) {
+      if (tile_ok)
+        for (int r = 0; r < rows; ++r) atomicAdd(workspace + (size_t)(m0 + r) * N + n, sC_warp[r * kLdc + lane]);
+    } else if (tile_ok) {
 #pragma unroll
-    for (int r = 0; r < MT; ++r)
-      if (r < rows) now[r] = split_sum_add(words + r * N, sC_warp[r * kLdc + lane]);
-#pragma unroll
-    for (int r = 0; r < MT; ++r) {
-      float total;
-      if (r < rows && split_sum_total(now[r], gridDim.y, words + r * N, total))
-        y[(size_t)(m0 + r) * N + n] = __float2half_rn(total + b);
+      for (int r = 0; r < MT; ++r)
+        if (r < rows) mine[blockIdx.y * slice + r * 32] = sC_warp[r * kLdc + lane];
     }
-  } else {
-    // Split K from 16 rows: fp32 atomics into the zeroed workspace [M, N], then the last block
-    // of the (column group, row tile) reads the sums back (arrive_last).  Return-valued 64-bit
-    // atomics for every output cost more than this round trip saves here (H200, 27B b32).
-    if (tile_ok)
-      for (int r = 0; r < rows; ++r) atomicAdd(workspace + (size_t)(m0 + r) * N + n, sC_warp[r * kLdc + lane]);
-    if (arrive_last(counters + blockIdx.z * gridDim.x + blockIdx.x, gridDim.y) && tile_ok) {
+    if (!arrive_last(counters + blockIdx.z * gridDim.x + blockIdx.x, splits) || !tile_ok) return;
+    if constexpr (MT >= 64) {
       for (int r = 0; r < rows; ++r) {
         const size_t at = (size_t)(m0 + r) * N + n;
         y[at] = __float2half_rn(__ldcg(workspace + at) + b);
-        workspace[at] = 0.0f;  // the last block leaves the workspace zeroed for the next launch
+        workspace[at] = 0.0f;  // the last block leaves the sums zeroed for the next launch
       }
+    } else {
+      // kSlices slices of all MT rows per round, their loads in flight together (a loop over
+      // rows would wait on one L2 round trip per row).
+      constexpr int kSlices = MT >= 16 ? 2 : 4;
+      float total[MT];
+#pragma unroll
+      for (int r = 0; r < MT; ++r) total[r] = 0.0f;
+#pragma unroll 1
+      for (int s0 = 0; s0 < splits; s0 += kSlices) {
+        float v[kSlices][MT];
+#pragma unroll
+        for (int u = 0; u < kSlices; ++u) {
+          const float* from = mine + (size_t)min(s0 + u, splits - 1) * slice;
+#pragma unroll
+          for (int r = 0; r < MT; ++r) v[u][r] = r < rows ? __ldcg(from + r * 32) : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < kSlices; ++u)
+#pragma unroll
+          for (int r = 0; r < MT; ++r)
+            if (s0 + u < splits) total[r] += v[u][r];
+      }
+#pragma unroll
+      for (int r = 0; r < MT; ++r)
+        if (r < rows) y[(size_t)(m0 + r) * N + n] = __float2half_rn(total[r] + b);
     }
   }
 }
