@@ -14,7 +14,9 @@
 #   bash .ab/run.sh [MODELS] [BATCHES] [ROUNDS]    # default: 35b-a3b,27b 1,8,32 2
 #
 # It runs bench/e2e.py new, base, new, base, ... and prints each figure's runs and the ratio
-# of the medians (new / base); the JSON of every run goes to $OUT.
+# of the medians (new / base); the JSON of every run goes to $OUT.  Each side has its own
+# cache directory (ONECAT_CACHE_DIR): the tuning table is keyed by the kernel sources only,
+# so sides that differ outside the .cu files would otherwise share each other's choices.
 #
 # More candidates in the same call (device time is scarce): AB_PATCHES="a.diff b.diff" makes
 # one more side per patch, the new side with that patch applied (named after the file,
@@ -73,18 +75,18 @@ for side in ${AB_TESTS:+$sides}; do
   echo "== GPU tests, $side"
   tests="$here/new/tests"; [ -e "$tests" ] || tests="$here/../tests"
   [ -e "$here/$side/tests" ] || ln -s "$tests" "$here/$side/tests"
-  (cd "$here/$side" && PYTHONPATH=$PWD ONECAT_KERNEL_DIR=$PWD/.ptx timeout 300 python3 -m pytest -q -p no:cacheprovider \
+  (cd "$here/$side" && PYTHONPATH=$PWD ONECAT_KERNEL_DIR=$PWD/.ptx ONECAT_CACHE_DIR=$PWD/.cache timeout 300 python3 -m pytest -q -p no:cacheprovider \
     -m gpu $AB_TESTS 2>&1 | tail -n 2)
 done
 for round in $(seq 1 "$rounds"); do
   for side in $sides base; do
     echo "== $side, round $round"
     if [ -n "${AB_BENCH:-}" ]; then  # a kernel benchmark instead of e2e; SIDE, ROUND and OUT set
-      (cd "$here/$side" && SIDE=$side ROUND=$round OUT=$out PYTHONPATH=$PWD ONECAT_KERNEL_DIR=$PWD/.ptx \
+      (cd "$here/$side" && SIDE=$side ROUND=$round OUT=$out PYTHONPATH=$PWD ONECAT_KERNEL_DIR=$PWD/.ptx ONECAT_CACHE_DIR=$PWD/.cache \
         timeout 300 bash -c "$AB_BENCH" 2>&1 | tail -n 40)
       continue
     fi
-    (cd "$here/$side/bench" && PYTHONPATH="$here/$side" ONECAT_KERNEL_DIR="$here/$side/.ptx" \
+    (cd "$here/$side/bench" && PYTHONPATH="$here/$side" ONECAT_KERNEL_DIR="$here/$side/.ptx" ONECAT_CACHE_DIR="$here/$side/.cache" \
       timeout 300 python3 e2e.py --models "$models" --batches "$batches" --skip-hf --prefill-repeats 1 \
       --out "$out/e2e_${side}_$round.json" 2>&1 | grep -E "^  [0-9].*(batch|prefill)|Error" )
   done

@@ -146,15 +146,18 @@ def gemv_tiles_per_warp(kernel: Kernel, n: int, k: int, device_index: int) -> in
 
 def wmma_splits(kernel: Kernel, variant: Variant, m: int, n: int, k: int, device_index: int) -> int:
     """Splits of K minimising a wave model: rounds of resident blocks x (k tiles per block +
-    an epilogue worth about 2 k tiles)."""
+    an epilogue worth about 2 k tiles), plus the last block's finish, which up to 32 rows
+    reads every split's slice: about 1.5 k tiles a split at 32 rows (H200 sweep of
+    ``bench/wmma_splits.py``, BENCHMARKS.md 2026-12-02), in proportion to the rows."""
     ktiles = k // 32
     units = math.ceil(n // 32 / variant.width) * math.ceil(m / variant.rows)
     slots = _sm_count(device_index) * kernel.max_active_blocks(32 * variant.width)
+    finish = 1.5 * variant.rows / 32 if variant.rows < 64 else 0.0
     best, best_cost = 1, float("inf")
     for splits in range(1, max(1, ktiles // (2 * variant.chunk)) + 1):
         per = math.ceil(math.ceil(ktiles / splits) / variant.chunk) * variant.chunk
         actual = math.ceil(ktiles / per)
-        cost = math.ceil(units * actual / slots) * (per + 2) + (0.5 if actual > 1 else 0)
+        cost = math.ceil(units * actual / slots) * (per + 2) + (0.5 + finish * actual if actual > 1 else 0)
         if cost < best_cost:
             best, best_cost = actual, cost
     return best
