@@ -222,7 +222,8 @@ def launch_plan(
         splits = math.ceil(ktiles / per)
         grid = (math.ceil(n // 32 / variant.width), splits, math.ceil(m / variant.rows))
         block = 32 * variant.width
-        if splits > 1 and variant.rows < 64:  # a slice of fp32 partials per split; an arrival counter per (column group, row tile)
+        if splits > 1 and variant.rows < 64:
+            # a slice of fp32 partials per split; an arrival counter per (column group, row tile)
             slices, counters = splits * grid[2] * variant.rows * n, grid[0] * grid[2]
         elif splits > 1:  # fp32 atomics into zeroed sums
             workspace, counters = m * n, grid[0] * grid[2]
