@@ -30,17 +30,10 @@ import torch
 
 from onecat.kernels.shapes import BENCH_SHAPES
 from onecat.kernels.timing import copies_for, graph_time_us
+from onecat.kernels.tuning import random_packed_weights
 from onecat.kernels.variants import Variant, launch_plan
 
 GROUP = 128
-
-
-def random_packed(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random packed int4 weight and (scale, -zero*scale) pairs, docs/FORMAT.md layout."""
-    qweight = torch.randint(-(2**31), 2**31 - 1, (n // 32, k // 32, 32, 4), dtype=torch.int32, device="cuda")
-    s = (torch.rand(n // 32, k // GROUP, 32, 1, device="cuda") * 0.01 + 0.001).half()
-    z = torch.randint(0, 16, s.shape, device="cuda").half()
-    return qweight, torch.cat([s, -(z * s)], dim=-1).contiguous()
 
 
 def dequantise(qweight: torch.Tensor, scales_zeros: torch.Tensor, out: torch.Tensor, rows: int) -> None:
@@ -102,13 +95,14 @@ def main() -> None:
     ms = [int(v) for v in args.m.split(",")]
     chunks = [int(v) for v in args.chunks.split(",")]
     side = torch.cuda.Stream()
+    gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("| shape | N x K | M | fp16 us | whole us | x fp16 | best chunked | us | x fp16 |")
     print("|---|---|---|---|---|---|---|---|---|")
     for label, n, k in BENCH_SHAPES:
         if args.shapes and not any(label.startswith(p) for p in args.shapes.split(",")):
             continue
-        copies = [random_packed(n, k) for _ in range(copies_for(n * k // 2))]
+        copies = [random_packed_weights(n, k, GROUP, gen) for _ in range(copies_for(n * k // 2))]
         w16 = [torch.randn(n, k, dtype=torch.float16, device="cuda") * 0.02 for _ in range(copies_for(2 * n * k, limit=4))]
         w = torch.empty(n, k, dtype=torch.float16, device="cuda")
         for m in ms:

@@ -135,7 +135,7 @@ def test_split_sums_keep_a_nan_visible(variant_name):
     if m > 1:
         check_close(out[1:], bad[1:].double() @ w.t(), f"{variant_name} rows without NaN")
     out.fill_(float("nan"))
-    run_variant(variant, x, qweight, scales_zeros, g, out=out)  # the words were re-zeroed
+    run_variant(variant, x, qweight, scales_zeros, g, out=out)  # words re-zeroed, slices rewritten
     check_close(out, x.double() @ w.t(), f"{variant_name} after the NaN call")
 
 

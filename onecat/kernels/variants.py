@@ -57,7 +57,7 @@ fragment share one scale)."""
 _TENSOR_CORE_BUILT = {"wmma": WMMA_BUILT, "wmmar": WMMAR_BUILT}
 SPLIT_MAX_ARRIVALS = 255
 """Most contributors one 64-bit split word counts (``split_sum_add`` in w4a16_common.cuh):
-GEMV warps covering one column tile; the tensor-core kernels' splits of K are capped alike."""
+GEMV warps covering one column tile."""
 
 _GEMV_WARPS = 4
 _DEQUANT_THREADS = 128
@@ -217,7 +217,7 @@ def launch_plan(
         if silu_mul:  # then one 64-bit word per output column pair
             counters = m * n
     else:
-        splits = min(variant.split or wmma_splits(kernel, variant, m, n, k, device_index), SPLIT_MAX_ARRIVALS)
+        splits = variant.split or wmma_splits(kernel, variant, m, n, k, device_index)
         per = math.ceil(math.ceil(ktiles / splits) / variant.chunk) * variant.chunk
         splits = math.ceil(ktiles / per)
         grid = (math.ceil(n // 32 / variant.width), splits, math.ceil(m / variant.rows))

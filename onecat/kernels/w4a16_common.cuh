@@ -213,7 +213,8 @@ __device__ __forceinline__ void store_dequantised_column(half* sB, int ld, int l
 // Word = count << 56 | sum of (round(partial * 2^24) + 2^47): each contributor adds its fp32
 // partial as a 2^-24 fixed-point integer (partials saturate at +-2^23, 128 x fp16's largest
 // number; NaN counts as +2^23) biased to be non-negative, and 1 to the count; 255
-// contributors at most (the hosts' plans ensure it: variants.SPLIT_MAX_ARRIVALS) keep the
+// contributors at most (the GEMV's plans ensure it: variants.SPLIT_MAX_ARRIVALS; the MoE
+// down's splits stay far below: moe.MAX_DOWN_SPLITS) keep the
 // biased sum below 2^56.  The integer sum is exact, so the result does not depend on the
 // order of arrival.  The last contributor gets the total (fp32) and zeroes the word again for
 // the next launch (`words` start zeroed).
@@ -245,10 +246,11 @@ __device__ __forceinline__ bool split_sum_total(unsigned long long now, int arri
   return true;
 }
 
-// Split-K finish, called by every thread of a block after its partial sums were added to the
-// fp32 workspace with atomicAdd.  The last block to arrive for `counter` (a zeroed int per
-// output tile) returns true and may then read the complete sums (with ld.global.cg: the
-// other blocks' atomics live in L2, never in this SM's L1).  Classic threadfence reduction.
+// Split-K finish, called by every thread of a block after its partial sums were written to
+// global memory (atomicAdd into a workspace, or plain stores into its own slice).  The last
+// block to arrive for `counter` (a zeroed int per output tile) returns true and may then read
+// the complete sums (with ld.global.cg: the other blocks' writes live in L2, never in this
+// SM's L1).  Classic threadfence reduction.
 __device__ __forceinline__ bool arrive_last(int* counter, int arrivals) {
   __shared__ int is_last;
   __threadfence();

@@ -255,59 +255,57 @@ __device__ __forceinline__ void wmma_body(const half* __restrict__ x, const uint
     return;
   }
   const float b = tile_ok && bias ? __half2float(bias[n]) : 0.0f;
-  {
-    // Split K from 8 to 32 rows: each split stores its fp32 partials in its own slice of a
-    // workspace laid out [S][row tiles][column tiles][MT][32] (one 128-byte row of a warp's
-    // tile after another: one base pointer and constant offsets), with plain stores: no
-    // atomics, nothing to re-zero.  The last block of the (column group, row tile)
-    // (arrive_last) adds the S slices in split order, so the sum does not depend on the order
-    // of arrival.  64 rows (no registers to spare for loads in flight): fp32 atomics into a
-    // zeroed [M, N], read back and re-zeroed by the last block.  Return-valued 64-bit atomics
-    // for every output cost more than either here (H200, 27B b32).
-    const int splits = gridDim.y;
-    const size_t slice = (size_t)gridDim.z * tiles_n * MT * 32;  // floats per split
-    float* mine = workspace + ((size_t)blockIdx.z * tiles_n + (tile_ok ? tile : 0)) * MT * 32 + lane;
-    if constexpr (MT >= 64) {
-      if (tile_ok)
-        for (int r = 0; r < rows; ++r) atomicAdd(workspace + (size_t)(m0 + r) * N + n, sC_warp[r * kLdc + lane]);
-    } else if (tile_ok) {
+  // Split K from 8 to 32 rows: each split stores its fp32 partials in its own slice of a
+  // workspace laid out [S][row tiles][column tiles][MT][32] (one 128-byte row of a warp's
+  // tile after another: one base pointer and constant offsets), with plain stores: no
+  // atomics, nothing to re-zero.  The last block of the (column group, row tile)
+  // (arrive_last) adds the S slices in split order, so the sum does not depend on the order
+  // of arrival.  64 rows (no registers to spare for loads in flight): fp32 atomics into a
+  // zeroed [M, N], read back and re-zeroed by the last block.  Return-valued 64-bit atomics
+  // for every output cost more than either here (H200, 27B b32).
+  const int splits = gridDim.y;
+  const size_t slice = (size_t)gridDim.z * tiles_n * MT * 32;  // floats per split
+  float* mine = workspace + ((size_t)blockIdx.z * tiles_n + (tile_ok ? tile : 0)) * MT * 32 + lane;
+  if constexpr (MT >= 64) {
+    if (tile_ok)
+      for (int r = 0; r < rows; ++r) atomicAdd(workspace + (size_t)(m0 + r) * N + n, sC_warp[r * kLdc + lane]);
+  } else if (tile_ok) {
 #pragma unroll
-      for (int r = 0; r < MT; ++r)
-        if (r < rows) mine[blockIdx.y * slice + r * 32] = sC_warp[r * kLdc + lane];
+    for (int r = 0; r < MT; ++r)
+      if (r < rows) mine[blockIdx.y * slice + r * 32] = sC_warp[r * kLdc + lane];
+  }
+  if (!arrive_last(counters + blockIdx.z * gridDim.x + blockIdx.x, splits) || !tile_ok) return;
+  if constexpr (MT >= 64) {
+    for (int r = 0; r < rows; ++r) {
+      const size_t at = (size_t)(m0 + r) * N + n;
+      y[at] = __float2half_rn(__ldcg(workspace + at) + b);
+      workspace[at] = 0.0f;  // the last block leaves the sums zeroed for the next launch
     }
-    if (!arrive_last(counters + blockIdx.z * gridDim.x + blockIdx.x, splits) || !tile_ok) return;
-    if constexpr (MT >= 64) {
-      for (int r = 0; r < rows; ++r) {
-        const size_t at = (size_t)(m0 + r) * N + n;
-        y[at] = __float2half_rn(__ldcg(workspace + at) + b);
-        workspace[at] = 0.0f;  // the last block leaves the sums zeroed for the next launch
-      }
-    } else {
-      // kSlices slices of all MT rows per round, their loads in flight together (a loop over
-      // rows would wait on one L2 round trip per row).
-      constexpr int kSlices = MT >= 16 ? 2 : 4;
-      float total[MT];
+  } else {
+    // kSlices slices of all MT rows per round, their loads in flight together (a loop over
+    // rows would wait on one L2 round trip per row).
+    constexpr int kSlices = MT >= 16 ? 2 : 4;
+    float total[MT];
 #pragma unroll
-      for (int r = 0; r < MT; ++r) total[r] = 0.0f;
+    for (int r = 0; r < MT; ++r) total[r] = 0.0f;
 #pragma unroll 1
-      for (int s0 = 0; s0 < splits; s0 += kSlices) {
-        float v[kSlices][MT];
+    for (int s0 = 0; s0 < splits; s0 += kSlices) {
+      float v[kSlices][MT];
 #pragma unroll
-        for (int u = 0; u < kSlices; ++u) {
-          const float* from = mine + (size_t)min(s0 + u, splits - 1) * slice;
+      for (int u = 0; u < kSlices; ++u) {
+        const float* from = mine + (size_t)min(s0 + u, splits - 1) * slice;
 #pragma unroll
-          for (int r = 0; r < MT; ++r) v[u][r] = r < rows ? __ldcg(from + r * 32) : 0.0f;
-        }
-#pragma unroll
-        for (int u = 0; u < kSlices; ++u)
-#pragma unroll
-          for (int r = 0; r < MT; ++r)
-            if (s0 + u < splits) total[r] += v[u][r];
+        for (int r = 0; r < MT; ++r) v[u][r] = r < rows ? __ldcg(from + r * 32) : 0.0f;
       }
 #pragma unroll
-      for (int r = 0; r < MT; ++r)
-        if (r < rows) y[(size_t)(m0 + r) * N + n] = __float2half_rn(total[r] + b);
+      for (int u = 0; u < kSlices; ++u)
+#pragma unroll
+        for (int r = 0; r < MT; ++r)
+          if (s0 + u < splits) total[r] += v[u][r];
     }
+#pragma unroll
+    for (int r = 0; r < MT; ++r)
+      if (r < rows) y[(size_t)(m0 + r) * N + n] = __float2half_rn(total[r] + b);
   }
 }
 
