@@ -69,8 +69,8 @@
 // conversion pass per step (two more launches at decode, where launches dominate) and
 // their order varies from run to run; the virtual-K walk needs neither.
 //
-// Arithmetic, as in w4a16_gemv.cu: weights dequantised in registers (the contract
-// fma.rn.f16x2(q, s, -z*s)), products summed in fp16 in runs of 8 then in fp32.
+// Arithmetic: weights dequantised in registers as in w4a16_gemv.cu (the contract
+// fma.rn.f16x2(q, s, -z*s)), products summed in fp16 in runs of 16 (a k tile) then in fp32.
 #include "w4a16_common.cuh"
 
 namespace onecat {
@@ -90,26 +90,27 @@ __device__ __forceinline__ float pair_weight(const void* w, int w32, int p) {
 }
 
 // Dot product of this lane's 32 dequantised k of one tile `w` with the tile's 32 x values
-// `x` (8 per 128-bit vector).
+// `x` (8 per 128-bit vector): two fp16x2 chains of 8 products each (every fp16 lane sums 8
+// products), added in fp16 once, then the two halves in fp32 -- one conversion a tile.
 __device__ __forceinline__ float dot_values(const half2 (&w)[16], const uint4 (&x)[4]) {
-  float acc = 0.0f;
-#pragma unroll
-  for (int pair = 0; pair < 2; ++pair) {  // 16 k per pair of words
-    const uint4 xa = x[2 * pair];
-    const uint4 xb = x[2 * pair + 1];
-    const half2* wp = w + 8 * pair;
-    half2 p = __hmul2(wp[0], as_half2(xa.x));
-    half2 q = __hmul2(wp[4], as_half2(xb.x));
-    p = __hfma2(wp[1], as_half2(xa.y), p);
-    q = __hfma2(wp[5], as_half2(xb.y), q);
-    p = __hfma2(wp[2], as_half2(xa.z), p);
-    q = __hfma2(wp[6], as_half2(xb.z), q);
-    p = __hfma2(wp[3], as_half2(xa.w), p);
-    q = __hfma2(wp[7], as_half2(xb.w), q);
-    const float2 f = __half22float2(__hadd2(p, q));
-    acc += f.x + f.y;
-  }
-  return acc;
+  half2 p = __hmul2(w[0], as_half2(x[0].x));
+  half2 q = __hmul2(w[4], as_half2(x[1].x));
+  p = __hfma2(w[1], as_half2(x[0].y), p);
+  q = __hfma2(w[5], as_half2(x[1].y), q);
+  p = __hfma2(w[2], as_half2(x[0].z), p);
+  q = __hfma2(w[6], as_half2(x[1].z), q);
+  p = __hfma2(w[3], as_half2(x[0].w), p);
+  q = __hfma2(w[7], as_half2(x[1].w), q);
+  p = __hfma2(w[8], as_half2(x[2].x), p);
+  q = __hfma2(w[12], as_half2(x[3].x), q);
+  p = __hfma2(w[9], as_half2(x[2].y), p);
+  q = __hfma2(w[13], as_half2(x[3].y), q);
+  p = __hfma2(w[10], as_half2(x[2].z), p);
+  q = __hfma2(w[14], as_half2(x[3].z), q);
+  p = __hfma2(w[11], as_half2(x[2].w), p);
+  q = __hfma2(w[15], as_half2(x[3].w), q);
+  const float2 f = __half22float2(__hadd2(p, q));
+  return f.x + f.y;
 }
 
 // The same with x read from global memory, `xk` pointing at the tile's first k (16-byte
