@@ -11,9 +11,9 @@ summed with the routing weights. Tolerance: every output finite, elementwise
 ``|y - ref| <= 4e-3 * |ref| + c * rms(ref)`` and ``||y - ref|| / ||ref|| <= n`` with
 c = 4e-3, n = 2e-3 on the grouped wmma path (fp32 accumulation, as the linear op's tests)
 and c = 1e-2, n = 3e-3 on the gather-GEMV and grouped-GEMV paths (same dot products): its two chained projections each form fp16
-partial sums of 8 products (about 5e-4 of the rms per projection, estimated from the linear
-GEMV's measured 2e-3 worst case at K = 128), and the worst of 10^4..10^5 outputs lies
-about 4.5 sigma out. A wrong expert, column or routing weight is off by O(rms). The caching allocator's free blocks are filled with NaN before
+partial sums of 16 products (about 7e-4 of the rms per projection: sqrt(2) x the 5e-4
+estimated for the linear GEMV's sums of 8 from its measured 2e-3 worst case at K = 128), and
+the worst of 10^4..10^5 outputs lies about 4.5 sigma out. A wrong expert, column or routing weight is off by O(rms). The caching allocator's free blocks are filled with NaN before
 each call, so an output or hidden row the kernels never write fails the finiteness check.
 Shapes are Qwen3.5-35B-A3B's (E = 256, H = 2048, I = 512, top-8, g = 128) unless noted;
 T < 16 takes the gather-GEMV path, 16..32 the grouped-GEMV path, more tokens the grouped wmma

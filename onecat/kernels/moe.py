@@ -420,7 +420,7 @@ def w4a16_moe(
 
     Returns:
         ``[T, H]`` in ``x.dtype``: fp32 sums, ``silu(gate) * up`` rounded to fp16 between the
-        projections (the GEMV forms fp16 partial sums of 8 products, as the linear op does).
+        projections (the decode kernels form fp16 partial sums of 16 products per k tile).
 
     Raises:
         OnecatError: on a wrong dtype, shape or device, or non-contiguous weights on the GPU.
