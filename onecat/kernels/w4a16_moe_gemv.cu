@@ -92,8 +92,8 @@ __device__ __forceinline__ float pair_weight(const void* w, int w32, int p) {
 // Dot product of this lane's 32 dequantised k of one tile `w` with the tile's 32 x values
 // `x` (8 per 128-bit vector): two fp16x2 chains of 8 products a fp16 lane, added in fp16
 // (16 products a lane), then the two lanes in fp32: one conversion a tile.  The dense GEMV
-// converts every 16 k (partial sums of 8); here the conversions were ~5% of the issue-bound
-// decode kernels' instructions (BENCHMARKS.md, 2026-12-02 morning).
+// converts every 16 k (partial sums of 8); converting per tile here cut the grouped gate_up's
+// sm_90 code by 6% (static count) in these issue-bound kernels (BENCHMARKS.md, 2026-12-02).
 __device__ __forceinline__ float dot_values(const half2 (&w)[16], const uint4 (&x)[4]) {
   half2 p = __hmul2(w[0], as_half2(x[0].x));
   half2 q = __hmul2(w[4], as_half2(x[1].x));
