@@ -140,9 +140,10 @@ def test_folded_shared_expert_matches_the_separate_mlp(device, tokens):
     folded = layer(x)
     assert layer.shared_expert.down_proj.qweight.data_ptr() == layer.experts.w2_qweight[cfg.num_experts].data_ptr()
     rows = layer.router_rows  # router and shared gate rows in one tensor, the two layers viewing it
-    assert rows.shape == (cfg.num_experts + 1, cfg.hidden_size)
+    assert rows.shape == (-(-(cfg.num_experts + 1) // 8) * 8, cfg.hidden_size)  # zero rows pad to a multiple of 8
+    assert not rows[cfg.num_experts + 1 :].any()
     assert layer.gate.weight.data_ptr() == rows.data_ptr()
-    assert layer.shared_expert_gate.weight.data_ptr() == rows[-1].data_ptr()
+    assert layer.shared_expert_gate.weight.data_ptr() == rows[cfg.num_experts].data_ptr()
     scale = separate.float().abs().max()
     assert (folded.float() - separate.float()).abs().max() <= 5e-3 * scale, "folded vs separate shared expert"
     assert fold_shared_experts(layer) == 1, "folding again changes nothing"

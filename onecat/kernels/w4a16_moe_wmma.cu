@@ -3,7 +3,10 @@
 // in three launches and no host sync:
 //
 //   1. w4a16_moe_wmma_align (one block): counts the pairs per expert, prefix-sums them and
-//      the 64-row tiles they need, and scatters the pair indices into expert order:
+//      the 64-row tiles they need (warp shuffles, then warp 0 over the 32 warps' totals: two
+//      barriers, where the shared-memory scan it replaced took 20: 35B-A3B decode +0.4-0.7% at
+//      batches 16-32 on the H200, BENCHMARKS.md 2026-12-02), and scatters the pair indices into
+//      expert order:
 //        expert_start [E+1]  first sorted position of expert e (expert_start[E] = valid pairs)
 //        tile_start   [E+1]  first row tile of expert e        (tile_start[E] = row tiles)
 //        sorted_pairs [P]    pair index p = t*top_k + j at each sorted position
@@ -52,7 +55,7 @@ constexpr int kMoeWarps = 4;    // warps per block (32 columns each)
 constexpr int kMoeChunk = 2;    // k tiles per chunk (CT)
 constexpr int kMoeLds = kMoeChunk * kTile + 8;  // shared row stride in halves (144 bytes)
 constexpr int kMoeLdc = 36;                     // epilogue row stride in floats
-constexpr int kAlignThreads = 1024;             // also the largest E the align kernel takes
+constexpr int kAlignThreads = 1024;             // 32 warps; also the largest E the align kernel takes
 
 template <int ROWS, bool PACKED>
 struct MoeSmem {  // shared memory of a ROWS-row tile: sA + sB in the main loop, sC after it
@@ -267,10 +270,9 @@ __device__ __forceinline__ void moe_tile(const half* __restrict__ a, const int* 
 extern "C" __global__ void __launch_bounds__(onecat::kAlignThreads)
 w4a16_moe_wmma_align(const void* ids, int ids64, int P, int E, int rows_per_tile, int* __restrict__ meta) {
   using namespace onecat;
-  __shared__ int pairs_sum[kAlignThreads];
-  __shared__ int tiles_sum[kAlignThreads];
   __shared__ int cursor[kAlignThreads];
-  const int tid = threadIdx.x;
+  __shared__ int warp_pairs[kAlignThreads / 32], warp_tiles[kAlignThreads / 32];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   cursor[tid] = 0;
   __syncthreads();
   for (int p = tid; p < P; p += kAlignThreads) {
@@ -280,26 +282,38 @@ w4a16_moe_wmma_align(const void* ids, int ids64, int P, int E, int rows_per_tile
   __syncthreads();
   const int count = tid < E ? cursor[tid] : 0;
   const int tiles = (count + rows_per_tile - 1) / rows_per_tile;
-  pairs_sum[tid] = count;
-  tiles_sum[tid] = tiles;
-  __syncthreads();
-  for (int offset = 1; offset < kAlignThreads; offset <<= 1) {  // inclusive scans
-    const int a = tid >= offset ? pairs_sum[tid - offset] : 0;
-    const int b = tid >= offset ? tiles_sum[tid - offset] : 0;
-    __syncthreads();
-    pairs_sum[tid] += a;
-    tiles_sum[tid] += b;
-    __syncthreads();
+  // Inclusive scans of both counts over the block: within each warp by shuffles, then of the
+  // 32 warps' totals by warp 0 (two barriers, where a shared-memory scan takes two a step).
+  int pairs_sum = count, tiles_sum = tiles;
+#pragma unroll
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    const int a = __shfl_up_sync(0xffffffffu, pairs_sum, offset);
+    const int b = __shfl_up_sync(0xffffffffu, tiles_sum, offset);
+    if (lane >= offset) pairs_sum += a, tiles_sum += b;
   }
-  const int start = pairs_sum[tid] - count;
+  if (lane == 31) warp_pairs[warp] = pairs_sum, warp_tiles[warp] = tiles_sum;
+  __syncthreads();
+  if (warp == 0) {
+    int a = warp_pairs[lane], b = warp_tiles[lane];
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const int ua = __shfl_up_sync(0xffffffffu, a, offset);
+      const int ub = __shfl_up_sync(0xffffffffu, b, offset);
+      if (lane >= offset) a += ua, b += ub;
+    }
+    warp_pairs[lane] = a, warp_tiles[lane] = b;
+  }
+  __syncthreads();
+  if (warp > 0) pairs_sum += warp_pairs[warp - 1], tiles_sum += warp_tiles[warp - 1];
+  const int start = pairs_sum - count;
   if (tid < E) {
     meta[tid] = start;
-    meta[E + 1 + tid] = tiles_sum[tid] - tiles;
+    meta[E + 1 + tid] = tiles_sum - tiles;
     cursor[tid] = start;
   }
   if (tid == E - 1) {
-    meta[E] = pairs_sum[tid];
-    meta[2 * E + 1] = tiles_sum[tid];
+    meta[E] = pairs_sum;
+    meta[2 * E + 1] = tiles_sum;
   }
   __syncthreads();
   int* sorted_pairs = meta + 2 * (E + 1);
