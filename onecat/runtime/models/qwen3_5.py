@@ -608,9 +608,9 @@ class SparseMoE(nn.Module):
         """Keep the router's rows and the shared gate's row in one tensor (the two layers then
         view it), so that a batch above the one-launch router's size projects both with one GEMM
         and routes with one kernel (``moe_route`` with the shared expert). The ``E+1`` rows are
-        padded with zero rows to a multiple of 8: cuBLAS then writes aligned logit rows without
-        a split-K GEMM and its reduce launch (35B-A3B decode +0.6-0.7% at batches 16-32 on the
-        H200, BENCHMARKS.md 2026-12-02)."""
+        padded with zero rows to a multiple of 8, so that cuBLAS writes aligned logit rows (the
+        257-row stack took an ``align1`` kernel and a split-K reduce launch): 35B-A3B decode
+        +0.6-0.7% at batches 16-32 on the H200 (BENCHMARKS.md 2026-12-02)."""
         if not self._plain_router():
             return
         gate, shared_gate = self.gate, self.shared_expert_gate
