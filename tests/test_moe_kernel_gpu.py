@@ -212,6 +212,24 @@ def test_small_shapes_and_odd_tile_counts(h, inter, g):
                     path_of(tokens, 2))
 
 
+@pytest.mark.parametrize("tokens", [20, 400])  # grouped GEMV (16-32 tokens), grouped wmma
+def test_the_most_experts_the_align_step_takes(tokens):
+    """E = 1024 (``MAX_EXPERTS``: one align thread per expert, every warp of its shuffle scan
+    holding counts) with every token's first choice on the last expert: the pair and tile
+    offsets of all 32 warps' experts must chain correctly."""
+    from onecat.kernels.moe import MAX_EXPERTS
+
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    e, h, inter, g = MAX_EXPERTS, 64, 64, 32
+    tensors = (*random_stacked(e, 2 * inter, h, g, gen), *random_stacked(e, h, inter, g, gen))
+    ids = torch.randint(0, e, (tokens, 4), device="cuda", generator=gen, dtype=torch.int32)
+    ids[:, 0] = e - 1
+    weights = torch.rand(tokens, 4, device="cuda", generator=gen)
+    x = torch.randn(tokens, h, device="cuda", generator=gen).half()
+    y = run_op(x, ids, weights, tensors, g)
+    check_close(y, reference(x, ids, weights, tensors, g), f"E={e} T={tokens}", path_of(tokens, 4))
+
+
 def test_rows_wider_than_the_staging_take_global_loads():
     """H = 4608 (wider than the 4096 halfs gate_up stages in shared memory) and I = 2304
     (wider than the grouped down's 2048), E = 4: the unstaged instantiations, on the gather
