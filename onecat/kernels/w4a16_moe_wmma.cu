@@ -56,6 +56,7 @@ constexpr int kMoeChunk = 2;    // k tiles per chunk (CT)
 constexpr int kMoeLds = kMoeChunk * kTile + 8;  // shared row stride in halves (144 bytes)
 constexpr int kMoeLdc = 36;                     // epilogue row stride in floats
 constexpr int kAlignThreads = 1024;             // 32 warps; also the largest E the align kernel takes
+static_assert(kAlignThreads == 32 * 32, "the align kernel's warp 0 scans one total per warp");
 
 template <int ROWS, bool PACKED>
 struct MoeSmem {  // shared memory of a ROWS-row tile: sA + sB in the main loop, sC after it
