@@ -8,7 +8,8 @@ profile exactly one launch of each kernel of interest:
         --launch-count 8 --section WarpStateStats --section SpeedOfLight python ncu_targets.py
 
 Targets: the 27B merged gate/up (34816 x 5120) and down (5120 x 17408) at M = 8 and 32 on
-the register-dequant wmma kernels, and the 35B-A3B MoE op and router at 1, 8 and 32 tokens.
+the register-dequant wmma kernels, the 35B-A3B one-row GEMVs (in_proj_qkvz 12288 x 2048,
+out_proj 2048 x 4096) and the 35B-A3B MoE op and router at ``--moe-tokens`` (1, 8 and 32).
 """
 
 from __future__ import annotations
@@ -33,13 +34,22 @@ def dense_targets(gen: torch.Generator, repeats: int) -> None:
                 run_variant(Variant.parse(name), x, qweight, scales_zeros, GROUP)
 
 
-def moe_targets(gen: torch.Generator, repeats: int) -> None:
+def gemv_targets(gen: torch.Generator, repeats: int) -> None:
+    """The 35B-A3B GDN layer's one-row projections on the default GEMV (one wave of warps)."""
+    for n, k in ((12288, 2048), (2048, 4096)):
+        qweight, scales_zeros = random_packed_weights(n, k, GROUP, gen)
+        x = torch.randn(1, k, dtype=torch.float16, device="cuda", generator=gen)
+        for _ in range(repeats):
+            run_variant(Variant.parse("gemv-m1-u4-p0"), x, qweight, scales_zeros, GROUP)
+
+
+def moe_targets(gen: torch.Generator, repeats: int, token_counts: tuple[int, ...] = (1, 8, 32)) -> None:
     """The 35B-A3B MoE op (routed top-8 plus the folded shared expert) and router."""
     w13 = random_experts(MOE_EXPERTS, 2 * MOE_INTER, MOE_HIDDEN)
     w2 = random_experts(MOE_EXPERTS, MOE_HIDDEN, MOE_INTER)
     router = (torch.randn(MOE_EXPERTS - 1, MOE_HIDDEN, device="cuda", generator=gen) / 32).half()
     shared = (torch.randn(1, MOE_HIDDEN, device="cuda", generator=gen) / 32).half()
-    for tokens in (1, 8, 32):
+    for tokens in token_counts:
         x = torch.randn(tokens, MOE_HIDDEN, dtype=torch.float16, device="cuda", generator=gen)
         for _ in range(repeats):
             weights, ids, _ = moe_router(x, router, shared, MOE_TOP_K, MOE_EXPERTS - 1)
@@ -50,13 +60,16 @@ def main() -> None:
     """Run the targets (see the module doc)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--only", choices=("dense", "moe"), default=None)
+    parser.add_argument("--only", choices=("dense", "gemv", "moe"), default=None)
+    parser.add_argument("--moe-tokens", default="1,8,32")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    if args.only != "moe":
+    if args.only in (None, "dense"):
         dense_targets(gen, args.repeats)
-    if args.only != "dense":
-        moe_targets(gen, args.repeats)
+    if args.only in (None, "gemv"):
+        gemv_targets(gen, args.repeats)
+    if args.only in (None, "moe"):
+        moe_targets(gen, args.repeats, tuple(int(t) for t in args.moe_tokens.split(",")))
     torch.cuda.synchronize()
 
 
