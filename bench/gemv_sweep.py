@@ -6,7 +6,7 @@ For each ``N x K`` weight (default: the Qwen3.5-35B-A3B decode projections, whos
 GEMVs are the largest kernel group of its batch-1 step) this times, in the same run and as
 the tuner does (median of CUDA-graph replays, calls rotating over weight copies larger than
 L2), every built ``gemv-m1`` unroll depth at k tiles per warp from a quarter of one wave's
-share up to a whole column, every built ``gemvb`` (split along K inside a block), and three floors for moving the same bytes in one launch:
+share up to a whole column, and three floors for moving the same bytes in one launch:
 ``copy`` (``Tensor.copy_`` of half the packed bytes, so bytes read + written match), ``fp16
 matvec`` (cuBLAS on an fp16 weight of the same byte count) and ``tiny op`` (a one-element
 add: what a launch in a graph costs by itself).
@@ -25,7 +25,6 @@ from onecat.kernels.timing import graph_time_us
 from onecat.kernels.tuning import random_packed_weights, weight_copies
 from onecat.kernels.variants import (
     GEMV_BUILT,
-    GEMVB_BUILT,
     Variant,
     gemv_tiles_per_warp,
     run_variant,
@@ -48,11 +47,6 @@ def sweep_shape(n: int, k: int, group_size: int) -> dict[str, float]:
         base = gemv_tiles_per_warp(get_kernel(Variant("gemv", 1, unroll).kernel_name(), 0), n, k, 0)
         for per in sorted({max(4, base // 4), max(4, base // 2), base, 2 * base, 4 * base, ktiles}):
             variant = Variant("gemv", 1, unroll, per)
-            calls = [lambda qw=qw, sz=sz, v=variant: run_variant(v, x, qw, sz, group_size, None, out) for qw, sz in copies]
-            row[variant.name] = graph_time_us(calls)
-    for warps, pers in GEMVB_BUILT.items():
-        for per in pers:
-            variant = Variant("gemvb", 1, warps, per)
             calls = [lambda qw=qw, sz=sz, v=variant: run_variant(v, x, qw, sz, group_size, None, out) for qw, sz in copies]
             row[variant.name] = graph_time_us(calls)
     halves = [torch.empty(packed_bytes // 4, device="cuda", dtype=torch.float16) for _ in range(len(copies))]

@@ -145,8 +145,7 @@ def kernel_names(program: str) -> list[str]:
     text = source_text(program)
     if program == "w4a16_gemv":
         found = re.findall(r"^ONECAT_GEMV\((\d+), (\d+), (\d+), \d+\)$", text, flags=re.M)
-        blocks = re.findall(r"^ONECAT_GEMVB\((\d+), (\d+), \d+\)$", text, flags=re.M)
-        return [f"w4a16_gemv_m{m}_w{w}_u{u}" for m, w, u in found] + [f"w4a16_gemvb_w{w}_p{p}" for w, p in blocks]
+        return [f"w4a16_gemv_m{m}_w{w}_u{u}" for m, w, u in found]
     if program == "w4a16_wmma":
         found = re.findall(r"^ONECAT_(WMMAR?)\((\d+), (\d+), (\d+)(?:, \d+)?\)", text, flags=re.M)
         return [f"w4a16_{kind.lower()}_mt{t}_w{w}_c{c}" for kind, t, w, c in found]

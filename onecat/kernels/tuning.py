@@ -26,7 +26,6 @@ from onecat.kernels.loader import get_kernel
 from onecat.kernels.timing import copies_for, graph_time_us
 from onecat.kernels.variants import (
     GEMV_BUILT,
-    GEMVB_BUILT,
     WMMA_BUILT,
     WMMAR_BUILT,
     Variant,
@@ -100,8 +99,6 @@ def candidates(m: int, n: int, k: int, device_index: int, group_size: int = 128)
             base = gemv_tiles_per_warp(kernel, n, k, device_index)
             for per in sorted({base, 2 * base}):
                 found.append(Variant("gemv", gemv_rows, unroll, per))
-    if m == 1:
-        found += [Variant("gemvb", 1, warps, per) for warps, pers in GEMVB_BUILT.items() for per in pers]
     tiles = [t for t in WMMA_BUILT if t >= min(m, 64)][:2]
     if m > 64:
         tiles = [64] if m <= 256 else []  # beyond that cuBLAS wins by far

@@ -5,9 +5,6 @@ A variant is named by a short string, stored as is in the tuner's cache:
 - ``gemv-m{R}-u{U}-p{P}``: CUDA-core GEMV (w4a16_gemv.cu) for up to R in {1, 2, 4} rows,
   U k tiles loaded ahead per warp step, P k tiles per warp (0: spread the weight evenly over
   one wave of resident warps);
-- ``gemvb-w{W}-p{P}``: the one-row GEMV with the split along K inside a block (w4a16_gemv.cu's
-  ``w4a16_gemvb``): W warps a block, P k tiles a warp, all loaded at once; ``ceil(K / (32 W P))``
-  blocks along K;
 - ``wmma-mt{T}-w{W}-c{C}-s{S}``: tensor-core kernel (w4a16_wmma.cu), row tiles of T in
   {8, 16, 32, 64}, W warps (32*W columns) per block, chunks of C k tiles, S splits of K
   (0: chosen by a wave model from the GPU's occupancy);
@@ -40,8 +37,6 @@ from onecat.kernels.workspace import stream_buffer
 
 GEMV_BUILT = {1: (2, 4), 2: (2,), 4: (2,)}
 """GEMV rows -> unroll depths instantiated in w4a16_gemv.cu (4 warps per block)."""
-GEMVB_BUILT = {8: (8, 4), 4: (8, 4)}
-"""Block-split GEMV: warps per block -> k tiles per warp instantiated in w4a16_gemv.cu."""
 WMMA_BUILT = {
     8: ((4, 2), (4, 4), (8, 2)),
     16: ((4, 2), (4, 4), (8, 2)),
@@ -72,10 +67,10 @@ _DEQUANT_THREADS = 128
 class Variant:
     """One kernel variant with its launch parameters (see the module doc for the names)."""
 
-    kind: str  # "gemv", "gemvb", "wmma", "wmmar" or "dequant"
-    rows: int = 0  # GEMV: rows of the kernel (gemvb: 1); wmma: row tile
-    width: int = 0  # GEMV: unroll depth; gemvb and wmma: warps per block
-    split: int = 0  # GEMV, gemvb: k tiles per warp; wmma: splits of K; 0 = automatic
+    kind: str  # "gemv", "wmma", "wmmar" or "dequant"
+    rows: int = 0  # GEMV: rows of the kernel; wmma: row tile
+    width: int = 0  # GEMV: unroll depth; wmma: warps per block
+    split: int = 0  # GEMV: k tiles per warp; wmma: splits of K; 0 = automatic
     chunk: int = 2  # wmma: k tiles per chunk
 
     @property
@@ -83,8 +78,6 @@ class Variant:
         """The variant's name, e.g. ``gemv-m1-u4-p0``."""
         if self.kind == "gemv":
             return f"gemv-m{self.rows}-u{self.width}-p{self.split}"
-        if self.kind == "gemvb":
-            return f"gemvb-w{self.width}-p{self.split}"
         if self.kind in _TENSOR_CORE_BUILT:
             return f"{self.kind}-mt{self.rows}-w{self.width}-c{self.chunk}-s{self.split}"
         return "dequant"
@@ -97,9 +90,6 @@ class Variant:
         if m := re.fullmatch(r"gemv-m(\d+)-u(\d+)-p(\d+)", name):
             variant = Variant("gemv", *map(int, m.groups()))
             built = variant.width in GEMV_BUILT.get(variant.rows, ())
-        elif m := re.fullmatch(r"gemvb-w(\d+)-p(\d+)", name):
-            variant = Variant("gemvb", 1, *map(int, m.groups()))
-            built = variant.split in GEMVB_BUILT.get(variant.width, ())
         elif m := re.fullmatch(r"(wmmar?)-mt(\d+)-w(\d+)-c(\d+)-s(\d+)", name):
             kind = m.group(1)
             rows, width, chunk, split = map(int, m.groups()[1:])
@@ -112,8 +102,8 @@ class Variant:
         return variant
 
     def supports(self, m: int) -> bool:
-        """Whether this variant can run ``m`` rows (the GEMVs have a fixed row limit)."""
-        return self.kind not in ("gemv", "gemvb") or m <= self.rows
+        """Whether this variant can run ``m`` rows (the GEMV has a fixed row limit)."""
+        return self.kind != "gemv" or m <= self.rows
 
     def supports_group(self, group_size: int) -> bool:
         """Whether this variant can run weights quantized with ``group_size``."""
@@ -129,8 +119,6 @@ class Variant:
         """The ``extern "C"`` name of the kernel this variant launches."""
         if self.kind == "gemv":
             return f"w4a16_gemv_m{self.rows}_w{_GEMV_WARPS}_u{self.width}"
-        if self.kind == "gemvb":
-            return f"w4a16_gemvb_w{self.width}_p{self.split}"
         if self.kind in _TENSOR_CORE_BUILT:
             return f"w4a16_{self.kind}_mt{self.rows}_w{self.width}_c{self.chunk}"
         return "w4a16_dequant"
@@ -181,7 +169,7 @@ class LaunchPlan:
     resolved once per (variant, M, N, K, group, device) by :func:`launch_plan`."""
 
     variant: Variant
-    per: int  # GEMV: k tiles per warp; gemvb: blocks along K; wmma: k tiles per split; dequant: unused
+    per: int  # GEMV: k tiles per warp; wmma: k tiles per split; dequant: unused
     workspace_floats: int  # split-K partial sums (32-bit units) zero on entry and exit; 0: none
     counters: int  # 32-bit words after them: arrival counters, or the GEMV's SwiGLU pair words
     launch: PreparedLaunch  # the kernel with its grid, block and argument slots (built once)
@@ -228,11 +216,6 @@ def launch_plan(
             workspace = 2 * m * n
         if silu_mul:  # then one 64-bit word per output column pair
             counters = m * n
-    elif variant.kind == "gemvb":
-        per = math.ceil(ktiles / (variant.width * variant.split))  # blocks along K
-        grid, block = (n // 32, per, 1), 32 * variant.width
-        if per > 1:
-            workspace = 2 * m * n
     else:
         splits = variant.split or wmma_splits(kernel, variant, m, n, k, device_index)
         per = math.ceil(math.ceil(ktiles / splits) / variant.chunk) * variant.chunk
@@ -247,8 +230,7 @@ def launch_plan(
     if len(_plans) >= _MAX_PLANS:
         _plans.clear()
     p, i = ctypes.c_void_p, ctypes.c_int
-    gemv_args = [p] * 7 + [i] * 5 + [p]
-    arg_types = {"dequant": [p, p, p, i, i, i], "gemv": gemv_args, "gemvb": gemv_args}.get(variant.kind, [p] * 7 + [i] * 5)
+    arg_types = {"dequant": [p, p, p, i, i, i], "gemv": [p] * 7 + [i] * 5 + [p]}.get(variant.kind, [p] * 7 + [i] * 5)
     launch = PreparedLaunch(kernel, grid, block, arg_types)
     plan = _plans[key] = LaunchPlan(variant, per, workspace, counters, launch, silu_mul, slices)
     return plan
@@ -313,14 +295,13 @@ def run_plan(
         plan.launch(stream, *args, 0, partials, counters, m, n, k, group_size, plan.per, out.data_ptr())
     else:
         plan.launch(stream, *args, out.data_ptr(), partials, counters, m, n, k, group_size, plan.per,
-                    *([0] if plan.variant.kind in ("gemv", "gemvb") else []))  # fmt: skip
+                    *([0] if plan.variant.kind == "gemv" else []))  # fmt: skip
     return out
 
 
 def all_variants() -> list[Variant]:
     """Every built variant with automatic parameters (what the doctor self-tests)."""
     found = [Variant("gemv", r, u, 0) for r, us in GEMV_BUILT.items() for u in us]
-    found += [Variant("gemvb", 1, w, p) for w, ps in GEMVB_BUILT.items() for p in ps]
     found += [
         Variant(kind, t, w, 0, c) for kind, built in _TENSOR_CORE_BUILT.items() for t, wcs in built.items() for w, c in wcs
     ]

@@ -30,23 +30,13 @@
 // small and stays in L1/L2).
 //
 // Arithmetic: weights are dequantised in registers (lop3 magic number + one fma.rn.f16x2
-// each: the dequant contract).  The products of two packed words (16 k) are summed with two
-// mul.f16x2, six fma.f16x2 and one add.f16x2 into two fp16 partial sums of 8 products each, which are
-// converted and added to the fp32 accumulator.  So products and 8-term partial sums are
-// fp16 and every longer sum is fp32: converting every product (F2F runs at a quarter of the
-// FMA rate on sm_70) would make the kernel instruction-bound instead of memory-bound.
-//
-// w4a16_gemvb_w{W}_p{P}: the same one-row product with the split along K done inside a block,
-// for weights with a K of a few thousand (the 35B-A3B's projections, K = 2048 or 4096), where
-// the stream-K ranges above cost one 64-bit atomic per warp and output.  Grid (N/32, S), W
-// warps a block: block (c, s) computes column tile c over the k tiles [s W P, (s + 1) W P);
-// warp w takes the P tiles from (s W + w) P and issues ALL their weight and scale loads at
-// once (P tiles are a warp's whole job, so there is nothing to pipeline), then dequantises and
-// multiplies them (compute_tile, the arithmetic above).  The W warps' 32 column sums meet in
-// shared memory, where warp 0 adds them in warp order.  With S = 1 (K <= 32 W P) it writes
-// y (+bias) itself; otherwise it adds the block's sum to the column's 64-bit split word (one
-// atomic per block and output) and the last of the S blocks writes y.  Tiles past K (the
-// last block of a K that is not a multiple of 32 W P) are skipped.
+// each: the dequant contract).  The products of a tile (32 k, four packed words) are summed
+// with two mul.f16x2, fourteen fma.f16x2 and one add.f16x2 into two fp16 partial sums of 16
+// products each, which are converted and added to the fp32 accumulator: one conversion a
+// tile.  So products and 16-term partial sums are fp16 and every longer sum is fp32:
+// converting every product (F2F runs at a quarter of the FMA rate on sm_70) would make the
+// kernel instruction-bound instead of memory-bound.  (One conversion per 16 k instead cost
+// 5 more instructions a tile; the MoE decode kernels made the same change, BENCHMARKS.md.)
 #include "w4a16_common.cuh"
 
 namespace onecat {
@@ -62,23 +52,25 @@ __device__ __forceinline__ void compute_tile(uint4 wv, half2 sz, float (&acc)[M]
   for (int m = 0; m < M; ++m) {
     // Rows past `rows` re-read row 0 (always valid memory); their sums are dropped.
     const uint4* xp = reinterpret_cast<const uint4*>(xk + (m < rows ? (size_t)m * K : 0));
+    // Two independent 8-deep chains over the whole tile (words 0, 1 and words 2, 3 of each
+    // 16-k half of x), one add and one conversion a tile.
+    half2 p, q;
 #pragma unroll
-    for (int pair = 0; pair < 2; ++pair) {  // words 2*pair and 2*pair+1 (16 k)
+    for (int pair = 0; pair < 2; ++pair) {
       const uint4 xa = __ldg(xp + 2 * pair);
       const uint4 xb = __ldg(xp + 2 * pair + 1);
       const half2* wp = w + 8 * pair;
-      // Two independent 4-deep chains (shorter dependency chains), then one add.
-      half2 p = __hmul2(wp[0], as_half2(xa.x));
-      half2 q = __hmul2(wp[4], as_half2(xb.x));
+      p = pair == 0 ? __hmul2(wp[0], as_half2(xa.x)) : __hfma2(wp[0], as_half2(xa.x), p);
+      q = pair == 0 ? __hmul2(wp[4], as_half2(xb.x)) : __hfma2(wp[4], as_half2(xb.x), q);
       p = __hfma2(wp[1], as_half2(xa.y), p);
       q = __hfma2(wp[5], as_half2(xb.y), q);
       p = __hfma2(wp[2], as_half2(xa.z), p);
       q = __hfma2(wp[6], as_half2(xb.z), q);
       p = __hfma2(wp[3], as_half2(xa.w), p);
       q = __hfma2(wp[7], as_half2(xb.w), q);
-      const float2 f = __half22float2(__hadd2(p, q));
-      acc[m] += f.x + f.y;
     }
+    const float2 f = __half22float2(__hadd2(p, q));
+    acc[m] += f.x + f.y;
   }
 }
 
@@ -219,54 +211,6 @@ __device__ __forceinline__ void gemv_warp(const half* __restrict__ x, const uint
   }
 }
 
-// One block of w4a16_gemvb (see the file's comment): column tile blockIdx.x, k tiles of split
-// blockIdx.y; `splits` blocks along K (gridDim.y).
-template <int WARPS, int PER>
-__device__ __forceinline__ void gemv_block(const half* __restrict__ x, const uint4* __restrict__ qweight,
-                                           const half2* __restrict__ scales_zeros,
-                                           const half* __restrict__ bias, half* __restrict__ y,
-                                           unsigned long long* __restrict__ split_words, int N, int K,
-                                           int group_size, int splits) {
-  __shared__ float partial[WARPS][32];
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int tile = blockIdx.x;
-  const int ktiles = K / kTile;
-  const int kt0 = (blockIdx.y * WARPS + warp) * PER;
-  const SmallDivisor per_group(group_size / kTile);
-  const uint4* wp = qweight + ((size_t)tile * ktiles + kt0) * 32 + lane;
-  const half2* sp = scales_zeros + (size_t)tile * (K / group_size) * 32 + lane;
-  uint4 w[PER];
-  half2 sz[PER];
-#pragma unroll
-  for (int u = 0; u < PER; ++u) {
-    if (kt0 + u < ktiles) {
-      w[u] = load_weights_streaming(wp + u * 32);
-      sz[u] = __ldg(sp + (size_t)per_group.div(kt0 + u) * 32);
-    }
-  }
-  float acc[1] = {0.0f};
-#pragma unroll
-  for (int u = 0; u < PER; ++u) {
-    if (kt0 + u < ktiles) compute_tile<1>(w[u], sz[u], acc, x + (size_t)(kt0 + u) * kTile, 1, K);
-    asm volatile("" ::: "memory");  // one tile's x loads at a time (register pressure)
-  }
-  partial[warp][lane] = acc[0];
-  __syncthreads();
-  if (warp != 0) return;
-  float total = 0.0f;
-#pragma unroll
-  for (int v = 0; v < WARPS; ++v) total += partial[v][lane];
-  const int n = tile * kTile + lane_column(lane);
-  const float bias_n = bias ? __half2float(bias[n]) : 0.0f;
-  if (splits == 1) {
-    y[n] = __float2half_rn(total + bias_n);
-    return;
-  }
-  const unsigned long long now = split_sum_add(split_words + n, total);
-  if (split_sum_total(now, splits, split_words + n, total)) y[n] = __float2half_rn(total + bias_n);
-}
-
 }  // namespace onecat
 
 // extern "C" entry points (plain names for the driver API), one per (M, WARPS per block,
@@ -286,19 +230,3 @@ ONECAT_GEMV(1, 4, 2, 5)
 ONECAT_GEMV(1, 4, 4, 4)
 ONECAT_GEMV(2, 4, 2, 4)
 ONECAT_GEMV(4, 4, 2, 2)
-
-// Block-level split-K (one row): same arguments as the GEMV above; `per_warp` carries the
-// number of blocks along K, `rows` must be 1, `pair_words` and `act` are unused.
-#define ONECAT_GEMVB(WARPS, PER, MINB)                                                                  \
-  extern "C" __global__ void __launch_bounds__(32 * WARPS, MINB) w4a16_gemvb_w##WARPS##_p##PER(          \
-      const half* x, const uint4* qweight, const half2* scales_zeros, const half* bias, half* y,        \
-      unsigned long long* split_words, unsigned long long* pair_words, int rows, int N, int K,         \
-      int group_size, int per_warp, half* act) {                                                      \
-    onecat::gemv_block<WARPS, PER>(x, qweight, scales_zeros, bias, y, split_words, N, K, group_size,   \
-                                   per_warp);                                                         \
-  }
-
-ONECAT_GEMVB(8, 8, 3)
-ONECAT_GEMVB(8, 4, 3)
-ONECAT_GEMVB(4, 8, 6)
-ONECAT_GEMVB(4, 4, 6)
