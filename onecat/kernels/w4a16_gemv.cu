@@ -226,7 +226,7 @@ __device__ __forceinline__ void gemv_warp(const half* __restrict__ x, const uint
                                  blockIdx.x * WARPS + (threadIdx.x >> 5), act);                \
   }
 
-ONECAT_GEMV(1, 4, 2, 5)
-ONECAT_GEMV(1, 4, 4, 4)
+ONECAT_GEMV(1, 4, 2, 6)
+ONECAT_GEMV(1, 4, 4, 5)
 ONECAT_GEMV(2, 4, 2, 4)
 ONECAT_GEMV(4, 4, 2, 2)
