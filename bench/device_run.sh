@@ -56,6 +56,7 @@ for section in ${@:-tests e2e}; do
          (cd bench && ONECAT_AUTOTUNE=0 run 300 ncu "$ncu" --clock-control none --kernel-name regex:'w4a16_(wmmar|moe)' \
             --launch-skip 1 --launch-count 24 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
             --section Occupancy python3 ncu_targets.py) ;;
+    gemv) (cd bench && run 150 gemv python3 gemv_sweep.py --out "$out/gemv_sweep.json") ;;
     norm) (cd bench && run 150 norm python3 norm.py --out "$out/norm.json") ;;
     gdn) (cd bench && run 120 gdn python3 gdn_decode.py --batches 1,4,8,9,16,32,64 --positions 1,4) ;;
     attention) (cd bench && run 120 attention python3 attention.py --out "$out/attention.json") ;;
@@ -63,6 +64,6 @@ for section in ${@:-tests e2e}; do
     serve) (cd bench && run 600 serve python3 serve_h200.py --models 35b-a3b,27b --concurrency 1,8,32,64 --out "$out/serve.json") ;;
     serve-decode) (cd bench && run 400 serve-decode python3 serve_h200.py --models 35b-a3b,27b --concurrency 32 \
                      --input-len 128 --range-ratio 0 --output-len 256 --out "$out/serve_decode.json") ;;
-    *) echo "unknown section $section (tests, tp-tests, tp, profile, mixed, quantize, moe-tiles, moe-shapes, wmmar, serve32, router, ncu, norm, gdn, attention, e2e, serve, serve-decode)" >&2; exit 2 ;;
+    *) echo "unknown section $section (tests, tp-tests, tp, profile, mixed, quantize, moe-tiles, moe-shapes, wmmar, serve32, router, ncu, gemv, norm, gdn, attention, e2e, serve, serve-decode)" >&2; exit 2 ;;
   esac
 done
