@@ -1,15 +1,15 @@
-"""Every one-row GEMV launch shape of the W4A16 op on a few weights, against floors (GPU).
+"""Every GEMV launch shape of the W4A16 op on a few weights, against floors (GPU).
 
-    ONECAT_KERNEL_DIR=.ptx ONECAT_KERNEL_ARCH=70 python bench/gemv_sweep.py [--shapes 12288x2048,2048x4096]
+    ONECAT_KERNEL_DIR=.ptx ONECAT_KERNEL_ARCH=70 python bench/gemv_sweep.py [--shapes 12288x2048,2048x4096] [--rows 1,2,4]
 
 For each ``N x K`` weight (default: the Qwen3.5-35B-A3B decode projections, whose one-row
 GEMVs are the largest kernel group of its batch-1 step) this times, in the same run and as
 the tuner does (median of CUDA-graph replays, calls rotating over weight copies larger than
-L2), every built ``gemv-m1`` unroll depth at k tiles per warp from a quarter of one wave's
-share up to a whole column, and three floors for moving the same bytes in one launch:
-``copy`` (``Tensor.copy_`` of half the packed bytes, so bytes read + written match), ``fp16
-matvec`` (cuBLAS on an fp16 weight of the same byte count) and ``tiny op`` (a one-element
-add: what a launch in a graph costs by itself).
+L2), every built GEMV unroll depth for ``--rows`` activation rows (default 1) at k tiles per
+warp from a quarter of one wave's share up to a whole column, and three floors for moving the
+same bytes in one launch: ``copy`` (``Tensor.copy_`` of half the packed bytes, so bytes read +
+written match), ``fp16 matvec`` (cuBLAS on an fp16 weight of the same byte count, same rows)
+and ``tiny op`` (a one-element add: what a launch in a graph costs by itself).
 """
 
 from __future__ import annotations
@@ -33,20 +33,21 @@ from onecat.kernels.variants import (
 DEFAULT_SHAPES = "12288x2048,9216x2048,2048x4096"
 
 
-def sweep_shape(n: int, k: int, group_size: int) -> dict[str, float]:
-    """Microseconds per call of every GEMV launch shape and of the floors, for one weight."""
+def sweep_shape(n: int, k: int, group_size: int, rows: int = 1) -> dict[str, float]:
+    """Microseconds per call of every GEMV launch shape for ``rows`` activation rows (the
+    kernels built for that many) and of the floors, for one weight."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     qweight, scales_zeros = random_packed_weights(n, k, group_size, gen)
     copies = weight_copies(qweight, scales_zeros)
     packed_bytes = qweight.numel() * 4 + scales_zeros.numel() * 2
-    x = torch.randn(1, k, device="cuda", generator=gen).half()
-    out = torch.empty(1, n, device="cuda", dtype=torch.float16)
-    row: dict[str, float] = {"n": n, "k": k, "mb": packed_bytes / 1e6}
+    x = torch.randn(rows, k, device="cuda", generator=gen).half()
+    out = torch.empty(rows, n, device="cuda", dtype=torch.float16)
+    row: dict[str, float] = {"n": n, "k": k, "rows": rows, "mb": packed_bytes / 1e6}
     ktiles = k // 32
-    for unroll in GEMV_BUILT[1]:
-        base = gemv_tiles_per_warp(get_kernel(Variant("gemv", 1, unroll).kernel_name(), 0), n, k, 0)
+    for unroll in GEMV_BUILT[rows]:
+        base = gemv_tiles_per_warp(get_kernel(Variant("gemv", rows, unroll).kernel_name(), 0), n, k, 0)
         for per in sorted({max(4, base // 4), max(4, base // 2), base, 2 * base, 4 * base, ktiles}):
-            variant = Variant("gemv", 1, unroll, per)
+            variant = Variant("gemv", rows, unroll, per)
             calls = [lambda qw=qw, sz=sz, v=variant: run_variant(v, x, qw, sz, group_size, None, out) for qw, sz in copies]
             row[variant.name] = graph_time_us(calls)
     halves = [torch.empty(packed_bytes // 4, device="cuda", dtype=torch.float16) for _ in range(len(copies))]
@@ -68,13 +69,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated NxK weights")
     parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--rows", default="1", help=f"activation rows, comma-separated (built: {sorted(GEMV_BUILT)})")
     parser.add_argument("--out", default=None, help="also write the rows as JSON")
     args = parser.parse_args()
     rows = []
     for shape in args.shapes.split(","):
         n, k = map(int, shape.lower().split("x"))
-        rows.append(sweep_shape(n, k, args.group_size))
-        print(json.dumps({key: round(v, 2) if isinstance(v, float) else v for key, v in rows[-1].items()}), flush=True)
+        for m in map(int, args.rows.split(",")):
+            rows.append(sweep_shape(n, k, args.group_size, m))
+            print(json.dumps({key: round(v, 2) if isinstance(v, float) else v for key, v in rows[-1].items()}), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
