@@ -52,8 +52,8 @@ __device__ __forceinline__ void compute_tile(uint4 wv, half2 sz, float (&acc)[M]
   for (int m = 0; m < M; ++m) {
     // Rows past `rows` re-read row 0 (always valid memory); their sums are dropped.
     const uint4* xp = reinterpret_cast<const uint4*>(xk + (m < rows ? (size_t)m * K : 0));
-    // Two independent 8-deep chains over the whole tile (words 0, 1 and words 2, 3 of each
-    // 16-k half of x), one add and one conversion a tile.
+    // Two independent 8-deep chains over the whole tile: p takes the first 8 k of each 16-k
+    // half (xa), q the second 8 (xb); then one add and one conversion a tile.
     half2 p, q;
 #pragma unroll
     for (int pair = 0; pair < 2; ++pair) {
@@ -214,8 +214,11 @@ __device__ __forceinline__ void gemv_warp(const half* __restrict__ x, const uint
 }  // namespace onecat
 
 // extern "C" entry points (plain names for the driver API), one per (M, WARPS per block,
-// UNROLL); a kernel for M rows also serves fewer rows (`rows` <= M); `act` null: plain linear.  MINB (resident blocks
-// per SM asked of ptxas) caps the registers: more resident warps hide more latency.
+// UNROLL); a kernel for M rows also serves fewer rows (`rows` <= M); `act` null: plain linear.
+// MINB (resident blocks per SM asked of ptxas) caps the registers: more resident warps hide
+// more latency.  One row: 6 blocks (unroll 2, 78 registers in the sm_70 build) and 5 (unroll
+// 4, 96); unroll 2 at 8 blocks (64 registers) was slower and unroll 4 at 6 spills
+// (BENCHMARKS.md, 2026-12-02 midday).
 #define ONECAT_GEMV(M, WARPS, UNROLL, MINB)                                                         \
   extern "C" __global__ void __launch_bounds__(32 * WARPS, MINB) w4a16_gemv_m##M##_w##WARPS##_u##UNROLL( \
       const half* x, const uint4* qweight, const half2* scales_zeros, const half* bias,       \
