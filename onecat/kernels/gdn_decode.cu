@@ -468,6 +468,13 @@ extern "C" __global__ void __launch_bounds__(128)
 // 8-value (128-bit) steps (5 per thread at H = 5120, all loads in flight at once: one round
 // trip), then warp shuffles and one value per warp in shared memory.  in_proj_ba's weight
 // (1 MB) stays in L2 for the B blocks that read each row.
+// Why the conv is a launch of its own and not the first step of gdn_decode_wide: there, the
+// 2 value heads x DV/32 column chunks of a key head would all read the same q/k channels'
+// old state, and decoding updates it in place (dst = src), so the block that writes the new
+// state could overtake a reader; no barrier orders blocks of one grid.  Fusing needs a state
+// that the update does not destroy (e.g. a ring of 4 inputs indexed by position, where a
+// step only replaces x[p-4]), which the prefill kernels, the prefix cache's snapshots and the
+// draft rows would all have to adopt.
 __device__ __forceinline__ void project_ba_row(const half* __restrict__ hidden, int hidden_stride,
                                                const half* __restrict__ ba_w, int H, int ba_cols,
                                                half* __restrict__ ba, int positions, int r) {
