@@ -8,12 +8,15 @@ run of each side and the ratio of the medians (side / base), for every side that
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
 
-FIGURES = ("decode_b1_tok_s", "decode_b8_tok_s", "decode_b16_tok_s", "decode_b32_tok_s", "prefill_tok_s")
+FIGURE = re.compile(r"decode_b\d+_tok_s|prefill_tok_s|roofline_fraction_b1")
+"""The figures of a run compared: decode tok/s at every batch size run, prefill tok/s and the
+batch-1 roofline fraction."""
 
 
 def collect(out_dir: Path) -> dict[tuple[str, str, str], list[float]]:
@@ -23,10 +26,14 @@ def collect(out_dir: Path) -> dict[tuple[str, str, str], list[float]]:
         side = path.stem.split("_")[1]
         for run in json.loads(path.read_text())["runs"]:
             result = run["onecat"]
-            for figure in FIGURES:
-                if figure in result:
-                    values[(side, result["model"], figure)].append(result[figure])
+            for figure, value in result.items():
+                if FIGURE.fullmatch(figure):
+                    values[(side, result["model"], figure)].append(value)
     return values
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.4f}" if value < 1 else f"{value:.1f}"
 
 
 def summary(values: dict[tuple[str, str, str], list[float]]) -> list[str]:
@@ -38,8 +45,8 @@ def summary(values: dict[tuple[str, str, str], list[float]]) -> list[str]:
             continue
         ratio = statistics.median(new) / statistics.median(base)
         lines.append(
-            f"{model:8s} {figure:18s} {side} {' '.join(f'{v:.1f}' for v in new):24s} "
-            f"base {' '.join(f'{v:.1f}' for v in base):24s} {side}/base {ratio:.3f}"
+            f"{model:8s} {figure:20s} {side} {' '.join(_fmt(v) for v in new):24s} "
+            f"base {' '.join(_fmt(v) for v in base):24s} {side}/base {ratio:.3f}"
         )
     return lines
 
