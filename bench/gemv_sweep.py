@@ -42,10 +42,11 @@ def sweep_shape(n: int, k: int, group_size: int, rows: int = 1) -> dict[str, flo
     packed_bytes = qweight.numel() * 4 + scales_zeros.numel() * 2
     x = torch.randn(rows, k, device="cuda", generator=gen).half()
     out = torch.empty(rows, n, device="cuda", dtype=torch.float16)
-    row: dict[str, float] = {"n": n, "k": k, "rows": rows, "mb": packed_bytes / 1e6}
+    device_index = torch.cuda.current_device()
+    row: dict[str, float | str] = {"n": n, "k": k, "rows": rows, "mb": packed_bytes / 1e6}
     ktiles = k // 32
     for unroll in GEMV_BUILT[rows]:
-        base = gemv_tiles_per_warp(get_kernel(Variant("gemv", rows, unroll).kernel_name(), 0), n, k, 0)
+        base = gemv_tiles_per_warp(get_kernel(Variant("gemv", rows, unroll).kernel_name(), device_index), n, k, device_index)
         for per in sorted({max(4, base // 4), max(4, base // 2), base, 2 * base, 4 * base, ktiles}):
             variant = Variant("gemv", rows, unroll, per)
             calls = [lambda qw=qw, sz=sz, v=variant: run_variant(v, x, qw, sz, group_size, None, out) for qw, sz in copies]

@@ -35,7 +35,7 @@ def dense_targets(gen: torch.Generator, repeats: int) -> None:
 
 
 def gemv_targets(gen: torch.Generator, repeats: int) -> None:
-    """The 35B-A3B GDN layer's one-row projections on the default GEMV (one wave of warps)."""
+    """The 35B-A3B GDN layer's one-row projections on ``gemv-m1-u4-p0`` (one wave of warps)."""
     for n, k in ((12288, 2048), (2048, 4096)):
         qweight, scales_zeros = random_packed_weights(n, k, GROUP, gen)
         x = torch.randn(1, k, dtype=torch.float16, device="cuda", generator=gen)
