@@ -47,8 +47,24 @@ def supports(device: torch.device, dtype: torch.dtype, head_dim: int, block_size
     )
 
 
-def heads_per_block(group: int) -> int:
-    """Query heads one split block serves (the kernel's NG) for ``group`` query heads per KV head."""
+FEW_KV_PAIRS = 8
+"""Launches of at most this many (sequence, KV head) pairs serve two query heads a block (see
+:func:`heads_per_block`)."""
+
+
+def heads_per_block(group: int, kv_pairs: int = FEW_KV_PAIRS + 1) -> int:
+    """Query heads one split block serves (the kernel's NG) for ``group`` query heads per KV
+    head, in a launch over ``kv_pairs`` (sequence, KV head) pairs.
+
+    A block's prep and per-token work grow with NG, and few pairs leave most of the GPU idle
+    at short contexts, so up to :data:`FEW_KV_PAIRS` pairs take NG = 2 (the group spread over
+    more blocks, each K / V row read by several of them, mostly from L2); more pairs take the
+    smallest NG that covers the group (each K / V row read once). H200, compute_70, prep form,
+    batch 1, context 192: 35B-A3B heads (16 / 2) 9.35 us at NG 2 against 14.15 at NG 8, 27B
+    heads (24 / 4) 9.46 against 13.45; at 8 sequences of 1024 tokens NG 8 wins (BENCHMARKS.md,
+    2026-12-02 afternoon)."""
+    if kv_pairs <= FEW_KV_PAIRS and group >= 2:
+        return 2
     return next((g for g in _HEADS_PER_BLOCK if g >= group), _HEADS_PER_BLOCK[-1])
 
 
@@ -68,7 +84,7 @@ class _Plan:
     def __init__(self, device_index: int, batch: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, width: int, block_size: int, splits: int | None, prep: bool = False) -> None:
         group = num_heads // num_kv_heads
-        ng = heads_per_block(group)
+        ng = heads_per_block(group, batch * num_kv_heads)
         chunks = math.ceil(group / ng)
         name = "paged_attention_split_prep" if prep else "paged_attention_split"
         split_kernel = get_kernel(f"{name}_d{head_dim}_g{ng}", device_index)
