@@ -330,6 +330,154 @@ __device__ __forceinline__ void down_body(const half* __restrict__ h, const void
   out[(size_t)t * H + column] = __float2half_rn(sum);
 }
 
+// --- stream-K gather (moe.STREAMK_MAX_TOKENS tokens at most) -------------------------------
+
+// One warp's equal share of a gathered projection's tiles (see the file comment): tiles
+// g = pos .. end-1 of the virtual [columns][k] tile grid, kU of them loaded at a time (all
+// loads of a round in flight before the first is used), one fp32 partial per column tile
+// added to the column's split word; the lane whose add completes a column gets its total.
+// `Gather` maps a virtual (column tile, k tile) to the packed tile, its scale pair, its
+// activations and its weight, and finishes a column.
+template <int kU, class Gather>
+__device__ __forceinline__ void streamk_warp(const Gather& gather, int pos, int end, int vk_tiles, int per_warp,
+                                             unsigned long long* __restrict__ split_words) {
+  const int lane = threadIdx.x & 31;
+  const SmallDivisor by_vk(vk_tiles);
+  int column = -1;  // column tile being summed
+  float acc = 0.0f;
+#pragma unroll 1
+  for (int base = pos; base < end; base += kU) {
+    uint4 wv[kU];
+    half2 sz[kU];
+    int xoff[kU], ct[kU];
+    float mult[kU];
+    bool used[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int g = base + u;
+      ct[u] = -1;
+      used[u] = false;
+      if (g < end) {
+        ct[u] = by_vk.div(g);
+        const int vk = g - ct[u] * vk_tiles;
+        const uint4* w;
+        const half2* s;
+        used[u] = gather.tile(ct[u], vk, w, s, xoff[u], mult[u]);
+        if (used[u]) {
+          wv[u] = load_weights_streaming(w + lane);
+          sz[u] = __ldg(s + lane);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      if (ct[u] < 0) break;
+      if (ct[u] != column) {
+        if (column >= 0) gather.finish(column, acc, split_words, vk_tiles, per_warp);
+        column = ct[u];
+        acc = 0.0f;
+      }
+      if (used[u]) acc += mult[u] * dot_tile(wv[u], sz[u], gather.x + xoff[u]);
+    }
+  }
+  if (column >= 0) gather.finish(column, acc, split_words, vk_tiles, per_warp);
+}
+
+// Warps meeting column tile `ct` of a virtual K of `vk_tiles` tiles cut in ranges of `per_warp`.
+__device__ __forceinline__ int column_arrivals(int ct, int vk_tiles, int per_warp) {
+  const int first = ct * vk_tiles;
+  return (first + vk_tiles - 1) / per_warp - first / per_warp + 1;
+}
+
+// Gate and up of every pair: column tile ct = p * 2I/32 + lt (lt < I/32: gate column tile lt of
+// expert ids[p], else up column tile lt - I/32), K = H, activations x[p / top_k].  A finished
+// column's fp16 value goes to the pair word of (p, column) (gate in bits 0-15, up in 16-31, a
+// count from bit 32); the second of gate and up writes h[p, column] = silu(gate) * up.
+struct GateUpGather {
+  const half* x;
+  const void* ids;
+  int ids64, E, top_k, H, I, group_size;
+  const uint4* w13;
+  const half2* scales;
+  half* h;
+  unsigned long long* pair_words;
+
+  __device__ __forceinline__ bool tile(int ct, int kt, const uint4*& w, const half2*& s, int& xoff,
+                                       float& mult) const {
+    const int ltiles = 2 * I / kTile;
+    const int p = ct / ltiles;
+    const int e = pair_expert(ids, ids64, p, E);
+    if (e < 0) return false;  // another rank's expert: no tile, no finish
+    const size_t tile = (size_t)e * ltiles + (ct - p * ltiles);
+    w = w13 + (tile * (H / kTile) + kt) * 32;
+    s = scales + (tile * (H / group_size) + kt / (group_size / kTile)) * 32;
+    xoff = (p / top_k) * H + kt * kTile;
+    mult = 1.0f;
+    return true;
+  }
+
+  __device__ __forceinline__ void finish(int ct, float acc, unsigned long long* split_words, int vk_tiles,
+                                         int per_warp) const {
+    const int ltiles = 2 * I / kTile;
+    const int p = ct / ltiles;
+    if (pair_expert(ids, ids64, p, E) < 0) return;
+    const int lane = threadIdx.x & 31;
+    unsigned long long* word = split_words + (size_t)ct * kTile + lane_column(lane);
+    float total;
+    if (!split_sum_total(split_sum_add(word, acc), column_arrivals(ct, vk_tiles, per_warp), word, total)) return;
+    const int lt = ct - p * ltiles;
+    const bool is_gate = lt < ltiles / 2;
+    const size_t column = (size_t)p * I + (is_gate ? lt : lt - ltiles / 2) * kTile + lane_column(lane);
+    const unsigned long long add =
+        (1ull << 32) | (static_cast<unsigned long long>(__half_as_ushort(__float2half_rn(total))) << (is_gate ? 0 : 16));
+    const unsigned long long now = atomicAdd(pair_words + column, add) + add;
+    if ((now >> 32) != 2ull) return;
+    h[column] = silu_mul(__ushort_as_half(static_cast<unsigned short>(now)),
+                         __ushort_as_half(static_cast<unsigned short>(now >> 16)));
+    pair_words[column] = 0ull;
+  }
+};
+
+// Down projection of every token: column tile ct = t * H/32 + c, virtual k tile v = j * I/32 +
+// kt (expert slot j of token t, k tile kt of its h row), activations h[t * top_k + j], each
+// tile's product times the pair's routing weight; a finished column is out[t, column].
+struct DownGather {
+  const half* x;  // h [P, I]
+  const void* ids;
+  int ids64, E, top_k, H, I, group_size;
+  const void* weights;
+  int weights32;
+  const uint4* w2;
+  const half2* scales;
+  half* out;
+
+  __device__ __forceinline__ bool tile(int ct, int v, const uint4*& w, const half2*& s, int& xoff,
+                                       float& mult) const {
+    const int htiles = H / kTile, itiles = I / kTile;
+    const int t = ct / htiles;
+    const int j = v / itiles;
+    const int kt = v - j * itiles;
+    const int p = t * top_k + j;
+    const int e = pair_expert(ids, ids64, p, E);
+    if (e < 0) return false;  // contributes nothing; the column still finishes
+    const size_t tile = (size_t)e * htiles + (ct - t * htiles);
+    w = w2 + (tile * itiles + kt) * 32;
+    s = scales + (tile * (I / group_size) + kt / (group_size / kTile)) * 32;
+    xoff = p * I + kt * kTile;
+    mult = pair_weight(weights, weights32, p);
+    return true;
+  }
+
+  __device__ __forceinline__ void finish(int ct, float acc, unsigned long long* split_words, int vk_tiles,
+                                         int per_warp) const {
+    const size_t column = (size_t)ct * kTile + lane_column(threadIdx.x & 31);
+    unsigned long long* word = split_words + column;
+    float total;
+    if (split_sum_total(split_sum_add(word, acc), column_arrivals(ct, vk_tiles, per_warp), word, total))
+      out[column] = __float2half_rn(total);
+  }
+};
+
 // --- grouped decode: one block per (column tile, row tile of one expert) ------------------
 
 // Grouped gate_up: block (c, tile) runs gate_up_tile for the R (or fewer) sorted positions of
@@ -499,3 +647,31 @@ ONECAT_MOE_DOWN(16, 4, 2)
 ONECAT_MOE_DOWN(8, 4, 4)
 ONECAT_MOE_GROUPED(4, 4, 4)
 ONECAT_MOE_GROUPED(4, 4, 2)
+
+// Stream-K gather kernels: warp g = blockIdx.x * WARPS + warp takes tiles [g * per_warp, (g + 1)
+// * per_warp) of the virtual grid (host: one wave of resident warps).
+#define ONECAT_MOE_STREAMK(WARPS, U, MINB)                                                         \
+  extern "C" __global__ void __launch_bounds__(32 * WARPS, MINB) w4a16_moe_gemv_sk_gate_up_w##WARPS##_u##U( \
+      const half* x, const void* ids, int ids64, const uint4* w13_qweight, const half2* w13_scales, \
+      half* h, int top_k, int E, int H, int I, int group_size, int pairs, int per_warp,          \
+      unsigned long long* split_words, unsigned long long* pair_words) {                         \
+    const onecat::GateUpGather gather{x, ids, ids64, E, top_k, H, I, group_size, w13_qweight, w13_scales, h, \
+                                      pair_words};                                               \
+    const int total = pairs * (2 * I / onecat::kTile) * (H / onecat::kTile);                     \
+    const int pos = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * per_warp;                        \
+    onecat::streamk_warp<U>(gather, pos, min(total, pos + per_warp), H / onecat::kTile, per_warp, split_words); \
+  }                                                                                             \
+  extern "C" __global__ void __launch_bounds__(32 * WARPS, MINB) w4a16_moe_gemv_sk_down_w##WARPS##_u##U( \
+      const half* h, const void* ids, int ids64, const void* weights, int weights32,            \
+      const uint4* w2_qweight, const half2* w2_scales, half* out, int top_k, int E, int H, int I, \
+      int group_size, int tokens, int per_warp, unsigned long long* split_words) {                \
+    const onecat::DownGather gather{h, ids, ids64, E, top_k, H, I, group_size, weights, weights32, w2_qweight, \
+                                    w2_scales, out};                                            \
+    const int vk = top_k * (I / onecat::kTile);                                                 \
+    const int total = tokens * (H / onecat::kTile) * vk;                                        \
+    const int pos = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * per_warp;                        \
+    onecat::streamk_warp<U>(gather, pos, min(total, pos + per_warp), vk, per_warp, split_words); \
+  }
+
+ONECAT_MOE_STREAMK(4, 8, 4)
+ONECAT_MOE_STREAMK(4, 4, 6)
