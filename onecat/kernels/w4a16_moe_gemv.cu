@@ -42,6 +42,22 @@
 //     splits writes out and re-zeroes the word.  No memset, no fence or read-back round trip,
 //     one write of out.
 //
+// Stream-K gather (up to moe.STREAMK_MAX_TOKENS tokens): the per-pair grid above is 144
+// blocks at one token of a 35B-A3B layer with its shared expert folded in (9 pairs x 16
+// column tiles): on 132 SMs twelve of them run two blocks while the rest idle.  Instead each
+// projection is one virtual tile grid cut into equal runs, one per warp (as w4a16_gemv.cu):
+//   sk gate_up: column tiles ct = p * 2I/32 + lt over all pairs (lt: gate tiles, then up
+//     tiles of expert ids[p]), H/32 k tiles each, activations x[p / top_k];
+//   sk down: column tiles ct = t * H/32 + c over the tokens, a virtual K of top_k * I/32
+//     tiles (slot j's h row against expert ids[t, j]'s tile, times its routing weight).
+// Warp w takes tiles [w * per_warp, (w + 1) * per_warp) in that order (the host sizes one wave
+// of resident warps), loads U of them at once, and adds one fp32 partial per column tile it
+// meets to the column's split word (split_sum_add); the lane completing a column gets its
+// total.  gate_up then adds the column's fp16 value to the (pair, column) pair word (gate bits
+// 0-15, up bits 16-31, a count from bit 32) and the second of gate and up writes h =
+// silu(gate) * up (rounded from the fp16 gate and up, as the dense SwiGLU GEMV); down writes
+// out.  Both word arrays are zero on entry and left zero.
+//
 // Grouped decode (from moe.GROUPED_GEMV_MIN_TOKENS tokens): with one block per pair, an
 // expert chosen by n tokens (the folded shared expert: by every token) is read n times.
 // Instead the pairs are first sorted by expert (w4a16_moe_wmma_align, row tiles of R pairs of
