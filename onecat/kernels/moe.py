@@ -101,7 +101,7 @@ STREAMK_MAX_TOKENS = 2
 (``w4a16_moe_gemv_sk_*``): every warp takes an equal run of the chosen experts' k tiles, so
 no SM waits on a second block while others idle (one token of a 35B-A3B layer with its folded
 shared expert is 144 column-tile blocks on an H200's 132 SMs in the per-pair kernels)."""
-STREAMK_SHAPE = (4, 8)
+STREAMK_SHAPE = (4, 12)
 """``(warps per block, k tiles a warp loads at once)`` of the stream-K gather kernels."""
 
 GROUPED_GEMV_MIN_TOKENS = 16

@@ -352,13 +352,15 @@ __device__ __forceinline__ void down_body(const half* __restrict__ h, const void
 // g = pos .. end-1 of the virtual [columns][k] tile grid, kU of them loaded at a time (all
 // loads of a round in flight before the first is used), one fp32 partial per column tile
 // added to the column's split word; the lane whose add completes a column gets its total.
-// `Gather` maps a virtual (column tile, k tile) to the packed tile, its scale pair, its
-// activations and its weight, and finishes a column.
-template <int kU, class Gather>
-__device__ __forceinline__ void streamk_warp(const Gather& gather, int pos, int end, int vk_tiles, int per_warp,
+// `Cursor` walks the virtual tiles in order: seek() places it (divisions: once a warp and at
+// column or expert boundaries), next() steps one tile (pointer increments), and it finishes
+// a column.
+template <int kU, class Cursor>
+__device__ __forceinline__ void streamk_warp(Cursor& cur, int pos, int end, int vk_tiles, int per_warp,
                                              unsigned long long* __restrict__ split_words) {
   const int lane = threadIdx.x & 31;
-  const SmallDivisor by_vk(vk_tiles);
+  const int first = pos / vk_tiles;
+  cur.seek(first, pos - first * vk_tiles);
   int column = -1;  // column tile being summed
   float acc = 0.0f;
 #pragma unroll 1
@@ -370,18 +372,17 @@ __device__ __forceinline__ void streamk_warp(const Gather& gather, int pos, int 
     bool used[kU];
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      const int g = base + u;
       ct[u] = -1;
       used[u] = false;
-      if (g < end) {
-        ct[u] = by_vk.div(g);
-        const int vk = g - ct[u] * vk_tiles;
-        const uint4* w;
-        const half2* s;
-        used[u] = gather.tile(ct[u], vk, w, s, xoff[u], mult[u]);
+      if (base + u < end) {
+        if (u > 0 || base > pos) cur.next(vk_tiles);
+        ct[u] = cur.ct;
+        used[u] = cur.valid;
+        xoff[u] = cur.xoff;
+        mult[u] = cur.mult;
         if (used[u]) {
-          wv[u] = load_weights_streaming(w + lane);
-          sz[u] = __ldg(s + lane);
+          wv[u] = load_weights_streaming(cur.w + lane);
+          sz[u] = __ldg(cur.s + lane);
         }
       }
     }
@@ -389,14 +390,14 @@ __device__ __forceinline__ void streamk_warp(const Gather& gather, int pos, int 
     for (int u = 0; u < kU; ++u) {
       if (ct[u] < 0) break;
       if (ct[u] != column) {
-        if (column >= 0) gather.finish(column, acc, split_words, vk_tiles, per_warp);
+        if (column >= 0) cur.finish(column, acc, split_words, vk_tiles, per_warp);
         column = ct[u];
         acc = 0.0f;
       }
-      if (used[u]) acc += mult[u] * dot_tile(wv[u], sz[u], gather.x + xoff[u]);
+      if (used[u]) acc += mult[u] * dot_tile(wv[u], sz[u], cur.x + xoff[u]);
     }
   }
-  if (column >= 0) gather.finish(column, acc, split_words, vk_tiles, per_warp);
+  if (column >= 0) cur.finish(column, acc, split_words, vk_tiles, per_warp);
 }
 
 // Warps meeting column tile `ct` of a virtual K of `vk_tiles` tiles cut in ranges of `per_warp`.
@@ -405,11 +406,23 @@ __device__ __forceinline__ int column_arrivals(int ct, int vk_tiles, int per_war
   return (first + vk_tiles - 1) / per_warp - first / per_warp + 1;
 }
 
+// Position of a stream-K cursor: the current tile's packed words and scale pair (lane 0's;
+// lanes add their index), its activations' offset from x, its weight, whether it is read.
+struct TilePosition {
+  int ct = 0;
+  const uint4* w = nullptr;
+  const half2* s = nullptr;
+  int xoff = 0;
+  float mult = 1.0f;
+  bool valid = false;
+  int grem = 0;  // k tiles used of the current quantisation group
+};
+
 // Gate and up of every pair: column tile ct = p * 2I/32 + lt (lt < I/32: gate column tile lt of
 // expert ids[p], else up column tile lt - I/32), K = H, activations x[p / top_k].  A finished
 // column's fp16 value goes to the pair word of (p, column) (gate in bits 0-15, up in 16-31, a
 // count from bit 32); the second of gate and up writes h[p, column] = silu(gate) * up.
-struct GateUpGather {
+struct GateUpCursor : TilePosition {
   const half* x;
   const void* ids;
   int ids64, E, top_k, H, I, group_size;
@@ -417,31 +430,44 @@ struct GateUpGather {
   const half2* scales;
   half* h;
   unsigned long long* pair_words;
+  int kt = 0;
 
-  __device__ __forceinline__ bool tile(int ct, int kt, const uint4*& w, const half2*& s, int& xoff,
-                                       float& mult) const {
-    const int ltiles = 2 * I / kTile;
+  __device__ __forceinline__ void seek(int column_tile, int k_tile) {
+    const int ltiles = 2 * I / kTile, tpg = group_size / kTile;
+    ct = column_tile;
+    kt = k_tile;
     const int p = ct / ltiles;
     const int e = pair_expert(ids, ids64, p, E);
-    if (e < 0) return false;  // another rank's expert: no tile, no finish
-    const size_t tile = (size_t)e * ltiles + (ct - p * ltiles);
+    valid = e >= 0;  // another rank's expert: no loads, no finish
+    const size_t tile = (size_t)max(e, 0) * ltiles + (ct - p * ltiles);
+    const int group = kt / tpg;
+    grem = kt - group * tpg;
     w = w13 + (tile * (H / kTile) + kt) * 32;
-    s = scales + (tile * (H / group_size) + kt / (group_size / kTile)) * 32;
+    s = scales + (tile * (H / group_size) + group) * 32;
     xoff = (p / top_k) * H + kt * kTile;
-    mult = 1.0f;
-    return true;
   }
 
-  __device__ __forceinline__ void finish(int ct, float acc, unsigned long long* split_words, int vk_tiles,
+  __device__ __forceinline__ void next(int vk_tiles) {
+    if (++kt == vk_tiles) return seek(ct + 1, 0);
+    w += 32;
+    xoff += kTile;
+    if (++grem == group_size / kTile) {
+      grem = 0;
+      s += 32;
+    }
+  }
+
+  __device__ __forceinline__ void finish(int column_tile, float acc, unsigned long long* split_words, int vk_tiles,
                                          int per_warp) const {
     const int ltiles = 2 * I / kTile;
-    const int p = ct / ltiles;
+    const int p = column_tile / ltiles;
     if (pair_expert(ids, ids64, p, E) < 0) return;
     const int lane = threadIdx.x & 31;
-    unsigned long long* word = split_words + (size_t)ct * kTile + lane_column(lane);
+    unsigned long long* word = split_words + (size_t)column_tile * kTile + lane_column(lane);
     float total;
-    if (!split_sum_total(split_sum_add(word, acc), column_arrivals(ct, vk_tiles, per_warp), word, total)) return;
-    const int lt = ct - p * ltiles;
+    if (!split_sum_total(split_sum_add(word, acc), column_arrivals(column_tile, vk_tiles, per_warp), word, total))
+      return;
+    const int lt = column_tile - p * ltiles;
     const bool is_gate = lt < ltiles / 2;
     const size_t column = (size_t)p * I + (is_gate ? lt : lt - ltiles / 2) * kTile + lane_column(lane);
     const unsigned long long add =
@@ -457,7 +483,7 @@ struct GateUpGather {
 // Down projection of every token: column tile ct = t * H/32 + c, virtual k tile v = j * I/32 +
 // kt (expert slot j of token t, k tile kt of its h row), activations h[t * top_k + j], each
 // tile's product times the pair's routing weight; a finished column is out[t, column].
-struct DownGather {
+struct DownCursor : TilePosition {
   const half* x;  // h [P, I]
   const void* ids;
   int ids64, E, top_k, H, I, group_size;
@@ -466,30 +492,45 @@ struct DownGather {
   const uint4* w2;
   const half2* scales;
   half* out;
+  int v = 0, kt = 0;
 
-  __device__ __forceinline__ bool tile(int ct, int v, const uint4*& w, const half2*& s, int& xoff,
-                                       float& mult) const {
-    const int htiles = H / kTile, itiles = I / kTile;
+  __device__ __forceinline__ void seek(int column_tile, int virtual_k) {
+    const int htiles = H / kTile, itiles = I / kTile, tpg = group_size / kTile;
+    ct = column_tile;
+    v = virtual_k;
     const int t = ct / htiles;
     const int j = v / itiles;
-    const int kt = v - j * itiles;
+    kt = v - j * itiles;
     const int p = t * top_k + j;
     const int e = pair_expert(ids, ids64, p, E);
-    if (e < 0) return false;  // contributes nothing; the column still finishes
-    const size_t tile = (size_t)e * htiles + (ct - t * htiles);
+    valid = e >= 0;  // contributes nothing; the column still finishes
+    mult = valid ? pair_weight(weights, weights32, p) : 0.0f;
+    const size_t tile = (size_t)max(e, 0) * htiles + (ct - t * htiles);
+    const int group = kt / tpg;
+    grem = kt - group * tpg;
     w = w2 + (tile * itiles + kt) * 32;
-    s = scales + (tile * (I / group_size) + kt / (group_size / kTile)) * 32;
+    s = scales + (tile * (I / group_size) + group) * 32;
     xoff = p * I + kt * kTile;
-    mult = pair_weight(weights, weights32, p);
-    return true;
   }
 
-  __device__ __forceinline__ void finish(int ct, float acc, unsigned long long* split_words, int vk_tiles,
+  __device__ __forceinline__ void next(int vk_tiles) {
+    ++v;
+    if (v == vk_tiles) return seek(ct + 1, 0);
+    if (++kt == I / kTile) return seek(ct, v);  // the next expert slot
+    w += 32;
+    xoff += kTile;
+    if (++grem == group_size / kTile) {
+      grem = 0;
+      s += 32;
+    }
+  }
+
+  __device__ __forceinline__ void finish(int column_tile, float acc, unsigned long long* split_words, int vk_tiles,
                                          int per_warp) const {
-    const size_t column = (size_t)ct * kTile + lane_column(threadIdx.x & 31);
+    const size_t column = (size_t)column_tile * kTile + lane_column(threadIdx.x & 31);
     unsigned long long* word = split_words + column;
     float total;
-    if (split_sum_total(split_sum_add(word, acc), column_arrivals(ct, vk_tiles, per_warp), word, total))
+    if (split_sum_total(split_sum_add(word, acc), column_arrivals(column_tile, vk_tiles, per_warp), word, total))
       out[column] = __float2half_rn(total);
   }
 };
@@ -671,23 +712,28 @@ ONECAT_MOE_GROUPED(4, 4, 2)
       const half* x, const void* ids, int ids64, const uint4* w13_qweight, const half2* w13_scales, \
       half* h, int top_k, int E, int H, int I, int group_size, int pairs, int per_warp,          \
       unsigned long long* split_words, unsigned long long* pair_words) {                         \
-    const onecat::GateUpGather gather{x, ids, ids64, E, top_k, H, I, group_size, w13_qweight, w13_scales, h, \
-                                      pair_words};                                               \
+    onecat::GateUpCursor cur;                                                                   \
+    cur.x = x, cur.ids = ids, cur.ids64 = ids64, cur.E = E, cur.top_k = top_k, cur.H = H, cur.I = I; \
+    cur.group_size = group_size, cur.w13 = w13_qweight, cur.scales = w13_scales, cur.h = h;      \
+    cur.pair_words = pair_words;                                                                \
     const int total = pairs * (2 * I / onecat::kTile) * (H / onecat::kTile);                     \
     const int pos = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * per_warp;                        \
-    onecat::streamk_warp<U>(gather, pos, min(total, pos + per_warp), H / onecat::kTile, per_warp, split_words); \
+    if (pos < total)                                                                            \
+      onecat::streamk_warp<U>(cur, pos, min(total, pos + per_warp), H / onecat::kTile, per_warp, split_words); \
   }                                                                                             \
   extern "C" __global__ void __launch_bounds__(32 * WARPS, MINB) w4a16_moe_gemv_sk_down_w##WARPS##_u##U( \
       const half* h, const void* ids, int ids64, const void* weights, int weights32,            \
       const uint4* w2_qweight, const half2* w2_scales, half* out, int top_k, int E, int H, int I, \
       int group_size, int tokens, int per_warp, unsigned long long* split_words) {                \
-    const onecat::DownGather gather{h, ids, ids64, E, top_k, H, I, group_size, weights, weights32, w2_qweight, \
-                                    w2_scales, out};                                            \
+    onecat::DownCursor cur;                                                                     \
+    cur.x = h, cur.ids = ids, cur.ids64 = ids64, cur.E = E, cur.top_k = top_k, cur.H = H, cur.I = I; \
+    cur.group_size = group_size, cur.weights = weights, cur.weights32 = weights32;              \
+    cur.w2 = w2_qweight, cur.scales = w2_scales, cur.out = out;                                 \
     const int vk = top_k * (I / onecat::kTile);                                                 \
     const int total = tokens * (H / onecat::kTile) * vk;                                        \
     const int pos = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * per_warp;                        \
-    onecat::streamk_warp<U>(gather, pos, min(total, pos + per_warp), vk, per_warp, split_words); \
+    if (pos < total) onecat::streamk_warp<U>(cur, pos, min(total, pos + per_warp), vk, per_warp, split_words); \
   }
 
 ONECAT_MOE_STREAMK(4, 8, 4)
-ONECAT_MOE_STREAMK(4, 4, 6)
+ONECAT_MOE_STREAMK(4, 12, 3)
