@@ -96,14 +96,6 @@ def gather_shapes(tokens: int) -> tuple[tuple[int, int], tuple[int, int]]:
     return next((gate, down) for limit, gate, down in GATHER_SHAPES if tokens <= limit)
 
 
-STREAMK_MAX_TOKENS = 2
-"""Up to this many tokens the decode path runs the stream-K gather kernels
-(``w4a16_moe_gemv_sk_*``): every warp takes an equal run of the chosen experts' k tiles, so
-no SM waits on a second block while others idle (one token of a 35B-A3B layer with its folded
-shared expert is 144 column-tile blocks on an H200's 132 SMs in the per-pair kernels)."""
-STREAMK_SHAPE = (4, 12)
-"""``(warps per block, k tiles a warp loads at once)`` of the stream-K gather kernels."""
-
 GROUPED_GEMV_MIN_TOKENS = 16
 """From this many tokens the decode path groups the pairs by expert first (one align launch),
 so that each chosen expert's weights are read and dequantised once for all its tokens
@@ -243,46 +235,6 @@ def down_splits(tokens: int, column_tiles: int, device_index: int) -> int:
     return max(1, min(MAX_DOWN_SPLITS, round(2 * sms / max(tokens * column_tiles, 1))))
 
 
-def streamk_tiles_per_warp(kernel, tiles: int, vk_tiles: int, warps: int, device_index: int) -> int:
-    """Tiles per warp that spread ``tiles`` over one wave of resident ``warps``-warp blocks,
-    so that no column tile of ``vk_tiles`` k tiles meets more than 254 warps (split words)."""
-    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-    resident = sms * kernel.max_active_blocks(32 * warps) * warps
-    return max(1, math.ceil(tiles / resident), math.ceil(vk_tiles / 254))
-
-
-def _launch_streamk_gemv(
-    x: torch.Tensor, ids: torch.Tensor, flags: list, weights: torch.Tensor, weights32: list,
-    w13_qweight: torch.Tensor, w13_scales_zeros: torch.Tensor, w2_qweight: torch.Tensor,
-    w2_scales_zeros: torch.Tensor, hidden: torch.Tensor, out: torch.Tensor, top_k: int, e: int,
-    group_size: int, device: int, stream: int,
-) -> None:
-    """The stream-K gather path: gate_up (SwiGLU finished through pair words), then down."""
-    t, h = x.shape
-    pairs, i = hidden.shape
-    warps, unroll = STREAMK_SHAPE
-    words = stream_buffer("moe_streamk_words", x.device, stream, 2 * (pairs * 2 * i + pairs * i + t * h), zeroed=True)
-    split_gate_up = words.data_ptr()
-    pair_words = split_gate_up + 8 * pairs * 2 * i
-    split_down = pair_words + 8 * pairs * i
-    gate_up = get_kernel(f"w4a16_moe_gemv_sk_gate_up_w{warps}_u{unroll}", device)
-    tiles, vk = pairs * (2 * i // TILE) * (h // TILE), h // TILE
-    per = streamk_tiles_per_warp(gate_up, tiles, vk, warps, device)
-    gate_up.launch(
-        (math.ceil(math.ceil(tiles / per) / warps), 1, 1), 32 * warps, stream,
-        [_ptr(x), _ptr(ids), *flags, _ptr(w13_qweight), _ptr(w13_scales_zeros), _ptr(hidden),
-         *_ints(top_k, e, h, i, group_size, pairs, per), ctypes.c_void_p(split_gate_up), ctypes.c_void_p(pair_words)],
-    )  # fmt: skip
-    down = get_kernel(f"w4a16_moe_gemv_sk_down_w{warps}_u{unroll}", device)
-    tiles, vk = t * (h // TILE) * top_k * (i // TILE), top_k * (i // TILE)
-    per = streamk_tiles_per_warp(down, tiles, vk, warps, device)
-    down.launch(
-        (math.ceil(math.ceil(tiles / per) / warps), 1, 1), 32 * warps, stream,
-        [_ptr(hidden), _ptr(ids), *flags, _ptr(weights), *weights32, _ptr(w2_qweight), _ptr(w2_scales_zeros),
-         _ptr(out), *_ints(top_k, e, h, i, group_size, t, per), ctypes.c_void_p(split_down)],
-    )  # fmt: skip
-
-
 def _device_index(t: torch.Tensor) -> int:
     return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
@@ -348,11 +300,6 @@ def _cuda_moe(
     hidden = torch.empty((pairs, i), dtype=torch.float16, device=x.device)
     if pairs <= GATHER_MAX_PAIRS and t >= GROUPED_GEMV_MIN_TOKENS:
         _launch_grouped_gemv(x, ids, flags, weights, weights32, w13_qweight, w13_scales_zeros,
-                             w2_qweight, w2_scales_zeros, hidden, out, top_k, e, group_size,
-                             device, stream)  # fmt: skip
-        return out
-    if t <= STREAMK_MAX_TOKENS:
-        _launch_streamk_gemv(x, ids, flags, weights, weights32, w13_qweight, w13_scales_zeros,
                              w2_qweight, w2_scales_zeros, hidden, out, top_k, e, group_size,
                              device, stream)  # fmt: skip
         return out
