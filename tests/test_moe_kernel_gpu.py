@@ -144,7 +144,7 @@ def test_moe_op_id_and_weight_dtypes(experts_35b, tokens, ids_dtype, weights_dty
                 path_of(tokens))
 
 
-@pytest.mark.parametrize("tokens", [8, 24, 300])
+@pytest.mark.parametrize("tokens", [2, 8, 24, 300])
 def test_all_tokens_on_one_expert_others_empty(experts_35b, tokens):
     """Slot 0 of every token is expert 7 (300 rows: several row tiles of one expert), the
     other slots are spread over experts 200..203; the other 251 experts are empty."""
@@ -156,7 +156,7 @@ def test_all_tokens_on_one_expert_others_empty(experts_35b, tokens):
     check_close(y, reference(x, ids, weights, experts_35b, G), f"T={tokens}, one expert for all", path_of(tokens))
 
 
-@pytest.mark.parametrize("tokens", [4, 20, 100])
+@pytest.mark.parametrize("tokens", [2, 4, 20, 100])
 def test_ids_outside_the_experts_contribute_nothing(experts_35b, tokens):
     """Other ranks' experts (ids < 0 or >= E, as expert parallelism and vLLM's -1 give) add
     nothing; a token whose every id is outside gets zeros."""
@@ -203,7 +203,7 @@ def test_small_shapes_and_odd_tile_counts(h, inter, g):
     gen = torch.Generator(device="cuda").manual_seed(5)
     e = 6
     tensors = (*random_stacked(e, 2 * inter, h, g, gen), *random_stacked(e, h, inter, g, gen))
-    for tokens in (3, 150):
+    for tokens in (1, 2, 3, 150):
         ids = torch.randint(-1, e + 1, (tokens, 2), device="cuda", generator=gen)
         weights = torch.rand(tokens, 2, device="cuda", generator=gen)
         x = torch.randn(tokens, h, device="cuda", generator=gen).half()
