@@ -33,7 +33,10 @@
 // Thread mapping of `split`: block (split s, KV head x head chunk, sequence b), 128 threads =
 // 4 warps.  A block serves NG query heads of one KV head (NG = 1, 2, 4, 8; more heads per KV
 // head take several head chunks, fewer leave slots idle), so every K and V row it loads is
-// used by all of them.  The chunk is walked in tiles of kTile tokens:
+// used by all of them.  The host picks NG (attention.heads_per_block): the smallest covering
+// the group, or 2 when a launch has few (sequence, KV head) pairs, where a block's serial work
+// (which grows with NG) is what the step waits for.  The chunk is walked in tiles of kTile
+// tokens:
 //   0. the tile's cache rows are read from the block table into shared memory;
 //   1. scores: a token's key row (D halfs) is read by D/8 lanes, 16 bytes each (one warp
 //      reads 256/D tokens per step, warps take steps in turn); each lane holds its 8 query
