@@ -167,8 +167,8 @@ def test_supports_and_argument_errors():
 
 
 def test_heads_per_block_covers_every_group():
-    assert [attention.heads_per_block(g) for g in (1, 2, 3, 4, 6, 8, 12, 16)] == [1, 2, 4, 4, 8, 8, 8, 8]
     few = attention.FEW_KV_PAIRS  # a launch of few (sequence, KV head) pairs spreads its heads
+    assert [attention.heads_per_block(g, few + 1) for g in (1, 2, 3, 4, 6, 8, 12, 16)] == [1, 2, 4, 4, 8, 8, 8, 8]
     assert [attention.heads_per_block(g, few) for g in (1, 2, 3, 6, 8, 16)] == [1, 2, 2, 2, 2, 2]
     assert attention.heads_per_block(8, few + 1) == 8
     names = set(build.kernel_names("paged_attention"))

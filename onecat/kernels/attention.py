@@ -52,14 +52,14 @@ FEW_KV_PAIRS = 8
 :func:`heads_per_block`)."""
 
 
-def heads_per_block(group: int, kv_pairs: int = FEW_KV_PAIRS + 1) -> int:
+def heads_per_block(group: int, kv_pairs: int) -> int:
     """Query heads one split block serves (the kernel's NG) for ``group`` query heads per KV
     head, in a launch over ``kv_pairs`` (sequence, KV head) pairs.
 
     A block's prep and per-token work grow with NG, and few pairs leave most of the GPU idle
-    at short contexts, so up to :data:`FEW_KV_PAIRS` pairs take NG = 2 (the group spread over
-    more blocks, each K / V row read by several of them, mostly from L2); more pairs take the
-    smallest NG that covers the group (each K / V row read once). H200, compute_70, prep form,
+    at short contexts, so up to :data:`FEW_KV_PAIRS` pairs a group of two or more takes NG = 2
+    (spread over more blocks, each K / V row read by several of them, mostly from L2); more
+    pairs take the smallest NG that covers the group (each K / V row read once). H200, compute_70, prep form,
     batch 1, context 192: 35B-A3B heads (16 / 2) 9.35 us at NG 2 against 14.15 at NG 8, 27B
     heads (24 / 4) 9.46 against 13.45; at 8 sequences of 1024 tokens NG 8 wins (BENCHMARKS.md,
     2026-12-02 afternoon)."""
