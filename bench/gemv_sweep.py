@@ -43,7 +43,7 @@ def sweep_shape(n: int, k: int, group_size: int, rows: int = 1) -> dict[str, flo
     x = torch.randn(rows, k, device="cuda", generator=gen).half()
     out = torch.empty(rows, n, device="cuda", dtype=torch.float16)
     device_index = torch.cuda.current_device()
-    row: dict[str, float | str] = {"n": n, "k": k, "rows": rows, "mb": packed_bytes / 1e6}
+    row: dict[str, float] = {"n": n, "k": k, "rows": rows, "mb": packed_bytes / 1e6}
     ktiles = k // 32
     for unroll in GEMV_BUILT[rows]:
         base = gemv_tiles_per_warp(get_kernel(Variant("gemv", rows, unroll).kernel_name(), device_index), n, k, device_index)

@@ -390,8 +390,7 @@ from onecat.quantize.pipeline import quantize_rtn
 LIBC = ctypes.CDLL(ctypes.util.find_library("c"))
 
 def rss_gib():
-    # freed heap that glibc keeps is not a leak, but it drifted by up to 0.22 GiB between runs
-    # (CI, 2026-12-02): hand it back first, so only live tensors and mapped pages count
+    # hand freed heap back first, so only live tensors and mapped pages count (see the test)
     gc.collect()
     if hasattr(LIBC, "malloc_trim"):
         LIBC.malloc_trim(0)
