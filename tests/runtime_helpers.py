@@ -213,7 +213,7 @@ def emulate_graphs(monkeypatch, engine) -> None:
     buffers in the graph's context (and, after a verify graph, the MTP drafting again)."""
     runner = engine.runner
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _Replay)
-    monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None, stream=None: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream())
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())

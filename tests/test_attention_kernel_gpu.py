@@ -18,6 +18,8 @@ import math
 import pytest
 import torch
 
+from onecat.runtime.engine.graph_capture import capture
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -233,14 +235,8 @@ def test_cuda_graph_replay_follows_changed_lengths(batch, with_gate):
         paged_decode_attention(static_q, static_k, static_v, static_tables, static_lens, dim**-0.5, out=static_out,
                                gate=static_gate)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # warm-up: loads the kernels and makes the workspace outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    capture(graph, None, step)  # warm-up on the capture stream: kernels and workspace first
     for r, (q, k_cache, v_cache, tables, lens) in enumerate(cases):
         static_k[: k_cache.shape[0]].copy_(k_cache)
         static_v[: v_cache.shape[0]].copy_(v_cache)

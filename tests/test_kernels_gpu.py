@@ -17,6 +17,7 @@ import torch
 
 from onecat.errors import OnecatError
 from onecat.pack.volta_layout import dequantize_volta, pack_volta
+from onecat.runtime.engine.graph_capture import capture
 
 pytestmark = [
     pytest.mark.gpu,
@@ -143,12 +144,7 @@ def replays(op, static_x: torch.Tensor, *args, rounds: int = 2):
     """Capture ``op(static_x, *args)`` in a CUDA graph, then per round: new random ``static_x``,
     the output poisoned with NaN, one replay; yields the output after each."""
     graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph):
-            static_y = op(static_x, *args)
-    torch.cuda.current_stream().wait_stream(stream)
+    static_y = capture(graph, None, lambda: op(static_x, *args))
     for _ in range(rounds):
         static_x.copy_(torch.randn(static_x.shape, dtype=static_x.dtype, device=static_x.device))
         static_y.fill_(float("nan"))

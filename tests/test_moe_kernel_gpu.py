@@ -28,6 +28,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from onecat.runtime.engine.graph_capture import capture
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -177,11 +179,8 @@ def test_moe_op_under_cuda_graph_capture(experts_35b, tokens):
     from onecat.kernels.moe import w4a16_moe
 
     x, ids, weights = random_routing(tokens, E, TOP_K, seed=1)
-    w4a16_moe(x, ids, weights, *experts_35b, G)  # load the kernels outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = w4a16_moe(x, ids, weights, *experts_35b, G)
+    graph = torch.cuda.CUDAGraph()  # warmed up on the capture stream: kernels and workspace first
+    y = capture(graph, None, lambda: w4a16_moe(x, ids, weights, *experts_35b, G))
     for seed in (2, 3):
         x2, ids2, weights2 = random_routing(tokens, E, TOP_K, seed=seed)
         x.copy_(x2)
@@ -350,10 +349,8 @@ def test_router_kernel_ties_and_graph_capture():
     assert torch.allclose(weights[:, :5], weights[:, :1].expand(4, 5))
     static = torch.randn(8, h, device="cuda", generator=gen).half()
     shared = (torch.randn(1, h, device="cuda", generator=gen) / 16).half()
-    moe_router(static, router, shared, TOP_K)  # warm-up outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = moe_router(static, router, shared, TOP_K)
+    graph = torch.cuda.CUDAGraph()  # warmed up on the capture stream
+    out = capture(graph, None, lambda: moe_router(static, router, shared, TOP_K))
     for seed in (1, 2):
         static.copy_(torch.randn(8, h, device="cuda", generator=gen.manual_seed(seed)).half())
         graph.replay()

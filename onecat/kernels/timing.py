@@ -47,10 +47,12 @@ def graph_time_us(
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph):
-            for _ in range(rounds):
-                for fn in calls:
-                    fn()
+        for fn in calls:  # on the capture stream: kernel workspaces exist before the capture
+            fn()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(rounds):
+            for fn in calls:
+                fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph.replay()
     times = []

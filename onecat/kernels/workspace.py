@@ -1,7 +1,10 @@
 """Scratch buffers that kernels reuse across launches: one per (purpose, device, stream).
 
 A buffer is allocated once and grown when a launch needs more; a grown buffer replaces the
-old one, which stays allocated because captured CUDA graphs may hold its address. Reuse is
+old one, which stays allocated because captured CUDA graphs may hold its address. Buffers are
+never allocated during a CUDA graph capture (that raises): memory taken there belongs to the
+graph's pool, where other graphs' temporaries may reuse it, so the capture's warm-up must run
+on the capture stream (``runtime/engine/graph_capture.py``). Reuse is
 safe because launches on one stream run in order. ``zeroed`` buffers start as zeros and the
 kernels that use them leave them zeroed (split reductions); the others hold garbage between
 launches (partials written and read within one call).
@@ -22,6 +25,14 @@ def stream_buffer(purpose: str, device: torch.device, stream: int, floats: int, 
     key = (purpose, device.index, stream)
     buf = _buffers.get(key)
     if buf is None or buf.numel() < floats:
+        if torch.cuda.is_current_stream_capturing():
+            # it would come from the graph's pool, which later captures share: another
+            # graph's temporaries could overwrite it, and a zero fill would only run on replay
+            raise RuntimeError(
+                f"kernel workspace {purpose!r} ({floats} floats) would be allocated inside a CUDA "
+                "graph capture; run the captured calls once on the capture stream first "
+                "(onecat.runtime.engine.graph_capture.capture)"
+            )
         if buf is not None:
             _retired.append(buf)
         make = torch.zeros if zeroed else torch.empty

@@ -28,6 +28,7 @@ import torch
 
 from onecat.kernels.workspace import to_device
 from onecat.runtime.context import ForwardContext, set_context
+from onecat.runtime.engine import graph_capture
 from onecat.runtime.layers import fusion
 from onecat.runtime.models.qwen3_5 import Qwen3_5ForCausalLM
 
@@ -76,16 +77,9 @@ class DraftGraph:
         return torch.stack(steps, dim=1)
 
     def capture(self, pool: object) -> None:
-        """Warm up (kernel tuning, compilation) on a side stream, then capture into ``pool``."""
-        device = self.hidden.device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side), fusion.compiling():
-            for _ in range(2):
-                self.forward()
-        torch.cuda.current_stream(device).wait_stream(side)
-        with torch.cuda.graph(self.graph, pool=pool), fusion.compiling():
-            self.drafts = self.forward()
+        """Warm up (kernel tuning, compilation) and capture into ``pool`` on one side stream."""
+        with fusion.compiling():
+            self.drafts = graph_capture.capture(self.graph, pool, self.forward, warmups=2)
 
     def host_inputs(self, sequences: list[tuple[list[tuple[int, int, int, int]], int, list[tuple[int, int, int]]]]) -> list[int]:
         """The flat input buffer's values. Per sequence slot of the graph (padding included):

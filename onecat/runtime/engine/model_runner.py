@@ -45,6 +45,7 @@ from onecat.kernels.workspace import to_device
 from onecat.runtime.config import EngineConfig
 from onecat.runtime.context import ForwardContext, PrefillChunk, set_context
 from onecat.runtime.distributed.parallel_state import min_over_ranks
+from onecat.runtime.engine import graph_capture
 from onecat.runtime.engine.decode_graphs import (
     DecodeGraph,
     DecodeRows,
@@ -602,19 +603,15 @@ class ModelRunner:
             scratch_block=self.num_blocks,
             scratch_state=self.num_slots,
         )
+        def forward() -> tuple[torch.Tensor, torch.Tensor]:
+            set_context(graph.context())  # fresh each time: nothing computed before is reused
+            hidden = self.model(graph.input_ids, graph.positions)
+            return hidden, self.model.compute_logits(hidden)
+
         try:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side), fusion.compiling():
-                # warm-up: kernel tuning, loading and compilation happen here, not in capture
-                for _ in range(2):
-                    set_context(graph.context())
-                    self.model.compute_logits(self.model(graph.input_ids, graph.positions))
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            set_context(graph.context())  # fresh: nothing computed in the warm-up is reused
-            with torch.cuda.graph(graph.graph, pool=self.graph_pool), fusion.compiling():
-                graph.hidden = self.model(graph.input_ids, graph.positions)
-                graph.logits = self.model.compute_logits(graph.hidden)
+            # the warm-ups tune, load and compile kernels and allocate their workspaces
+            with fusion.compiling():
+                graph.hidden, graph.logits = graph_capture.capture(graph.graph, self.graph_pool, forward, warmups=2)
             self.graph_pool = graph.graph.pool()
         finally:
             set_context(None)

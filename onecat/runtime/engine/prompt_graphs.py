@@ -39,6 +39,7 @@ import torch
 
 from onecat.runtime.context import ForwardContext, set_context
 from onecat.runtime.distributed.parallel_state import all_reduce_add_rms_norm
+from onecat.runtime.engine import graph_capture
 from onecat.runtime.layers import fusion
 from onecat.runtime.layers.moe import FusedExperts
 from onecat.runtime.models.qwen3_5 import GatedDeltaNet, Qwen3_5ForCausalLM
@@ -141,10 +142,8 @@ class PromptGraphs:
                 for tokens in reversed(self.buckets):
                     graphs = []
                     for index in range(len(self.layers) + 1):
-                        self._stretch(index, tokens)  # warm-up: buffers, kernel tuning, compilation
-                        graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph, pool=self.pool):
-                            self._stretch(index, tokens)
+                        graph = torch.cuda.CUDAGraph()  # warm-up: buffers, kernel tuning, compilation
+                        graph_capture.capture(graph, self.pool, lambda i=index, t=tokens: self._stretch(i, t))
                         self.pool = graph.pool()
                         graphs.append(graph)
                     self.graphs[tokens] = graphs
