@@ -45,8 +45,8 @@ from onecat.quantize.calibration import calibration_tokens
 from onecat.quantize.layer_build import LayerFactory
 from onecat.quantize.layer_search import LayerQuantizer
 from onecat.quantize.recipe import METHODS, Recipe, load_recipe, recipe_for_model_type
+from onecat.quantize.shard_plan import plan_rest_shards
 from onecat.quantize.summary import print_summary
-from onecat.quantize.writer import plan_rest_shards
 
 REPORT_NAME = "onecat_quantize_report.json"
 PROGRESS_NAME = "progress.json"
