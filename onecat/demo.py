@@ -59,6 +59,7 @@ def run_demo(out_dir: str | Path = "demo-out", console: Console | None = None) -
     import openai
     import transformers
 
+    from onecat.formats.staging import staged_directory
     from onecat.pack.writer import pack_checkpoint
     from onecat.quantize.pipeline import quantize_model
     from onecat.runtime.config import EngineConfig
@@ -70,9 +71,6 @@ def run_demo(out_dir: str | Path = "demo-out", console: Console | None = None) -
     console = console or Console()
     out = Path(out_dir).resolve()
     model_dir, awq_dir, packed_dir = out / "tiny-qwen3_5", out / "tiny-qwen3_5-awq", out / "tiny-qwen3_5-onecat"
-    for path in (model_dir, awq_dir, packed_dir):
-        if path.exists():
-            shutil.rmtree(path)
     timings: dict[str, float] = {}
     console.print(
         Panel.fit(
@@ -89,15 +87,18 @@ def run_demo(out_dir: str | Path = "demo-out", console: Console | None = None) -
                 f"the trained tiny model {source} is missing: run the demo from an onecat "
                 "checkout, or train it with `python -m onecat.tiny_train --family qwen3_5`"
             )
-        shutil.copytree(source, model_dir)
+        # Staged and marked like every output, so that a rerun replaces it (and nothing else).
+        with staged_directory(model_dir, source, True, "onecat demo") as stage:
+            shutil.copytree(source, stage, dirs_exist_ok=True)
         console.print(f"checkpoint: {model_dir} (from {source})")
 
     with _step(console, timings, "2/4 quantize (AWQ, 4 bits, group 32, 4 pydoc samples of 64 tokens)"):
-        quantize_model(model_dir, awq_dir, calib="builtin:pydoc", samples=4, seqlen=64, group_size=32)
+        quantize_model(model_dir, awq_dir, calib="builtin:pydoc", samples=4, seqlen=64, group_size=32,
+                       overwrite=True)
         console.print(f"AutoAWQ GEMM checkpoint: {awq_dir}")
 
     with _step(console, timings, "3/4 pack into the Volta layout"):
-        pack_checkpoint(awq_dir, packed_dir, show_progress=False)
+        pack_checkpoint(awq_dir, packed_dir, overwrite=True, show_progress=False)
         console.print(f"packed artifact: {packed_dir}")
 
     with _step(console, timings, "4/4 serve and ask one chat completion (openai client)"):

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from onecat.quantize.calibration import pydoc_text
+
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3", "llama")
 
 CHAT_TEMPLATE = (
@@ -67,13 +69,6 @@ QWEN3_5_CHAT_TEMPLATE = (
     "{%- else %}{{- '<think>\\n' }}{%- endif %}"
     "{%- endif %}"
 )
-
-
-def pydoc_text() -> str:
-    """The pydoc topics of the running Python, sorted by key and joined by blank lines."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[key] for key in sorted(topics))
 
 
 def build_tokenizer(out_dir: Path, vocab_size: int = 512, text: str | None = None) -> None:

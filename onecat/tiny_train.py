@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from onecat.formats.staging import check_replaceable
 from onecat.tiny import _build_model, _fuse_experts, build_tokenizer, write_mtp_tensors
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
@@ -278,6 +279,8 @@ def train_model(spec: TrainSpec, out_dir: str | Path, *, log=print) -> dict:
         "history": history,
     }
     (staging / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    # Replace a previous checkpoint only where every file of it is rewritten: nothing else is lost.
+    check_replaceable(out, written=lambda name: (staging / name).is_file())
     if out.exists():
         shutil.rmtree(out)
     staging.rename(out)

@@ -6,7 +6,8 @@ shards found by glob, side files) must resolve inside the checkpoint directory; 
 that reads checkpoints (pack, the runtime loader behind generate/serve, eval, quantize and
 the vLLM plugin's header scan) refuses one that does not, naming the file and the entry.
 quantize / pack / unpack refuse an output that is, lies inside or contains the source,
-with or without --overwrite, before touching anything.
+with or without --overwrite, before touching anything; --overwrite (and build-kernels)
+replaces only a directory that holds nothing but what onecat wrote there.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from click.testing import CliRunner
 from onecat.cli import main
 from onecat.errors import OnecatError
 from onecat.formats.checkpoint import Checkpoint
+from onecat.formats.staging import OUTPUT_MARKER
 from onecat.pack.artifact import open_packed
 from onecat.pack.unpack import unpack_artifact
 from onecat.pack.writer import MANIFEST_NAME, pack_checkpoint
@@ -288,6 +290,113 @@ def test_unpack_refuses_outputs_overlapping_the_artifact(work, tmp_path):
         with pytest.raises(OnecatError, match="must not be, lie inside or contain the source"):
             unpack_artifact(artifact, out, overwrite=True)
         assert digest(tmp_path / "ckpt") == before
+
+
+# --- --overwrite deletes only what onecat wrote (issue 40, item 5) ------------------------------
+
+
+def add_foreign_files(out: Path) -> None:
+    """What a careless user keeps in an output directory: notes and another artifact."""
+    (out / "keep").mkdir()
+    (out / "keep" / "notes.txt").write_text("mine")
+    (out / "other-artifact.safetensors").write_bytes(b"not onecat's")
+
+
+def assert_refused_naming_a_foreign_file(code: int, output: str, out: Path, before: dict) -> None:
+    assert code == 1, output
+    assert "was not written by onecat" in output and "Nothing was changed" in output, output
+    assert str(out / "keep" / "notes.txt") in output or str(out / "other-artifact.safetensors") in output, output
+    assert digest(out) == before
+    assert not [p for p in out.parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name or
+                p.name.endswith(".partial")]
+
+
+def test_quantize_overwrite_replaces_its_own_output_and_nothing_else(built, tmp_path):
+    out = tmp_path / "awq"
+    assert run(*quantize_args(built["fp"], out))[0] == 0
+    marker = json.loads((out / OUTPUT_MARKER).read_text())
+    assert marker["command"] == "onecat quantize" and marker["files"] == sorted(
+        p.name for p in out.iterdir() if p.name != OUTPUT_MARKER)
+    code, output = run(*quantize_args(built["fp"], out, "--overwrite"))
+    assert code == 0, output
+    add_foreign_files(out)
+    before = digest(out)
+    code, output = run(*quantize_args(built["fp"], out, "--overwrite"))
+    assert_refused_naming_a_foreign_file(code, output, out, before)
+
+
+def test_pack_overwrite_replaces_its_own_output_and_nothing_else(built, tmp_path):
+    out = tmp_path / "packed"
+    assert run("pack", str(built["awq"]), "--out", str(out), "--no-progress")[0] == 0
+    assert OUTPUT_MARKER not in open_packed(out).manifest["copied_files"]  # the source's is not copied
+    code, output = run("pack", str(built["awq"]), "--out", str(out), "--overwrite", "--no-progress")
+    assert code == 0, output
+    open_packed(out).verify()
+    add_foreign_files(out)
+    before = digest(out)
+    code, output = run("pack", str(built["awq"]), "--out", str(out), "--overwrite", "--no-progress")
+    assert_refused_naming_a_foreign_file(code, output, out, before)
+
+
+def test_unpack_overwrite_refuses_foreign_files(built, tmp_path):
+    out = unpack_artifact(built["packed"], tmp_path / "awq")
+    unpack_artifact(built["packed"], out, overwrite=True)
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(OnecatError, match="notes.txt was not written by onecat"):
+        unpack_artifact(built["packed"], out, overwrite=True)
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("command", ["quantize", "pack"])
+def test_overwrite_refuses_a_directory_without_the_marker(built, tmp_path, command):
+    """A directory onecat did not write, or an artifact of an onecat older than the marker: no
+    --overwrite can know what in it is onecat's, so it is refused."""
+    out = Path(shutil.copytree(built["awq" if command == "quantize" else "packed"], tmp_path / "out"))
+    (out / OUTPUT_MARKER).unlink()
+    before = digest(out)
+    args = quantize_args(built["fp"], out) if command == "quantize" else ["pack", str(built["awq"]), "--out", str(out)]
+    code, output = run(*args, "--overwrite")
+    assert code == 1 and f"no onecat output marker {OUTPUT_MARKER}" in output, output
+    assert str(out / sorted(before)[0]) in output, output
+    assert digest(out) == before
+
+
+def test_quantize_overwrite_of_an_interrupted_run(built, tmp_path):
+    """OUT.partial has no marker yet: --overwrite removes it when it holds only what the
+    pipeline writes there, and refuses it when it holds anything else."""
+    out = tmp_path / "awq"
+    partial = tmp_path / "awq.partial"
+    partial.mkdir()
+    (partial / "progress.json").write_text(json.dumps({"fingerprint": {}, "layers": {}}))
+    (partial / "model-00002-of-00003.safetensors").write_bytes(b"x")
+    (partial / "notes.txt").write_text("mine")
+    before = digest(partial)
+    code, output = run(*quantize_args(built["fp"], out, "--overwrite"))
+    assert code == 1 and f"{partial / 'notes.txt'} was not written by onecat" in output, output
+    assert digest(partial) == before and not out.exists()
+    (partial / "notes.txt").unlink()
+    code, output = run(*quantize_args(built["fp"], out, "--overwrite"))
+    assert code == 0, output
+    assert not partial.exists() and (out / OUTPUT_MARKER).is_file()
+
+
+def test_build_kernels_replaces_only_a_kernel_directory(tmp_path):
+    from onecat.kernels.build import MANIFEST, check_kernel_dir
+
+    out = tmp_path / "kernels"
+    check_kernel_dir(out)
+    out.mkdir()
+    check_kernel_dir(out)
+    (out / MANIFEST).write_text("{}")
+    (out / "w4a16_gemv.sm_70.cubin").write_bytes(b"x")
+    (out / "w4a16_gemv.compute_70.ptx").write_bytes(b"x")
+    check_kernel_dir(out)
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(OnecatError, match="notes.txt was not written by onecat build-kernels"):
+        check_kernel_dir(out)
+    (out / MANIFEST).unlink()
+    with pytest.raises(OnecatError, match=f"has no {MANIFEST}"):
+        check_kernel_dir(out)
 
 
 def test_generation_config_symlink_out_of_the_checkpoint_is_refused(tmp_path):

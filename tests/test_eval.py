@@ -18,7 +18,8 @@ from onecat.errors import OnecatError
 from onecat.formats.awq_gemm import pack_awq_gemm
 from onecat.quantize import evaluate as ev
 from onecat.quantize.awq_reader import read_awq_float_tensors
-from onecat.tiny import build_tiny_model, pydoc_text
+from onecat.quantize.calibration import pydoc_text
+from onecat.tiny import build_tiny_model
 
 GROUP = 32
 # Linears the test's round-to-nearest quantizes: 2-D weights inside decoder layers

@@ -332,10 +332,13 @@ def test_existing_output_needs_overwrite(packed_artifact):
     src = Path(json.loads((packed_artifact / "onecat_manifest.json").read_text())["source"]["path"])
     with pytest.raises(OnecatError, match="already exists; pass --overwrite"):
         pack_checkpoint(src, packed_artifact, show_progress=False)
-    (packed_artifact / "stale-file").write_text("x")
+    (packed_artifact / "config.json").unlink()  # a damaged earlier output: --overwrite redoes it
     pack_checkpoint(src, packed_artifact, overwrite=True, show_progress=False)
-    assert not (packed_artifact / "stale-file").exists()
     open_packed(packed_artifact).verify()
+    (packed_artifact / "stale-file").write_text("x")  # not onecat's: refused, kept
+    with pytest.raises(OnecatError, match="stale-file was not written by onecat"):
+        pack_checkpoint(src, packed_artifact, overwrite=True, show_progress=False)
+    assert (packed_artifact / "stale-file").read_text() == "x"
     assert [p.name for p in packed_artifact.parent.iterdir() if p.name.startswith(".")] == []
 
 

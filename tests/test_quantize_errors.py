@@ -162,12 +162,16 @@ def test_output_exists_without_resume_or_overwrite(model: Path, tmp_path: Path) 
 
 def test_overwrite_replaces_output(model: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "old.txt").write_text("old")
+    assert run_quantize(model, out)[0] == 0
+    (out / "config.json").write_text("{}")  # a file onecat wrote (listed by its marker)
     code, output = run_quantize(model, out, "--overwrite")
     assert code == 0, output
-    assert not (out / "old.txt").exists() and (out / "config.json").is_file()
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "awq"
     assert "artifact:" in output
+    (out / "old.txt").write_text("old")  # not onecat's: --overwrite refuses (test_checkpoint_safety)
+    code, output = run_quantize(model, out, "--overwrite")
+    assert code == 1 and "old.txt was not written by onecat" in output, output
+    assert (out / "old.txt").read_text() == "old"
 
 
 @pytest.mark.parametrize(

@@ -6,15 +6,24 @@ work directory next to OUT and renames it into place only when complete
 finished. Before anything is touched, :func:`check_output` refuses an OUT that is the
 source, lies inside it or contains it (with or without ``--overwrite``): replacing OUT would
 otherwise delete the source.
+
+Every published directory carries a marker, :data:`OUTPUT_MARKER`: a JSON naming the command,
+the onecat version and every file onecat wrote there. ``--overwrite`` replaces an existing OUT
+only when that marker lists everything in it (:func:`check_replaceable`): a directory holding
+anything else (a user's notes, another tool's artifact, an output of an onecat older than the
+marker) is refused before anything is touched, naming a file that would be lost. No command
+deletes a file it did not write.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +39,11 @@ DEFAULT_SHARD_BYTES = 2 * 1024**3
 
 REWRITTEN_FILES = ("config.json", "onecat_manifest.json", "quant_config.json")
 """Top-level files that tools rewrite instead of copying."""
+
+OUTPUT_MARKER = ".onecat-output.json"
+"""The marker :func:`publish` writes into every directory it publishes: ``{"written_by":
+"onecat", "command", "onecat_version", "files"}``, ``files`` being every file of the directory
+(relative POSIX paths) but the marker. Hidden, so readers and :func:`copy_side_files` pass it by."""
 
 SAFETENSORS_DTYPES = {
     torch.float16: "F16",
@@ -72,18 +86,117 @@ def check_no_overlap(out: Path, src: Path, work: Path | None = None) -> None:
             )
 
 
+def onecat_version() -> str:
+    """The installed onecat version (``unknown`` when running from an uninstalled tree)."""
+    try:
+        return version("onecat")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _entries(directory: Path) -> tuple[list[str], list[str]]:
+    """``(files, directories)`` under ``directory`` as sorted relative POSIX paths; symlinks
+    (to directories too) count as files and are not followed."""
+    files, dirs = [], []
+    for root, dirnames, filenames in os.walk(directory):
+        rel = Path(root).relative_to(directory)
+        for name in list(dirnames):
+            if (Path(root) / name).is_symlink():
+                dirnames.remove(name)
+                filenames.append(name)
+            else:
+                dirs.append((rel / name).as_posix())
+        files += [(rel / name).as_posix() for name in filenames]
+    return sorted(files), sorted(dirs)
+
+
+def write_marker(directory: Path, command: str) -> None:
+    """Write :data:`OUTPUT_MARKER` into ``directory``, listing every file in it."""
+    files = [f for f in _entries(Path(directory))[0] if f != OUTPUT_MARKER]
+    write_json(Path(directory) / OUTPUT_MARKER, {
+        "written_by": "onecat",
+        "command": command,
+        "onecat_version": onecat_version(),
+        "files": files,
+    })
+
+
+def _marker_files(path: Path) -> set[str] | None:
+    """The files :data:`OUTPUT_MARKER` of ``path`` lists, or None when it is absent or unreadable."""
+    try:
+        marker = json.loads((path / OUTPUT_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(marker, dict) or marker.get("written_by") != "onecat":
+        return None
+    files = marker.get("files")
+    if not isinstance(files, list):
+        return None
+    return {f for f in files if isinstance(f, str)}
+
+
+def check_replaceable(path: Path, written: Callable[[str], bool] | None = None) -> None:
+    """OnecatError unless replacing ``path`` would delete only what onecat wrote there.
+
+    Absent and empty directories pass. Otherwise every file must be :data:`OUTPUT_MARKER` or
+    listed by it, or, where the caller knows the exact names it writes without a marker (an
+    interrupted quantize run, a kernel directory), satisfy ``written`` (a relative POSIX path
+    -> bool); every directory must hold such files. A file, a symlink, a directory without
+    the marker or with anything else is refused, naming one file that would be lost.
+    """
+    path = Path(path)
+    how = (f"Nothing was changed. Choose another --out, or move what you need out of {path} "
+           "(or remove it yourself)")
+    if not path.exists() and not path.is_symlink():
+        return
+    if path.is_symlink() or not path.is_dir():
+        raise OnecatError(f"{path} is {'a symlink' if path.is_symlink() else 'a file'}, not a "
+                          f"directory onecat wrote; replacing it would delete it. {how}")
+    files, dirs = _entries(path)
+    if not files and not dirs:
+        return
+    listed = _marker_files(path)
+    if listed is None and written is None:
+        lost = path / (files or dirs)[0]
+        raise OnecatError(
+            f"{path} holds no onecat output marker {OUTPUT_MARKER} (or an unreadable one): it "
+            "was not written by onecat, or by an onecat older than the marker, so --overwrite "
+            f"could delete files onecat did not write, such as {lost}. {how}"
+        )
+    known = set(listed or ()) | {OUTPUT_MARKER}
+    kept = {Path(f).parent.as_posix() for f in files}
+    for name in files:
+        if name not in known and not (written is not None and written(name)):
+            raise OnecatError(
+                f"{path / name} was not written by onecat"
+                + (f" (it is not listed in {path / OUTPUT_MARKER})" if listed is not None else "")
+                + f": replacing {path} would delete it. {how}"
+            )
+    for name in dirs:
+        if not any(k == name or k.startswith(name + "/") for k in kept):
+            raise OnecatError(f"{path / name} is a directory onecat did not write: replacing "
+                              f"{path} would delete it. {how}")
+
+
 def check_output(out: Path, src: Path, *, overwrite: bool) -> None:
     """Refuse, before anything is written, an output that would destroy its source
-    (:func:`check_no_overlap`, whatever ``overwrite`` says) or replace an existing ``out``
-    without ``overwrite``."""
+    (:func:`check_no_overlap`, whatever ``overwrite`` says), replace an existing ``out``
+    without ``overwrite``, or delete with it a file onecat did not write
+    (:func:`check_replaceable`)."""
     out = Path(out)
     check_no_overlap(out, src)
-    if out.exists() and not overwrite:
-        raise OnecatError(f"{out} already exists; pass --overwrite to replace it")
+    if out.exists() or out.is_symlink():
+        if not overwrite:
+            raise OnecatError(f"{out} already exists; pass --overwrite to replace it")
+        check_replaceable(out)
 
 
-def publish(work: Path, out: Path) -> None:
-    """Move the finished directory ``work`` to ``out``, replacing a previous ``out``."""
+def publish(work: Path, out: Path, command: str) -> None:
+    """Mark the finished directory ``work`` as written by ``command`` (:func:`write_marker`)
+    and move it to ``out``, replacing a previous ``out`` (checked again first:
+    :func:`check_replaceable`, in case something was put there during the run)."""
+    check_replaceable(out)
+    write_marker(work, command)
     old = out.parent / f".{out.name}.old-{os.getpid()}"
     if out.exists() or out.is_symlink():
         os.replace(out, old)
@@ -95,11 +208,12 @@ def publish(work: Path, out: Path) -> None:
 
 
 @contextlib.contextmanager
-def staged_directory(out: Path, src: Path, overwrite: bool) -> Iterator[Path]:
-    """Yield a fresh staging directory next to ``out``; on success it replaces ``out``.
+def staged_directory(out: Path, src: Path, overwrite: bool, command: str) -> Iterator[Path]:
+    """Yield a fresh staging directory next to ``out``; on success it replaces ``out``
+    (:func:`publish`, with the marker naming ``command``).
 
-    :func:`check_output` runs first. On any exception the staging directory is removed and
-    ``out`` is left as it was.
+    :func:`check_output` runs first. On any exception (a refusal by :func:`publish` too) the
+    staging directory is removed and ``out`` is left as it was.
     """
     out = Path(out)
     check_output(out, src, overwrite=overwrite)
@@ -110,10 +224,10 @@ def staged_directory(out: Path, src: Path, overwrite: bool) -> Iterator[Path]:
     stage.mkdir()
     try:
         yield stage
+        publish(stage, out, command)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-    publish(stage, out)
 
 
 def tensor_sha256(tensor: torch.Tensor) -> str:
@@ -155,25 +269,29 @@ def write_index(directory: Path, weight_map: dict[str, str]) -> None:
                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
 
 
-def copy_side_files(src: Path, dst: Path) -> list[str]:
-    """Copy the top-level non-weight files (tokenizer, chat template, generation config, ...)
-    of checkpoint ``src`` to ``dst``; returns the copied names. Rewritten files
-    (:data:`REWRITTEN_FILES`), weight files, weight indexes and hidden files are left out; a
-    side file that is a symlink leading outside ``src`` is an OnecatError."""
-    copied = []
-    for item in sorted(Path(src).iterdir()):
-        name = item.name
-        if (
-            name.startswith(".")
-            or name in REWRITTEN_FILES
-            or name.endswith(WEIGHT_SUFFIXES)
-            or name.endswith(".index.json")
+def side_file_names(src: Path) -> list[str]:
+    """The top-level non-weight files (tokenizer, chat template, generation config, ...) of
+    checkpoint ``src`` that :func:`copy_side_files` copies: rewritten files
+    (:data:`REWRITTEN_FILES`), weight files, weight indexes and hidden files are left out."""
+    return [
+        item.name for item in sorted(Path(src).iterdir())
+        if not (
+            item.name.startswith(".")
+            or item.name in REWRITTEN_FILES
+            or item.name.endswith(WEIGHT_SUFFIXES)
+            or item.name.endswith(".index.json")
             or not item.is_file()
-        ):
-            continue
+        )
+    ]
+
+
+def copy_side_files(src: Path, dst: Path) -> list[str]:
+    """Copy the side files of checkpoint ``src`` (:func:`side_file_names`) to ``dst``; returns
+    their names. A side file that is a symlink leading outside ``src`` is an OnecatError."""
+    copied = side_file_names(src)
+    for name in copied:
         contained_file(src, name, where=str(src), entry="side file")
-        shutil.copyfile(item, dst / name)
-        copied.append(name)
+        shutil.copyfile(Path(src) / name, dst / name)
     return copied
 
 

@@ -280,17 +280,45 @@ def cached_image(program: str, target: str) -> bytes:
     return image
 
 
+def check_kernel_dir(out_dir: Path) -> None:
+    """OnecatError unless replacing ``out_dir`` deletes only what :func:`build_all` writes: it
+    must be absent, empty, or a directory of the manifest and ``<program>.<target>`` images
+    of known programs (their names are fixed, so no output marker is needed). Names the first
+    other file, which would be lost."""
+    out_dir = Path(out_dir)
+    how = f"Nothing was changed. Choose another --out, or move what you need out of {out_dir}"
+    if not out_dir.exists() and not out_dir.is_symlink():
+        return
+    if out_dir.is_symlink() or not out_dir.is_dir():
+        raise OnecatError(f"{out_dir} is not a kernel directory onecat wrote; replacing it "
+                          f"would delete it. {how}")
+    image = re.compile(rf"({'|'.join(PROGRAMS)})\.(compute|sm)_\d+\.(ptx|cubin)")
+    entries = sorted(out_dir.iterdir())
+    if entries and not (out_dir / MANIFEST).is_file():
+        raise OnecatError(f"{out_dir} has no {MANIFEST}: it is not a kernel directory onecat "
+                          f"wrote, and replacing it would delete {entries[0]}. {how}")
+    for entry in entries:
+        if entry.is_symlink() or not entry.is_file() or not (
+            entry.name == MANIFEST or image.fullmatch(entry.name)
+        ):
+            raise OnecatError(f"{entry} was not written by onecat build-kernels: replacing "
+                              f"{out_dir} would delete it. {how}")
+
+
 def build_all(arch: str, out_dir: Path) -> list[CompiledProgram]:
     """Pre-build every program as ``compute_<arch>`` PTX and ``sm_<arch>`` cubin into ``out_dir``.
 
     ``arch`` is ``sm_70``, ``70`` or ``compute_70``.  Writes ``<program>.<target>.{ptx,cubin}``
     and a manifest (sources hash, NVRTC version) read by the loader (``ONECAT_KERNEL_DIR``).
-    The directory is written to a temporary sibling and renamed into place.
+    The directory is written to a temporary sibling and renamed into place; an existing
+    ``out_dir`` is replaced only when it holds nothing else (:func:`check_kernel_dir`, checked
+    before compiling and again before the rename).
     """
     digits = re.sub(r"^(sm_|compute_)", "", str(arch))
     if not digits.isdigit():
         raise OnecatError(f"bad --arch {arch!r}: use e.g. sm_70")
     out_dir = Path(out_dir)
+    check_kernel_dir(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
     results = []
@@ -307,6 +335,13 @@ def build_all(arch: str, out_dir: Path) -> list[CompiledProgram]:
         "programs": list(PROGRAMS),
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    try:
+        check_kernel_dir(out_dir)
+    except OnecatError:
+        for f in tmp.iterdir():
+            f.unlink()
+        tmp.rmdir()
+        raise
     if out_dir.exists():
         old = out_dir.with_name(f".{out_dir.name}.old")
         os.replace(out_dir, old)

@@ -80,10 +80,6 @@ def check_inputs(
     return n, k
 
 
-_plans: dict[tuple, object] = {}
-"""Input signature (shapes, dtypes, devices, bias or not) -> its validated launch plan."""
-
-
 def _cuda_impl(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -92,6 +88,7 @@ def _cuda_impl(
     bias: torch.Tensor | None = None,
     silu_mul: bool = False,
 ) -> torch.Tensor:
+    from onecat.kernels import tuning
     from onecat.kernels.variants import run_plan
 
     # Validation, variant choice and launch parameters are resolved once per signature;
@@ -102,7 +99,7 @@ def _cuda_impl(
         scales_zeros.shape, scales_zeros.dtype, scales_zeros.device, group_size,
         None if bias is None else (bias.shape, bias.dtype, bias.device), silu_mul,
     )  # fmt: skip
-    plan = _plans.get(signature)
+    plan = tuning.remembered_plan(signature)
     if plan is None:
         plan = _resolve(x, qweight, scales_zeros, group_size, bias, silu_mul, signature)
     if not (qweight.is_contiguous() and scales_zeros.is_contiguous()) or (
@@ -126,11 +123,6 @@ def _cuda_impl(
 _NO_ROWS = object()
 
 
-def forget_plans() -> None:
-    """Drop the remembered launch plans (the tuner calls this when a winner changes)."""
-    _plans.clear()
-
-
 def _resolve(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -140,24 +132,16 @@ def _resolve(
     silu_mul: bool,
     signature: tuple,
 ) -> object:
-    """Validate a new signature and resolve its launch plan (remembered unless the variant
-    choice may still change: a default picked during graph capture or compilation)."""
+    """Validate a new signature and resolve its launch plan (``tuning.plan_signature``,
+    which remembers it once the variant choice is final)."""
     from onecat.kernels import tuning
-    from onecat.kernels.variants import launch_plan
 
     n, k = check_inputs(x, qweight, scales_zeros, group_size, bias, silu_mul)
     m = x.numel() // k
     if m == 0:
-        plan = _NO_ROWS
-    else:
-        variant = tuning.choose_variant(m, qweight, scales_zeros, group_size)
-        plan = launch_plan(variant, m, n, k, group_size, x.device.index, silu_mul and variant.fuses_silu_mul(n))
-        if not tuning.is_remembered(m, n, k, group_size, x.device.index):
-            return plan
-    if len(_plans) > 1 << 14:  # prefill chunks of every length: stay bounded
-        _plans.clear()
-    _plans[signature] = plan
-    return plan
+        tuning.remember_plan(signature, _NO_ROWS)
+        return _NO_ROWS
+    return tuning.plan_signature(signature, m, qweight, scales_zeros, group_size, silu_mul)
 
 
 def _cpu_impl(

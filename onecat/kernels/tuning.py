@@ -31,6 +31,7 @@ from onecat.kernels.variants import (
     Variant,
     default_variant,
     gemv_tiles_per_warp,
+    launch_plan,
     run_variant,
     wmma_splits,
 )
@@ -167,8 +168,6 @@ def tune_shape(
         _choices.pop((bucket(m), n, k, group_size, device_index), None)
         if save:
             _save(device_index)
-    from onecat.kernels.ops import forget_plans
-
     forget_plans()
     return best, timings
 
@@ -225,6 +224,49 @@ def choose_variant(
 def is_remembered(m: int, n: int, k: int, group_size: int, device_index: int) -> bool:
     """Whether :func:`choose_variant`'s answer for this shape is final in this process."""
     return (bucket(m), n, k, group_size, device_index) in _choices or not autotune_enabled()
+
+
+_plans: dict[tuple, object] = {}
+"""The op's launch-plan cache: input signature (shapes, dtypes, devices, group size, bias or
+not, SwiGLU or not; built by ``ops._cuda_impl``) -> its validated launch plan. It lives here,
+beside the variant choice it depends on, so that a new winner can drop it
+(:func:`forget_plans`) without this module importing ``ops``."""
+
+_MAX_PLANS = 1 << 14  # prefill chunks of every length: stay bounded
+
+
+def remembered_plan(signature: tuple) -> object | None:
+    """The launch plan remembered for ``signature``, or None (one dictionary lookup)."""
+    return _plans.get(signature)
+
+
+def remember_plan(signature: tuple, plan: object) -> None:
+    """Remember ``plan`` for ``signature`` (the cache is cleared when it grows past its bound)."""
+    if len(_plans) > _MAX_PLANS:
+        _plans.clear()
+    _plans[signature] = plan
+
+
+def forget_plans() -> None:
+    """Drop the remembered launch plans (:func:`tune_shape` calls this when a winner changes)."""
+    _plans.clear()
+
+
+def plan_signature(
+    signature: tuple, m: int, qweight: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
+    silu_mul: bool,
+) -> object:
+    """The launch plan of a validated input signature of ``m > 0`` rows: the chosen variant
+    (:func:`choose_variant`) with its launch parameters (``variants.launch_plan``; the SwiGLU
+    epilogue only where the variant has one). Remembered for ``signature`` unless the choice
+    may still change (a default picked during graph capture or compilation)."""
+    n, k = qweight.shape[0] * 32, qweight.shape[1] * 32
+    device_index = qweight.device.index
+    variant = choose_variant(m, qweight, scales_zeros, group_size)
+    plan = launch_plan(variant, m, n, k, group_size, device_index, silu_mul and variant.fuses_silu_mul(n))
+    if is_remembered(m, n, k, group_size, device_index):
+        remember_plan(signature, plan)
+    return plan
 
 
 def random_packed_weights(

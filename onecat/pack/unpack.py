@@ -49,7 +49,7 @@ def unpack_artifact(
             "checkpoint has a single group_size"
         )
     group_size = next(iter(groups)) if groups else art.quantization["group_size"]
-    with staged_directory(out, path, overwrite) as stage:
+    with staged_directory(out, path, overwrite, "unpack_artifact") as stage:
         writer = ShardWriter(stage, max_shard_bytes)
         prefixes = art.linear_prefixes()
         for prefix in tqdm(prefixes, desc="unpacking", disable=not show_progress):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from datetime import datetime, timezone
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,7 @@ from onecat.formats.staging import (
     ShardWriter,
     check_output,
     copy_side_files,
+    onecat_version,
     staged_directory,
 )
 from onecat.pack.volta_layout import FORMAT_NAME, LAYOUT_VERSION, check_shape, pack_volta
@@ -45,14 +45,6 @@ from onecat.pack.volta_layout import FORMAT_NAME, LAYOUT_VERSION, check_shape, p
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "onecat_manifest.json"
-
-
-def onecat_version() -> str:
-    """The installed onecat version (``unknown`` when running from an uninstalled tree)."""
-    try:
-        return version("onecat")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def onecat_quantization_config(group_size: int, modules_to_not_convert: list[str]) -> dict:
@@ -137,7 +129,7 @@ def pack_checkpoint(
         )
     packed: dict[str, dict[str, Any]] = {}
     kept: dict[str, str] = {}
-    with staged_directory(out, src, overwrite) as stage:
+    with staged_directory(out, src, overwrite, "onecat pack") as stage:
         writer = ShardWriter(stage, max_shard_bytes)
         items = _work_items(ckpt, linears)
         for kind, name in tqdm(items, desc="packing", unit="tensor", disable=not show_progress):

@@ -27,10 +27,17 @@ from onecat.errors import OnecatError
 BUILTIN_PYDOC = "builtin:pydoc"
 
 
-def _pydoc_documents() -> list[str]:
+def pydoc_documents() -> list[str]:
+    """The running Python's pydoc topics, sorted by key (the ``builtin:pydoc`` documents)."""
     from pydoc_data.topics import topics
 
     return [topics[key] for key in sorted(topics)]
+
+
+def pydoc_text() -> str:
+    """The pydoc topics joined by blank lines: ``builtin:pydoc`` as one text (``onecat eval``'s
+    default text, and the tiny models' tokenizer training text)."""
+    return "\n\n".join(pydoc_documents())
 
 
 def _split_field(source: str, suffix: str) -> tuple[Path, str]:
@@ -124,7 +131,7 @@ def _hf_documents(spec: str, enough_chars: int) -> list[str]:
 def read_documents(source: str, *, enough_chars: int = 50_000_000) -> list[str]:
     """Read the documents of a calibration SOURCE (see the module docstring)."""
     if source == BUILTIN_PYDOC:
-        return _pydoc_documents()
+        return pydoc_documents()
     if source.startswith("hf:"):
         return _hf_documents(source[3:], enough_chars)
     if source.startswith("builtin:"):

@@ -25,6 +25,7 @@ from onecat.errors import OnecatError
 from onecat.formats.checkpoint import Checkpoint
 from onecat.formats.files import read_checkpoint_json
 from onecat.formats.quant_config import AWQ_GEMM, FLOAT, detect_format
+from onecat.quantize.calibration import pydoc_text
 
 JARGON_PATHS = (
     Path("/usr/share/doc/jargon-text/jargon.txt.gz"),
@@ -78,8 +79,6 @@ def jargon_glossary_text() -> str:
 def load_text(source: str) -> str:
     """Resolve an evaluation text: ``builtin:pydoc``, ``builtin:jargon`` or a UTF-8 file path."""
     if source == "builtin:pydoc":
-        from onecat.tiny import pydoc_text
-
         return pydoc_text()
     if source == "builtin:jargon":
         return jargon_glossary_text()

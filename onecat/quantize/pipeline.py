@@ -22,22 +22,26 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from onecat.errors import OnecatError
 from onecat.formats.awq_gemm import awq_config
-from onecat.formats.checkpoint import Checkpoint
+from onecat.formats.checkpoint import INDEX_NAME, Checkpoint
 from onecat.formats.files import read_checkpoint_json, write_json
 from onecat.formats.quant_config import find_quantization_config
 from onecat.formats.staging import (
     check_no_overlap,
+    check_replaceable,
     copy_side_files,
     publish,
     shard_name,
+    side_file_names,
     write_index,
     write_shard,
 )
@@ -45,8 +49,8 @@ from onecat.quantize.calibration import calibration_tokens
 from onecat.quantize.layer_build import LayerFactory
 from onecat.quantize.layer_search import LayerQuantizer
 from onecat.quantize.recipe import METHODS, Recipe, load_recipe, recipe_for_model_type
+from onecat.quantize.shard_plan import plan_rest_shards
 from onecat.quantize.summary import print_summary
-from onecat.quantize.writer import plan_rest_shards
 
 REPORT_NAME = "onecat_quantize_report.json"
 PROGRESS_NAME = "progress.json"
@@ -177,13 +181,32 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+_SHARD = re.compile(r"\.?model-\d{5}-of-\d{5}\.safetensors(\.tmp)?")
+
+
+def _work_file(work: Path, src: Path) -> Callable[[str], bool]:
+    """Which files of an interrupted run's work directory ``work`` (``OUT.partial``, which has
+    no output marker yet) this pipeline wrote: its progress file, shards (and their temporary
+    names), index, config, report and the source's side files. Only when the progress file
+    (with its fingerprint) or the report is there: without either the directory is not a run
+    of this pipeline and nothing in it counts as written."""
+    try:
+        started = "fingerprint" in json.loads((work / PROGRESS_NAME).read_text())
+    except (OSError, ValueError, TypeError):
+        started = False
+    if not (started or (work / REPORT_NAME).is_file()):
+        return lambda name: False
+    names = {PROGRESS_NAME, REPORT_NAME, INDEX_NAME, "config.json", *side_file_names(src)}
+    return lambda name: name in names or _SHARD.fullmatch(name) is not None
+
+
 def _prepare_output(out: Path, work: Path, src: Path, resume: bool, overwrite: bool) -> bool:
     """Check OUT / the work dir against the source and the flags (before anything is
     touched). Returns True when OUT is already complete."""
     if resume and overwrite:
         raise OnecatError("pass either --resume or --overwrite, not both")
     check_no_overlap(out, src, work)
-    if out.exists() and not overwrite:
+    if (out.exists() or out.is_symlink()) and not overwrite:
         if resume and (out / REPORT_NAME).is_file():
             return True
         raise OnecatError(
@@ -191,6 +214,10 @@ def _prepare_output(out: Path, work: Path, src: Path, resume: bool, overwrite: b
             + (" (it is not a finished onecat artifact, so --resume cannot finish it)" if resume else
                " or --resume to finish an interrupted run")
         )
+    if overwrite:  # refuse before anything is touched: --overwrite deletes only what onecat wrote
+        check_replaceable(out)
+        if work.exists() or work.is_symlink():
+            check_replaceable(work, _work_file(work, src))
     if work.exists():
         if overwrite:
             shutil.rmtree(work)
@@ -373,8 +400,9 @@ def _run(model, out, *, awq, recipe, calib, samples, seqlen, group_size, method,
         "time_s": round(time.perf_counter() - started, 3),
     }
     write_json(work / REPORT_NAME, report)
+    check_replaceable(out)  # before the progress file goes: a refusal leaves a resumable run
     (work / PROGRESS_NAME).unlink()
-    publish(work, out)
+    publish(work, out, "onecat quantize")
     if show_progress:
         print_summary(report, out)
     return out

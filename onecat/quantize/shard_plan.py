@@ -1,4 +1,5 @@
-"""The shard layout of the AutoAWQ GEMM checkpoint ``onecat quantize`` writes.
+"""The shard plan of the AutoAWQ GEMM checkpoint ``onecat quantize`` writes (this module writes
+nothing).
 
 Shards are named ``model-XXXXX-of-YYYYY.safetensors``: first the tensors outside the decoder
 layers (embeddings, lm_head, final norm, ``mtp.*``, ``model.visual.*``, copied unchanged),
