@@ -285,7 +285,7 @@ def create_app(
         def on_close() -> None:
             serving.abort_unfinished(sub)
 
-        return _AbortingStreamingResponse(events, on_close)
+        return _AbortingStreamingResponse(serving.guarded(sub, events), on_close)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -44,6 +45,8 @@ from onecat.runtime.server.metrics import ServerMetrics
 from onecat.runtime.server.prompts import chat_token_ids, reserved_template_kwargs, text_token_ids
 from onecat.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from onecat.runtime.server.structured_output import GrammarBackend, StructuredOutputUnavailable
+
+logger = logging.getLogger(__name__)
 
 DONE_EVENT = "data: [DONE]\n\n"
 PROMPT_TAIL_TOKENS = 16  # decoded to see whether the chat template opened a think block
@@ -520,6 +523,18 @@ class OpenAIServing:
         if sub.include_usage and len(finals) == len(sub.streams):
             yield sse_event(chunk(None, usage=self._usage(list(finals.values()))))
         yield DONE_EVENT
+
+    async def guarded(self, sub: Submitted, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        """``events`` with OpenAI's ending guaranteed: an exception raised while streaming
+        (a bug, a parser, the engine) is logged with the request id and becomes one error
+        event followed by ``data: [DONE]``; the status line (200) has left already."""
+        try:
+            async for event in events:
+                yield event
+        except Exception as exc:  # noqa: BLE001 - the client must still see the stream end
+            logger.error("internal error while streaming %s", sub.request_id, exc_info=exc)
+            self.metrics.request_errors.labels("500").inc()
+            yield sse_event(internal_error(sub.request_id).body()) + DONE_EVENT
 
     async def _events(self, sub: Submitted) -> AsyncIterator[tuple[int, Any, str | None]]:
         """``(choice index, output, None)`` for every output; an engine failure becomes one
