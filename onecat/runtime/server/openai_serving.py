@@ -30,7 +30,7 @@ from onecat.errors import OnecatError
 from onecat.runtime.errors import RequestError
 from onecat.runtime.layers.sampler import TokenLogprobs
 from onecat.runtime.sampling_params import SEED_MIN, LogitsProcessor, SamplingParams
-from onecat.runtime.server.api_errors import APIError, bad_request, internal_error
+from onecat.runtime.server.api_errors import APIError, bad_request, clip, internal_error
 from onecat.runtime.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -141,7 +141,7 @@ class OpenAIServing:
         if model is not None and model != served:
             raise APIError(
                 400,
-                f"The model `{model}` does not exist; this server serves `{served}` (see /v1/models)",
+                f"The model `{clip(model)}` does not exist; this server serves `{served}` (see /v1/models)",
                 param="model",
                 code="model_not_found",
             )
@@ -186,21 +186,21 @@ class OpenAIServing:
     ) -> Submitted:
         """Submit a request whose model was checked, as ``req.n`` engine requests sharing the
         prompt (choice i seeded with ``seed + i``; ``logits_processors``, when given, is called
-        once per choice, so stateful processors are never shared). Engine refusals become
-        400, a full queue 429, a dead engine 503; choices already queued are then aborted."""
+        once per choice, so stateful processors are never shared). The choices enter the
+        engine together, before its next step (``AsyncEngine.add_requests``). Engine refusals
+        become 400, a full queue 429, a dead engine 503; no choice is then left running."""
         params = self.sampling_params(req, max_tokens, logprobs)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         choice_ids = [request_id] if req.n == 1 else [f"{request_id}-{i}" for i in range(req.n)]
-        streams: list[RequestStream] = []
+        choices = []
+        for index in range(len(choice_ids)):
+            choice = replace(params, seed=child_seed(params.seed, index))
+            if logits_processors is not None:
+                choice.logits_processors = logits_processors()
+            choices.append(choice)
         try:
-            for index, choice_id in enumerate(choice_ids):
-                choice = replace(params, seed=child_seed(params.seed, index))
-                if logits_processors is not None:
-                    choice.logits_processors = logits_processors()
-                streams.append(await self.engine.add_request(choice_id, prompt_ids, choice))
-        except BaseException as exc:
-            for choice_id in choice_ids[: len(streams)]:
-                self.engine.abort(choice_id)
+            streams = await self.engine.add_requests(choice_ids, prompt_ids, choices)
+        except Exception as exc:
             if isinstance(exc, RequestError):
                 raise bad_request(str(exc), param=exc.param, code="invalid_request") from exc
             if isinstance(exc, QueueFullError):
