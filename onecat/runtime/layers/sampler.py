@@ -29,7 +29,8 @@ order:
 5. **Greedy** rows (temperature below 1e-5, vLLM's epsilon) take the argmax of these logits.
 6. **Random** rows: logits divided by the temperature; ``min_p`` drops tokens whose
    probability is below ``min_p`` times the row's largest; top-k and top-p (nucleus) keep
-   their sets; then one token is drawn by the exponential race ``argmax(p / q)``, q ~ Exp(1)
+   their sets; none of them ever drops the most probable token (a ``top_p`` that underflows
+   to 0 in float32 leaves that one token: greedy); then one token is drawn by the exponential race ``argmax(p / q)``, q ~ Exp(1)
    (equivalent to drawing from p). Rows of requests with a ``seed`` draw their q from their
    own ``torch.Generator`` (seeded once per request), so a seeded request samples the same
    tokens whatever else is in the batch; rows without a seed share the sampler's generator.
