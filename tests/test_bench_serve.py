@@ -220,6 +220,19 @@ def test_urls_and_endpoint_kinds():
     assert bench_client.split_base_url("https://h", "v1/chat/completions") == ("https://h", "/v1/chat/completions")
     with pytest.raises(OnecatError, match="--base-url"):
         bench_client.split_base_url("h:8000", "/v1/completions")
+    assert bench_client.split_base_url("http://[::1]:8000", "/v1/completions")[0] == "http://[::1]:8000"
+
+
+@pytest.mark.parametrize("url", ["http://[::1", "http://h:port", "http://[::1]:80a", "http://\x00h", "http://:80"])
+def test_malformed_base_url_is_a_clean_error(url):
+    """`onecat bench serve --base-url 'http://[::1'` ended in httpx's InvalidURL traceback."""
+    from click.testing import CliRunner
+
+    from onecat.cli import main
+
+    result = CliRunner().invoke(main, ["bench", "serve", "--base-url", url])
+    assert result.exit_code == 1 and "--base-url" in result.output, result.output
+    assert not isinstance(result.exception, httpx.InvalidURL) and "Traceback" not in result.output
     assert bench_client.endpoint_kind("/v1/chat/completions", None) == "chat"
     assert bench_client.endpoint_kind("/v1/completions", None) == "completions"
     assert bench_client.endpoint_kind("/generate", "chat") == "chat"

@@ -81,8 +81,15 @@ def split_base_url(base_url: str, path: str) -> tuple[str, str]:
     """``(server root, endpoint path)``; a base URL ending in ``/v1`` (OpenAI clients'
     habit) is accepted when the path starts with ``/v1/``."""
     base = base_url.rstrip("/")
+    usage = f"--base-url {base_url}: give a URL such as http://127.0.0.1:8000"
     if not base.startswith(("http://", "https://")):
-        raise OnecatError(f"--base-url {base_url}: give a URL such as http://127.0.0.1:8000")
+        raise OnecatError(usage)
+    try:
+        host = httpx.URL(base).host  # parses the authority: an unclosed [::1 or a bad port raises
+    except (httpx.InvalidURL, ValueError) as exc:
+        raise OnecatError(f"{usage} ({exc})") from None
+    if not host:
+        raise OnecatError(f"{usage} (no host)")
     path = "/" + path.lstrip("/")
     if base.endswith("/v1") and path.startswith("/v1/"):
         base = base[: -len("/v1")]

@@ -88,10 +88,12 @@ class LLMEngine:
 
         from onecat.runtime.distributed.executor import create_runner
         from onecat.runtime.distributed.sharding import check_shardable, load_model_shard
+        from onecat.runtime.loader import read_model_config
 
         device = resolve_device(config.device)
         dtype = torch.float16 if device.type == "cuda" else torch.float32
         path = Path(config.model)
+        read_model_config(path)  # a broken config.json is named here (as pack does), not blamed on the tokenizer
         check_shardable(path, config.tensor_parallel_size)  # before any worker starts
         speculation = SpeculativeConfig.parse(config.speculative_config)
         try:

@@ -29,7 +29,8 @@ order:
 5. **Greedy** rows (temperature below 1e-5, vLLM's epsilon) take the argmax of these logits.
 6. **Random** rows: logits divided by the temperature; ``min_p`` drops tokens whose
    probability is below ``min_p`` times the row's largest; top-k and top-p (nucleus) keep
-   their sets; then one token is drawn by the exponential race ``argmax(p / q)``, q ~ Exp(1)
+   their sets; none of them ever drops the most probable token (a ``top_p`` that underflows
+   to 0 in float32 leaves that one token: greedy); then one token is drawn by the exponential race ``argmax(p / q)``, q ~ Exp(1)
    (equivalent to drawing from p). Rows of requests with a ``seed`` draw their q from their
    own ``torch.Generator`` (seeded once per request), so a seeded request samples the same
    tokens whatever else is in the batch; rows without a seed share the sampler's generator.
@@ -126,21 +127,24 @@ def _token_counts(ids: list[list[int]], rows: int, vocab: int, device: torch.dev
 
 
 def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Set logits outside each row's top-k / top-p (nucleus) set to -inf."""
+    """Set logits outside each row's top-k / top-p (nucleus) set to -inf. The most probable
+    token is always kept: a ``top_p`` that is 0 in float32 (1e-46, 5e-324) leaves just it."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
     drop = ranks >= top_k[:, None]
     probs = sorted_logits.softmax(dim=-1)
-    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]  # the first token is always kept
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
 def _min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Set to -inf the tokens whose probability is below ``min_p`` times the row's largest."""
+    """Set to -inf the tokens whose probability is below ``min_p`` times the row's largest
+    (the largest itself always stays, whatever rounding does to the threshold)."""
     probs = logits.softmax(dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
-    return logits.masked_fill(probs < threshold, float("-inf"))
+    top = probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill((probs < top * min_p[:, None]) & (probs < top), float("-inf"))
 
 
 class Sampler:
@@ -319,4 +323,6 @@ class Sampler:
         for j, row in enumerate(rows):
             if row.generator is not None:
                 q[j].exponential_(generator=row.generator)
-        return probs.div_(q).argmax(dim=-1)
+        # a draw q of exactly 0 would make 0 / 0 = NaN, which argmax takes: such a token has
+        # no probability, so it scores 0 (a kept token with q = 0 scores inf and wins, rightly)
+        return probs.div_(q).nan_to_num_(nan=0.0).argmax(dim=-1)

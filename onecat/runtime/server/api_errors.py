@@ -1,8 +1,25 @@
-"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status."""
+"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status.
+
+A value the client sent is quoted in a message only through ``clip`` (a few hundred
+characters at most: a 1 MB ``model`` field must not come back whole), and ``error_body``
+cuts any message longer than ``MAX_MESSAGE_CHARS`` as a last resort.
+"""
 
 from __future__ import annotations
 
 from typing import Any
+
+MAX_ECHO_CHARS = 200
+MAX_MESSAGE_CHARS = 2000
+
+
+def clip(value: object, limit: int = MAX_ECHO_CHARS) -> str:
+    """``value`` (its ``str``) for quoting in an error message: the first ``limit`` characters
+    and how long it was, when longer."""
+    text = str(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
 
 
 class APIError(Exception):
@@ -36,8 +53,9 @@ def error_body(
     param: str | None = None,
     code: str | None = None,
 ) -> dict[str, Any]:
-    """``{"error": {"message", "type", "param", "code"}}`` as OpenAI's API writes it."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    """``{"error": {"message", "type", "param", "code"}}`` as OpenAI's API writes it (the
+    message cut to ``MAX_MESSAGE_CHARS``)."""
+    return {"error": {"message": clip(message, MAX_MESSAGE_CHARS), "type": type, "param": param, "code": code}}
 
 
 def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> APIError:

@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import onecat
-from onecat.runtime.server.api_errors import APIError, error_body, internal_error
+from onecat.runtime.server.api_errors import APIError, clip, error_body, internal_error
 from onecat.runtime.server.async_engine import AsyncEngine
 from onecat.runtime.server.chat_plan import ChatOptions
 from onecat.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -195,8 +195,8 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
         return "the request body must be a JSON object (send Content-Type: application/json)", None
     parts = []
     for err in errors[:3]:
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}")
+        loc = [clip(x, 64) for x in err.get("loc", ()) if x != "body"]  # a dict key may be huge
+        parts.append(f"{'.'.join(loc) or 'body'}: {clip(err.get('msg', 'invalid'))}")
     more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     return "invalid request: " + "; ".join(parts) + more, (loc[0] if loc else None)
@@ -285,7 +285,7 @@ def create_app(
         def on_close() -> None:
             serving.abort_unfinished(sub)
 
-        return _AbortingStreamingResponse(events, on_close)
+        return _AbortingStreamingResponse(serving.guarded(sub, events), on_close)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -93,10 +93,13 @@ class RequestStream:
 
 @dataclass
 class _Add:
-    request_id: str
+    """Requests sharing a prompt (a request's ``n`` choices), added in one engine iteration:
+    all of them or, when one is refused, none."""
+
+    request_ids: list[str]
     prompt_token_ids: list[int]
-    params: Any
-    stream: RequestStream
+    params: list[Any]
+    streams: list[RequestStream]
     accepted: asyncio.Future
 
 
@@ -181,6 +184,12 @@ class AsyncEngine:
         """True once the server has begun shutting down (new requests are refused)."""
         return self._draining
 
+    def idle(self) -> bool:
+        """True when no request is being added, waiting or running (as of the engine thread's
+        latest stats snapshot)."""
+        with self._lock:
+            return self._pending_adds == 0 and not self._stats.get("running") and not self._stats.get("waiting")
+
     def start_draining(self) -> None:
         """Refuse new requests from now on; running ones carry on."""
         self._draining = True
@@ -201,6 +210,16 @@ class AsyncEngine:
         Raises QueueFullError when the waiting queue is full, EngineDeadError when the engine
         has failed, and whatever ``engine.add_request`` raised (RequestError for bad input).
         """
+        (stream,) = await self.add_requests([request_id], prompt_token_ids, [params])
+        return stream
+
+    async def add_requests(
+        self, request_ids: list[str], prompt_token_ids: list[int], params: list[Any]
+    ) -> list[RequestStream]:
+        """Submit requests sharing a prompt (the ``n`` choices of one API request) as one
+        command: the engine thread adds them all before its next step, so they start together,
+        or adds none when one is refused (what ``add_request`` raises). Returns their streams.
+        A caller cancelled meanwhile (client gone) aborts them all."""
         if self._draining:
             raise ShuttingDownError("the server is shutting down; send the request to another instance")
         if self._error is not None or not self._thread.is_alive():
@@ -212,17 +231,18 @@ class AsyncEngine:
                     f"the server's queue is full ({queued} requests waiting, --max-queue-len "
                     f"{self.max_queue_len}); retry later"
                 )
-            self._pending_adds += 1
+            self._pending_adds += len(request_ids)
         loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, loop)
+        streams = [RequestStream(request_id, loop) for request_id in request_ids]
         accepted = loop.create_future()
-        self._commands.put(_Add(request_id, list(prompt_token_ids), params, stream, accepted))
+        self._commands.put(_Add(list(request_ids), list(prompt_token_ids), list(params), streams, accepted))
         try:
             await accepted
         except asyncio.CancelledError:
-            self.abort(request_id)  # the client left while the engine was accepting it
+            for request_id in request_ids:  # the client left while the engine was accepting them
+                self.abort(request_id)
             raise
-        return stream
+        return streams
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op once it has finished); frees its KV blocks and state slot."""
@@ -274,20 +294,24 @@ class AsyncEngine:
                 return commands
 
     def _add(self, command: _Add) -> None:
-        stream = command.stream
         error: BaseException | None = None
+        added: list[str] = []
         if self._error is not None:
             error = EngineDeadError(_DEAD)
         else:
             try:
-                self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+                for request_id, params in zip(command.request_ids, command.params, strict=True):
+                    self.engine.add_request(request_id, command.prompt_token_ids, params)
+                    added.append(request_id)
             except Exception as exc:  # RequestError (bad input) or a bug: the handler decides
                 error = exc
+                for request_id in added:  # all or none
+                    self.engine.abort_request(request_id)
             else:
-                self._streams[command.request_id] = stream
+                self._streams.update(zip(command.request_ids, command.streams, strict=True))
         with self._lock:
-            self._pending_adds -= 1
-        _call_on_loop(stream.loop, _settle, command.accepted, error)
+            self._pending_adds -= len(command.request_ids)
+        _call_on_loop(command.streams[0].loop, _settle, command.accepted, error)
 
     def _abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)

@@ -1,12 +1,15 @@
 """Starting the server: ``serve`` (what ``onecat serve`` runs, blocking) and
 ``BackgroundServer`` (uvicorn in a thread on a free loopback port, for the demo and tests).
 
-Shutting down (SIGTERM or Ctrl-C for ``serve``, ``stop()`` for ``BackgroundServer``) follows
-uvicorn's graceful shutdown, which stops listening and waits for open connections, with
-onecat's drain hooked in front of it: from the first moment new requests are refused
-(503, and /health answers 503 so load balancers move away), running requests may finish
-for ``shutdown_timeout`` seconds, then the ones still running are ended: a stream gets an
-SSE error event and ``data: [DONE]``, a waiting client a 503. ``onecat serve`` then exits 0.
+Shutting down (SIGTERM or Ctrl-C for ``serve``, ``stop()`` for ``BackgroundServer``) drains
+first, with the listening socket still open: from the first moment new requests and /health
+are answered 503 (so load balancers move away and clients get an answer, not a refused
+connection), running requests may finish for ``shutdown_timeout`` seconds, then the ones
+still running are ended: a stream gets an SSE error event and ``data: [DONE]``, a waiting
+client a 503. Only then does uvicorn's graceful shutdown run (stop listening, let open
+responses end, close connections). The drain lives in uvicorn's ``on_tick`` (the 0.1 s
+loop that ends when a signal or ``stop()`` sets ``should_exit``), so whatever asked for the
+exit, it drains the same way; a second Ctrl-C exits at once. ``onecat serve`` then exits 0.
 """
 
 from __future__ import annotations
@@ -62,19 +65,41 @@ def _uvicorn_server(app: Any, engine: AsyncEngine, log_level: str, shutdown_time
         ))
 
     class DrainingServer(uvicorn.Server):
+        drain_deadline: float | None = None
+        ended_running = False
+
+        async def on_tick(self, counter: int) -> bool:
+            if not await super().on_tick(counter):
+                return False
+            if self.force_exit:
+                return True
+            now = asyncio.get_running_loop().time()
+            if self.drain_deadline is None:
+                engine.start_draining()
+                logger.info("shutting down: new requests get 503; running ones get %g s", shutdown_timeout)
+                self.drain_deadline = now + shutdown_timeout
+            if engine.idle():
+                return True
+            if now >= self.drain_deadline:
+                self.end_running()
+                return True
+            return False  # keep listening (and answering 503) until the engine is idle
+
+        def end_running(self) -> None:
+            if not self.ended_running:
+                self.ended_running = True
+                end_running_requests()
+
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-            engine.start_draining()
-            logger.info("shutting down: new requests are refused; running ones get %g s", shutdown_timeout)
-            timer = asyncio.get_running_loop().call_later(shutdown_timeout, end_running_requests)
-            try:
-                await super().shutdown(sockets)
-            finally:
-                timer.cancel()
+            engine.start_draining()  # also when the loop ended otherwise (a forced exit)
+            if not engine.idle():
+                self.end_running()
+            await super().shutdown(sockets)
 
     config = uvicorn.Config(
         app,
         log_level=log_level,
-        timeout_graceful_shutdown=shutdown_timeout + _BACKSTOP,
+        timeout_graceful_shutdown=_BACKSTOP,  # the drain has run before uvicorn's shutdown
         timeout_keep_alive=5,
     )
     return DrainingServer(config)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -29,7 +30,7 @@ from onecat.errors import OnecatError
 from onecat.runtime.errors import RequestError
 from onecat.runtime.layers.sampler import TokenLogprobs
 from onecat.runtime.sampling_params import SEED_MIN, LogitsProcessor, SamplingParams
-from onecat.runtime.server.api_errors import APIError, bad_request, internal_error
+from onecat.runtime.server.api_errors import APIError, bad_request, clip, internal_error
 from onecat.runtime.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -44,6 +45,8 @@ from onecat.runtime.server.metrics import ServerMetrics
 from onecat.runtime.server.prompts import chat_token_ids, reserved_template_kwargs, text_token_ids
 from onecat.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from onecat.runtime.server.structured_output import GrammarBackend, StructuredOutputUnavailable
+
+logger = logging.getLogger(__name__)
 
 DONE_EVENT = "data: [DONE]\n\n"
 PROMPT_TAIL_TOKENS = 16  # decoded to see whether the chat template opened a think block
@@ -138,7 +141,7 @@ class OpenAIServing:
         if model is not None and model != served:
             raise APIError(
                 400,
-                f"The model `{model}` does not exist; this server serves `{served}` (see /v1/models)",
+                f"The model `{clip(model)}` does not exist; this server serves `{served}` (see /v1/models)",
                 param="model",
                 code="model_not_found",
             )
@@ -183,21 +186,21 @@ class OpenAIServing:
     ) -> Submitted:
         """Submit a request whose model was checked, as ``req.n`` engine requests sharing the
         prompt (choice i seeded with ``seed + i``; ``logits_processors``, when given, is called
-        once per choice, so stateful processors are never shared). Engine refusals become
-        400, a full queue 429, a dead engine 503; choices already queued are then aborted."""
+        once per choice, so stateful processors are never shared). The choices enter the
+        engine together, before its next step (``AsyncEngine.add_requests``). Engine refusals
+        become 400, a full queue 429, a dead engine 503; no choice is then left running."""
         params = self.sampling_params(req, max_tokens, logprobs)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         choice_ids = [request_id] if req.n == 1 else [f"{request_id}-{i}" for i in range(req.n)]
-        streams: list[RequestStream] = []
+        choices = []
+        for index in range(len(choice_ids)):
+            choice = replace(params, seed=child_seed(params.seed, index))
+            if logits_processors is not None:
+                choice.logits_processors = logits_processors()
+            choices.append(choice)
         try:
-            for index, choice_id in enumerate(choice_ids):
-                choice = replace(params, seed=child_seed(params.seed, index))
-                if logits_processors is not None:
-                    choice.logits_processors = logits_processors()
-                streams.append(await self.engine.add_request(choice_id, prompt_ids, choice))
-        except BaseException as exc:
-            for choice_id in choice_ids[: len(streams)]:
-                self.engine.abort(choice_id)
+            streams = await self.engine.add_requests(choice_ids, prompt_ids, choices)
+        except Exception as exc:
             if isinstance(exc, RequestError):
                 raise bad_request(str(exc), param=exc.param, code="invalid_request") from exc
             if isinstance(exc, QueueFullError):
@@ -520,6 +523,18 @@ class OpenAIServing:
         if sub.include_usage and len(finals) == len(sub.streams):
             yield sse_event(chunk(None, usage=self._usage(list(finals.values()))))
         yield DONE_EVENT
+
+    async def guarded(self, sub: Submitted, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        """``events`` with OpenAI's ending guaranteed: an exception raised while streaming
+        (a bug, a parser, the engine) is logged with the request id and becomes one error
+        event followed by ``data: [DONE]``; the status line (200) has left already."""
+        try:
+            async for event in events:
+                yield event
+        except Exception as exc:  # noqa: BLE001 - the client must still see the stream end
+            logger.error("internal error while streaming %s", sub.request_id, exc_info=exc)
+            self.metrics.request_errors.labels("500").inc()
+            yield sse_event(internal_error(sub.request_id).body()) + DONE_EVENT
 
     async def _events(self, sub: Submitted) -> AsyncIterator[tuple[int, Any, str | None]]:
         """``(choice index, output, None)`` for every output; an engine failure becomes one

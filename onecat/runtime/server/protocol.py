@@ -17,14 +17,15 @@ them: ``--trust-request-chat-template``).
 
 Every number must be one the engine can take (``onecat.runtime.sampling_params``' limits:
 int32 counts and token ids, an int64 seed, finite floats) and every string valid Unicode;
-anything else is a 400 naming the field before the request reaches the engine.
+anything else is a 400 naming the field before the request reaches the engine. A boolean is
+not a number (pydantic's lax mode would read ``true`` as 1): ``Int`` and ``Float`` refuse it.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from onecat.runtime.errors import RequestError
 from onecat.runtime.sampling_params import (
@@ -38,14 +39,24 @@ from onecat.runtime.sampling_params import (
     SEED_MIN,
     check_text,
 )
-from onecat.runtime.server.api_errors import bad_request
+from onecat.runtime.server.api_errors import bad_request, clip
 
-TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
-Count = Annotated[int, Field(ge=1, le=MAX_INT32)]
+
+def _not_a_boolean(value: Any) -> Any:
+    """Refuse ``true`` / ``false`` where a number is expected."""
+    if isinstance(value, bool):
+        raise ValueError("a boolean is not a number")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_not_a_boolean)]
+Float = Annotated[float, BeforeValidator(_not_a_boolean)]
+TokenId = Annotated[Int, Field(ge=0, le=MAX_INT32)]
+Count = Annotated[Int, Field(ge=1, le=MAX_INT32)]
 MAX_TOOLS = 128  # OpenAI's limit on the tools of one request
 VLLM_STRUCTURED_OUTPUT_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 MAX_N = 128  # OpenAI's limit on n; each choice is a sequence of its own in the engine
-Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+Penalty = Annotated[Float, Field(ge=-2.0, le=2.0)]
 
 
 _SCALARS = frozenset({int, float, bool, type(None)})
@@ -86,22 +97,22 @@ class SamplingFields(BaseModel):
 
     model: str | None = None
     max_tokens: Count | None = None
-    temperature: float | None = Field(default=None, ge=0.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1, le=MAX_INT32)
-    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    temperature: Float | None = Field(default=None, ge=0.0)
+    top_p: Float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: Int | None = Field(default=None, ge=-1, le=MAX_INT32)
+    seed: Int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    n: Annotated[Int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    min_tokens: int = Field(default=0, ge=0, le=MAX_INT32)
-    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    repetition_penalty: Float | None = Field(default=None, gt=0.0, le=2.0)
+    min_p: Float | None = Field(default=None, ge=0.0, le=1.0)
+    min_tokens: Int = Field(default=0, ge=0, le=MAX_INT32)
+    logit_bias: Annotated[dict[str, Float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     user: str | None = None
 
     @model_validator(mode="before")
@@ -124,7 +135,7 @@ class SamplingFields(BaseModel):
             try:
                 token = int(key)
             except ValueError:
-                raise bad_request(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+                raise bad_request(f"logit_bias keys must be token ids, got {clip(repr(key))}", param="logit_bias") from None
             biases[token] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, bias))
         return biases
 
@@ -143,8 +154,8 @@ class CompletionRequest(SamplingFields):
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    best_of: int | None = None
+    logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    best_of: Int | None = None
     suffix: str | None = None
 
     def refuse_unsupported(self) -> None:
@@ -284,7 +295,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Count | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -313,7 +324,7 @@ class ChatCompletionRequest(SamplingFields):
                 raise bad_request("tool_choice requires tools", param="tool_choice")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in self.tool_names():
             raise bad_request(
-                f"tool_choice names the function {choice.function.name!r}, which is not among tools",
+                f"tool_choice names the function {clip(repr(choice.function.name))}, which is not among tools",
                 param="tool_choice",
             )
         if self.tools and len(set(self.tool_names())) != len(self.tools):

@@ -20,7 +20,11 @@ its chat template taught it, become OpenAI ``tool_calls``.
 
 Text before the first ``<tool_call>`` is the message content (the separating newlines
 dropped); text after the calls is dropped, as in vLLM. A block that does not parse is not a
-call. ``parse(text, final)`` is a pure function of the text so far; with ``final`` False it
+call; a finished answer in which no call parses is all content (the raw text, as vLLM
+falls back to). Whatever the model writes (nesting too deep for ``json``, numbers beyond
+float range, cut tags), ``parse`` never raises: a parse that fails is logged and the text
+becomes content. Arguments are always valid JSON (no ``Infinity`` / ``NaN``).
+``parse(text, final)`` is a pure function of the text so far; with ``final`` False it
 returns only what later text cannot change (a ``qwen3_coder`` call's name once its
 ``<function=...>`` tag is complete, then its arguments parameter by parameter; a ``hermes``
 call when its block closes), so a stream sends the differences of successive results
@@ -81,7 +85,19 @@ class ToolParser:
         self.parameters = _tool_parameters(tools)
 
     def parse(self, text: str, final: bool) -> ToolSplit:
-        """Content and calls of ``text`` (the whole answer so far); ``final``: it is complete."""
+        """Content and calls of ``text`` (the whole answer so far); ``final``: it is complete.
+        Never raises (module docstring): a failed parse, or a finished answer without a call
+        that parses, is content."""
+        try:
+            split = self._split(text, final)
+        except Exception:  # noqa: BLE001 - model output must never fail the request
+            logger.warning("the %s tool parser failed; the answer is sent as content", self.name, exc_info=True)
+            split = ToolSplit(text[: text.find(TOOL_CALL_START)].rstrip())
+        if final and not split.calls:
+            return ToolSplit(text)
+        return split
+
+    def _split(self, text: str, final: bool) -> ToolSplit:
         start = text.find(TOOL_CALL_START)
         if start < 0:
             if final:
@@ -135,8 +151,8 @@ class Qwen3CoderToolParser(ToolParser):
                 break
             close = min(ends) if ends else len(rest)
             key = match.group(1).strip()
-            value = _convert(_strip_newline(rest[value_start:close]), schema.get(key))
-            parts.append(f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}")
+            raw = _strip_newline(rest[value_start:close])
+            parts.append(f"{json.dumps(key, ensure_ascii=False)}: {_json_value(_convert(raw, schema.get(key)), raw)}")
         arguments = "{" + ", ".join(parts) + ("}" if complete else "")
         return ToolCallDraft(name, arguments)
 
@@ -150,16 +166,36 @@ class HermesToolParser(ToolParser):
         if not complete:
             return None
         try:
-            call = json.loads(body)
+            call = json.loads(body, parse_constant=_refuse_constant)
             name = call["name"]
             arguments = call.get("arguments", call.get("parameters", {}))
-        except (ValueError, KeyError, TypeError):
+            text = arguments if isinstance(arguments, str) else _dumps(arguments)
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             logger.warning("a <tool_call> block that is not a JSON call is not a call: %.200r", body)
             return None
         if not isinstance(name, str):
             return None
-        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
         return ToolCallDraft(name, text)
+
+
+def _refuse_constant(name: str) -> Any:
+    """``json.loads``' hook for ``NaN`` / ``Infinity``: not JSON, so not a value."""
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _dumps(value: Any) -> str:
+    """``value`` as JSON text; ValueError for a non-finite float (no JSON for it)."""
+    return json.dumps(value, ensure_ascii=False, allow_nan=False)
+
+
+def _json_value(value: Any, raw: str) -> str:
+    """A converted parameter value as JSON text; the raw text as a JSON string when the value
+    has no JSON form (a float beyond range inside an array, a Python set or complex number
+    from ``literal_eval``) or is nested too deep to write."""
+    try:
+        return _dumps(value)
+    except (ValueError, TypeError, RecursionError):
+        return _dumps(raw)
 
 
 def _strip_newline(value: str) -> str:
@@ -202,7 +238,9 @@ def _convert(value: str, schema: Any) -> Any:
             return int(number) if number.is_integer() else number
         if kind == "boolean":
             return value.strip().lower() == "true"
-        return json.loads(value)
+        return json.loads(value, parse_constant=_refuse_constant)
+    except RecursionError:  # nested deeper than json reads: no value of the type, the text stays
+        return value
     except ValueError:
         try:
             return ast.literal_eval(value)
