@@ -30,7 +30,7 @@ from typing import Any
 from onecat.runtime.errors import RequestError
 
 ENFORCED_KEYWORDS: tuple[str, ...] = (
-    "type", "enum", "const", "nullable",
+    "type", "enum", "const",
     "properties", "required", "additionalProperties", "unevaluatedProperties", "propertyNames",
     "minProperties", "maxProperties",
     "items", "prefixItems", "unevaluatedItems", "minItems", "maxItems",
@@ -46,10 +46,12 @@ bounds, lengths, pattern, multipleOf); ``items`` a schema or a boolean (not a li
 
 ANNOTATION_KEYWORDS: tuple[str, ...] = (
     "title", "description", "default", "examples", "$comment", "$schema", "$id",
-    "deprecated", "readOnly", "writeOnly", "strict",
+    "deprecated", "readOnly", "writeOnly", "strict", "nullable",
 )
 """Keywords accepted and ignored: they do not change which values are valid (``strict`` is
-OpenAI's flag, ``$id`` only at the root). Keys starting with ``x-`` are annotations too."""
+OpenAI's flag, ``$id`` only at the root), or, for OpenAPI's ``nullable``, only widen them
+(the grammar never writes the null it would allow). Keys starting with ``x-`` are
+annotations too."""
 
 ENFORCED_FORMATS: tuple[str, ...] = (
     "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
@@ -61,7 +63,7 @@ _SCHEMA_MAPS = ("properties", "$defs", "definitions")
 _SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
 _TYPES = {"string", "integer", "number", "boolean", "null", "object", "array"}
 _PAIRS = (("minItems", "maxItems"), ("minLength", "maxLength"), ("minProperties", "maxProperties"))
-_VALUE_CHECKED = {"type", "nullable", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+_VALUE_CHECKED = {"type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
                   "minLength", "maxLength", "pattern", "multipleOf", "format"}
 """Keywords beside ``enum`` / ``const`` whose effect on each value is checked here."""
 
@@ -133,7 +135,7 @@ def _types(node: dict[str, Any], path: list[str]) -> set[str] | None:
     if not isinstance(kinds, list) or not kinds or not all(isinstance(k, str) and k in _TYPES for k in kinds):
         raise _Refusal([*path, "type"], f"`type` must be one of {', '.join(sorted(_TYPES))} or a "
                        f"non-empty list of them, not {kind!r}")
-    return set(kinds) | ({"null"} if node.get("nullable") is True else set())
+    return set(kinds)
 
 
 def _check_conditions(node: dict[str, Any], path: list[str]) -> None:
@@ -202,7 +204,7 @@ def _value_fits(value: Any, key: str, arg: Any, types: set[str] | None) -> bool:
             return re.fullmatch(arg, value) is not None  # the grammar matches the whole string
         except re.error:
             raise _Refusal([], f"`pattern` {arg!r} is not a regular expression this server reads") from None
-    return True  # nullable; format is checked by the grammar's own rule
+    return True  # format: the grammar's own rule applies to the values too
 
 
 def _json_type(value: Any) -> str:
