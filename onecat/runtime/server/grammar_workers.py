@@ -11,8 +11,8 @@ leaves, or that is still running when the server starts shutting down, is ended 
 its worker (which frees all its memory); a fresh worker is spawned in its place. Templating
 and tokenisation keep their own thread pool, so plain requests never queue behind a compile.
 
-Finished grammars are kept in a small LRU cache keyed by the structural tag's JSON (the
-schema, in its key order, which is the order the grammar writes properties in); tags that
+Finished grammars are kept in a small LRU cache keyed by the constraint's JSON (the schema
+in its key order, which is the order the grammar writes properties in); constraints that
 ran past the budget are remembered too, so a repeated pathological request costs nothing.
 """
 
@@ -67,8 +67,9 @@ def _die_with_parent() -> None:
 
 
 def _worker_main(conn: Connection) -> None:
-    """A worker process: read the tokenizer table, then compile each structural tag (JSON)
-    received on ``conn`` and send back ``("ok", serialized compiled grammar)`` or
+    """A worker process: read the tokenizer table, then compile each constraint received on
+    ``conn`` (its structural tag is built here too: xgrammar takes a second for a tool with
+    thousands of parameters) and send back ``("ok", serialized compiled grammar)`` or
     ``("error", message)``; exit at EOF."""
     _die_with_parent()
     try:
@@ -76,6 +77,8 @@ def _worker_main(conn: Connection) -> None:
     except OSError:
         pass
     import xgrammar
+
+    from onecat.runtime.server.structured_output import structural_tag
 
     try:
         info = xgrammar.TokenizerInfo.deserialize_json(conn.recv())
@@ -85,11 +88,11 @@ def _worker_main(conn: Connection) -> None:
     conn.send(("ready", None))
     while True:
         try:
-            tag_json = conn.recv()
+            constraint = conn.recv()
         except (EOFError, OSError):  # the server went away
             return
         try:
-            compiled = compiler.compile_structural_tag(tag_json)
+            compiled = compiler.compile_structural_tag(structural_tag(constraint))
             conn.send(("ok", compiled.serialize_json()))
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError / its own
             conn.send(("error", str(exc)))
@@ -163,32 +166,34 @@ class GrammarCompilePool:
         """Worker processes alive now (idle or compiling)."""
         return sum(w.alive() for w in [*self._idle, *self._busy])
 
-    def cached(self, tag_json: str) -> Any | None:
-        """The compiled grammar of ``tag_json`` if it is in the cache (None otherwise)."""
-        compiled = self._cache.get(tag_json)
+    def cached(self, key: str) -> Any | None:
+        """The compiled grammar cached under ``key`` (None: not cached)."""
+        compiled = self._cache.get(key)
         if compiled is not None:
-            self._cache.move_to_end(tag_json)
+            self._cache.move_to_end(key)
         return compiled
 
     async def compile(
         self,
-        tag_json: str,
+        key: str,
+        constraint: Any,
         *,
         is_disconnected: Callable[[], Awaitable[bool]] | None = None,
         is_draining: Callable[[], bool] | None = None,
     ) -> Any:
-        """The ``xgrammar.CompiledGrammar`` of the structural tag ``tag_json``.
+        """The ``xgrammar.CompiledGrammar`` of ``constraint`` (a ``JsonConstraint`` or
+        ``ToolCallConstraint`` whose schemas were checked), cached under ``key`` (its JSON).
 
         Raises CompileTimeout past the budget, CompileFailed when xgrammar refuses the tag,
         CompileAbandoned when ``is_disconnected()`` turns true (polled while waiting) or
         ``is_draining()`` does; in each of these cases the worker is killed, not waited for.
         """
-        compiled = self.cached(tag_json)
+        compiled = self.cached(key)
         if compiled is not None:
             return compiled
-        if tag_json in self._too_complex:
+        if key in self._too_complex:
             raise CompileTimeout(f"it did not compile within {self.timeout:g} s before")
-        task = asyncio.ensure_future(self._compile_in_worker(tag_json))
+        task = asyncio.ensure_future(self._compile_in_worker(key, constraint))
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=POLL_SECONDS)
@@ -203,10 +208,10 @@ class GrammarCompilePool:
             if not task.done():
                 task.cancel()  # kills the worker (see _compile_in_worker)
                 await asyncio.gather(task, return_exceptions=True)
-        self._remember(self._cache, tag_json, compiled)
+        self._remember(self._cache, key, compiled)
         return compiled
 
-    async def _compile_in_worker(self, tag_json: str) -> Any:
+    async def _compile_in_worker(self, key: str, constraint: Any) -> Any:
         """Run one compile on an idle worker; on a timeout, a cancellation or a dead worker,
         the worker is killed and replaced."""
         if self._closed:
@@ -222,10 +227,10 @@ class GrammarCompilePool:
                     if not worker.ready:  # start-up (importing xgrammar) is not part of the budget
                         await worker.receive()
                         worker.ready = True
-                    worker.conn.send(tag_json)
+                    worker.conn.send(constraint)
                     kind, payload = await asyncio.wait_for(worker.receive(), self.timeout)
                 except asyncio.TimeoutError:
-                    self._remember(self._too_complex, tag_json, None)
+                    self._remember(self._too_complex, key, None)
                     raise CompileTimeout(f"it did not compile within {self.timeout:g} s") from None
                 except (EOFError, OSError):
                     if self._closed:

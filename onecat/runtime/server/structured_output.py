@@ -23,6 +23,8 @@ it, and a server without it answers such requests with a 400 naming the field.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,23 +84,35 @@ parameter values): enough for an indented nested object, and a sampled model can
 its whole budget on blank space."""
 
 
-def structural_tag(constraint: JsonConstraint | ToolCallConstraint) -> Any:
-    """xgrammar's structural tag for ``constraint``, its schemas checked first
-    (``schema_check``: a keyword the grammar would not enforce is a RequestError naming the
-    request field, the keyword and where it is)."""
-    xgr = import_xgrammar()
-    from xgrammar import structural_tag as st
-
+def check_constraint(constraint: JsonConstraint | ToolCallConstraint) -> None:
+    """RequestError naming the request field, the keyword and where it is when a schema of
+    ``constraint`` uses a keyword the grammar would not enforce or cannot be satisfied
+    (``schema_check``)."""
     if isinstance(constraint, JsonConstraint):
         check_schema(constraint.schema, "response_format.json_schema.schema", "response_format")
-        body: Any = st.JSONSchemaFormat(json_schema=constraint.schema, max_whitespace_cnt=MAX_WHITESPACE)
-        if constraint.after_reasoning:
-            body = st.SequenceFormat(elements=[_reasoning_prefix(st), body])
-        return st.StructuralTag(format=body)
+        return
     for i, tool in enumerate(constraint.tools):
         parameters = tool.get("function", {}).get("parameters")
         if parameters is not None:
             check_schema(parameters, f"tools[{i}].function.parameters", "tools")
+
+
+def constraint_key(constraint: JsonConstraint | ToolCallConstraint) -> str:
+    """The constraint as JSON, in its schemas' key order (the grammar cache's key)."""
+    return json.dumps([type(constraint).__name__, dataclasses.asdict(constraint)], separators=(",", ":"))
+
+
+def structural_tag(constraint: JsonConstraint | ToolCallConstraint) -> Any:
+    """xgrammar's structural tag for ``constraint``, its schemas checked first."""
+    xgr = import_xgrammar()
+    from xgrammar import structural_tag as st
+
+    check_constraint(constraint)
+    if isinstance(constraint, JsonConstraint):
+        body: Any = st.JSONSchemaFormat(json_schema=constraint.schema, max_whitespace_cnt=MAX_WHITESPACE)
+        if constraint.after_reasoning:
+            body = st.SequenceFormat(elements=[_reasoning_prefix(st), body])
+        return st.StructuralTag(format=body)
     try:
         return xgr.get_model_structural_tag(
             XGRAMMAR_TOOL_FORMATS[constraint.parser],
