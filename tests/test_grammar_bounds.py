@@ -131,3 +131,27 @@ def test_refused_schemas_name_the_keyword(server):
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["param"] == "response_format" and pointer in error["message"], error
+
+
+def test_shutdown_ends_a_running_compile():
+    """A server stopping with a compile in flight (budget far away) answers it 503 at once,
+    kills its worker and stops well within its shutdown timeout."""
+    engine = make_engine(TRAINED, max_model_len=512)
+    srv = BackgroundServer(engine, grammar_compile_timeout=600, shutdown_timeout=5).start()
+    answers: list[httpx.Response] = []
+    thread = threading.Thread(target=lambda: answers.append(chat(srv.url, response_format=pathological(10))))
+    try:
+        thread.start()
+        deadline = time.monotonic() + 20
+        while srv.app.state.serving._grammar is None or not pool(srv)._busy:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        workers = [w.process for w in pool(srv)._busy]
+        started = time.monotonic()
+    finally:
+        srv.stop()
+    assert time.monotonic() - started < 5
+    thread.join(10)
+    assert answers and answers[0].status_code == 503, answers
+    assert all(process.poll() is not None for process in workers)
+    assert pool(srv).live_workers == 0
