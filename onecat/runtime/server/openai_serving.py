@@ -31,6 +31,7 @@ from onecat.errors import OnecatError
 from onecat.runtime.errors import RequestError
 from onecat.runtime.layers.sampler import TokenLogprobs
 from onecat.runtime.sampling_params import SEED_MIN, LogitsProcessor, SamplingParams
+from onecat.runtime.server import structured_output
 from onecat.runtime.server.api_errors import APIError, bad_request, internal_error
 from onecat.runtime.server.async_engine import (
     AsyncEngine,
@@ -286,6 +287,7 @@ class OpenAIServing:
             return None
         param = constraint_param(constraint)
         try:
+            structured_output.import_xgrammar()  # a server without it: 400, before anything else
             backend, pool, key = await self._off_loop(self._grammar_key, constraint)
             compiled = await pool.compile(
                 key, constraint, is_disconnected=is_disconnected, is_draining=lambda: self.engine.draining
