@@ -252,6 +252,9 @@ def _server_flags_for_vllm(trust_request_chat_template: bool, max_request_body_b
         raise OnecatError("--max-request-body-bytes applies to the embedded engine only: vLLM's "
                           "server has no body limit (put a reverse proxy's, e.g. nginx's "
                           "client_max_body_size, in front of it)")
+    if source("structured_outputs_compile_timeout") != click.core.ParameterSource.DEFAULT:
+        raise OnecatError("--structured-outputs-compile-timeout applies to the embedded engine only: "
+                          "vLLM's server has no grammar compile budget")
     args: tuple[str, ...] = ("--trust-request-chat-template",) if trust_request_chat_template else ()
     if source("shutdown_timeout") != click.core.ParameterSource.DEFAULT:
         args += ("--shutdown-timeout", f"{shutdown_timeout:g}")
@@ -288,6 +291,10 @@ def _parser_flags_for_vllm(enable_auto_tool_choice: bool, tool_call_parser: str 
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="Seconds running requests may finish after SIGTERM before they are ended "
                    "(new requests get 503 at once).")
+@click.option("--structured-outputs-compile-timeout", type=click.FloatRange(min=0, min_open=True),
+              default=10.0, show_default=True,
+              help="Seconds a response_format schema or a forced tool call's grammar may take to "
+                   "compile; beyond it the request gets a 400 (schema too complex).")
 @click.option("--enable-auto-tool-choice", is_flag=True,
               help="Let the model decide when to call tools (tool_choice \"auto\", the default "
                    "when a request has tools); needs --tool-call-parser.")
@@ -310,7 +317,8 @@ def _parser_flags_for_vllm(enable_auto_tool_choice: bool, tool_call_parser: str 
 @_friendly
 def serve(artifact: str, host: str, port: int, api_key: str | None, served_model_name: str | None,
           max_queue_len: int, log_level: str, trust_request_chat_template: bool,
-          max_request_body_bytes: int, shutdown_timeout: float, enable_auto_tool_choice: bool,
+          max_request_body_bytes: int, shutdown_timeout: float,
+          structured_outputs_compile_timeout: float, enable_auto_tool_choice: bool,
           tool_call_parser: str | None, reasoning_parser: str | None, engine_name: str,
           tensor_parallel_size: int, pipeline_parallel_size: int, vllm_args: tuple[str, ...],
           **engine_flags: Any) -> None:
@@ -351,7 +359,7 @@ def serve(artifact: str, host: str, port: int, api_key: str | None, served_model
     serve_http(engine, host=host, port=port, api_key=api_key, max_queue_len=max_queue_len,
                log_level=log_level, trust_request_chat_template=trust_request_chat_template,
                max_request_body_bytes=max_request_body_bytes, shutdown_timeout=shutdown_timeout,
-               chat_options=chat_options)
+               chat_options=chat_options, grammar_compile_timeout=structured_outputs_compile_timeout)
 
 
 @main.command()

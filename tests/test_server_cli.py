@@ -52,7 +52,7 @@ def test_serve_flags_follow_vllm(tmp_path):
         "--host", "--port", "--api-key", "--max-model-len", "--max-num-seqs",
         "--max-num-batched-tokens", "--gpu-memory-utilization", "--served-model-name",
         "--enforce-eager", "--device", "--max-queue-len", "--trust-request-chat-template",
-        "--max-request-body-bytes", "--shutdown-timeout",
+        "--max-request-body-bytes", "--shutdown-timeout", "--structured-outputs-compile-timeout",
     ):
         assert flag in help_text, flag
     assert "127.0.0.1" in help_text and "8000" in help_text and "0.92" in help_text
@@ -94,6 +94,8 @@ def test_server_flags_reach_vllm_or_are_refused(tmp_path, monkeypatch):
     assert calls == [(), ("--trust-request-chat-template", "--shutdown-timeout", "12", "--x")]
     refused = runner.invoke(main, [*base, "--max-request-body-bytes", "1000"])
     assert refused.exit_code == 1 and "--max-request-body-bytes" in refused.output
+    refused = runner.invoke(main, [*base, "--structured-outputs-compile-timeout", "3"])
+    assert refused.exit_code == 1 and "--structured-outputs-compile-timeout" in refused.output
 
 
 def test_serve_command_serves_and_stops_on_ctrl_c(model):

@@ -12,6 +12,7 @@ an API key is set it guards the ``/v1`` routes (as vLLM's ``--api-key`` does); /
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -30,6 +31,7 @@ import onecat
 from onecat.runtime.server.api_errors import APIError, clip, error_body, internal_error
 from onecat.runtime.server.async_engine import AsyncEngine
 from onecat.runtime.server.chat_plan import ChatOptions
+from onecat.runtime.server.grammar_workers import DEFAULT_COMPILE_TIMEOUT
 from onecat.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from onecat.runtime.server.openai_serving import OpenAIServing, Submitted
 from onecat.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -209,20 +211,32 @@ def create_app(
     trust_request_chat_template: bool = False,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     chat_options: ChatOptions | None = None,
+    grammar_compile_timeout: float | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving ``engine`` (whose thread the caller starts/stops).
 
     ``trust_request_chat_template`` lets requests bring their own chat template;
     ``max_request_body_bytes`` bounds a request body (413 beyond it); ``chat_options`` are the
-    tool-call and reasoning parsers (vLLM's flags).
+    tool-call and reasoning parsers (vLLM's flags); ``grammar_compile_timeout`` bounds a
+    grammar's compile in seconds (``--structured-outputs-compile-timeout``). The grammar
+    worker processes are killed when the app shuts down.
     """
-    app = FastAPI(title="onecat", version=onecat.__version__)
     metrics = ServerMetrics(engine.stats)
     executor = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="onecat-prompt")
     serving = OpenAIServing(
         engine, metrics, executor, trust_request_chat_template=trust_request_chat_template,
-        chat_options=chat_options,
+        chat_options=chat_options, grammar_compile_timeout=grammar_compile_timeout or DEFAULT_COMPILE_TIMEOUT,
     )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            serving.close()
+
+    app = FastAPI(title="onecat", version=onecat.__version__, lifespan=lifespan)
+    app.state.serving = serving
     app.state.engine = engine
     app.state.metrics = metrics
     created = int(time.time())
@@ -296,7 +310,7 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        sub = await serving.prepare_chat(body)
+        sub = await serving.prepare_chat(body, request.is_disconnected)
         if body.stream:
             return streamed(serving.chat_events(sub), sub)
         return JSONResponse(await serving.chat_body(sub, request.is_disconnected))

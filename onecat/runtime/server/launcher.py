@@ -136,6 +136,7 @@ def serve(
     max_request_body_bytes: int | None = None,
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
     chat_options: Any = None,
+    grammar_compile_timeout: float | None = None,
 ) -> None:
     """Serve ``engine`` (an ``LLMEngine``) over HTTP until SIGTERM or Ctrl-C; both drain
     (module docstring) and return normally."""
@@ -150,6 +151,7 @@ def serve(
         trust_request_chat_template=trust_request_chat_template,
         max_request_body_bytes=max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
         chat_options=chat_options,
+        grammar_compile_timeout=grammar_compile_timeout,
     )
     server = _uvicorn_server(app, async_engine, log_level, shutdown_timeout)
     in_main = threading.current_thread() is threading.main_thread()
@@ -186,6 +188,7 @@ class BackgroundServer:
         max_request_body_bytes: int | None = None,
         shutdown_timeout: float = 5.0,
         chat_options: Any = None,
+        grammar_compile_timeout: float | None = None,
     ) -> None:
         from onecat.runtime.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, create_app
 
@@ -196,6 +199,7 @@ class BackgroundServer:
             trust_request_chat_template=trust_request_chat_template,
             max_request_body_bytes=max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
             chat_options=chat_options,
+            grammar_compile_timeout=grammar_compile_timeout,
         )
         self._sock = _bind(host, 0)
         _, self.port = self._sock.getsockname()[:2]

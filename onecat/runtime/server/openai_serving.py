@@ -8,7 +8,8 @@ framework is imported here; ``app`` wraps the results into responses.
 
 Chat template rendering and tokenisation run in a small thread pool, off the event loop: a
 multi-megabyte prompt takes seconds to tokenise, and /health and the other requests must
-keep being answered meanwhile. A request's own chat template (``chat_template`` or
+keep being answered meanwhile. Grammars compile elsewhere, in worker processes under a time
+budget (``grammar_workers``), so a schema never holds up this pool. A request's own chat template (``chat_template`` or
 ``chat_template_kwargs.chat_template``) runs arbitrary Jinja (a few nested loops stall a
 server for minutes), so it is refused unless the operator trusts request templates.
 """
@@ -19,6 +20,7 @@ import asyncio
 import functools
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -30,6 +32,7 @@ from onecat.errors import OnecatError
 from onecat.runtime.errors import RequestError
 from onecat.runtime.layers.sampler import TokenLogprobs
 from onecat.runtime.sampling_params import SEED_MIN, LogitsProcessor, SamplingParams
+from onecat.runtime.server import structured_output
 from onecat.runtime.server.api_errors import APIError, bad_request, clip, internal_error
 from onecat.runtime.server.async_engine import (
     AsyncEngine,
@@ -40,11 +43,26 @@ from onecat.runtime.server.async_engine import (
     ShuttingDownError,
 )
 from onecat.runtime.server.chat_plan import ChatOptions, ChatPlan
+from onecat.runtime.server.grammar_workers import (
+    DEFAULT_COMPILE_TIMEOUT,
+    CompileAbandoned,
+    CompileFailed,
+    CompileTimeout,
+    GrammarCompilePool,
+)
 from onecat.runtime.server.logprob_format import LogprobFormatter
 from onecat.runtime.server.metrics import ServerMetrics
 from onecat.runtime.server.prompts import chat_token_ids, reserved_template_kwargs, text_token_ids
 from onecat.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from onecat.runtime.server.structured_output import GrammarBackend, StructuredOutputUnavailable
+from onecat.runtime.server.structured_output import (
+    GrammarBackend,
+    JsonConstraint,
+    StructuredOutputUnavailable,
+    ToolCallConstraint,
+    check_constraint,
+    constraint_key,
+    constraint_param,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -119,10 +137,13 @@ class OpenAIServing:
         *,
         trust_request_chat_template: bool = False,
         chat_options: ChatOptions | None = None,
+        grammar_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT,
     ) -> None:
         self.engine = engine
         self.chat_options = chat_options or ChatOptions()
-        self._grammar: GrammarBackend | None = None
+        self._grammar: tuple[GrammarBackend, GrammarCompilePool] | None = None
+        self.grammar_compile_timeout = grammar_compile_timeout
+        self._grammar_lock = threading.Lock()
         self.metrics = metrics
         self.executor = executor
         self.trust_request_chat_template = trust_request_chat_template
@@ -230,8 +251,11 @@ class OpenAIServing:
         max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
         return await self.submit("cmpl", req, prompt_ids, max_tokens, req.logprobs)
 
-    async def prepare_chat(self, req: ChatCompletionRequest) -> Submitted:
-        """Validate, render the chat template, tokenise and submit a chat request."""
+    async def prepare_chat(
+        self, req: ChatCompletionRequest, is_disconnected: Callable[[], Awaitable[bool]] | None = None
+    ) -> Submitted:
+        """Validate, render the chat template, tokenise and submit a chat request
+        (``is_disconnected`` is polled while a grammar compiles)."""
         req.refuse_unsupported()
         self.check_model(req.model)
         plan = ChatPlan(req, self.chat_options)
@@ -244,7 +268,7 @@ class OpenAIServing:
         except OnecatError as exc:
             raise bad_request(str(exc), param="messages") from exc
         plan.start(self.engine.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:]))
-        processors = await self.grammar_processors(plan)
+        processors = await self.grammar_processors(plan, is_disconnected)
         max_tokens = req.max_new_tokens()
         if max_tokens is None:  # OpenAI's chat default: as many as the context allows
             max_tokens = max(1, self.engine.max_model_len - len(prompt_ids))
@@ -252,26 +276,64 @@ class OpenAIServing:
         sub.chat_plan = plan
         return sub
 
-    async def grammar_processors(self, plan: ChatPlan) -> Callable[[], list[LogitsProcessor]] | None:
-        """The per-choice grammar mask of a constrained chat request (None: unconstrained);
-        the grammar is compiled off the event loop. 400 naming the field when the grammar
-        library is missing or the schema / tools do not compile."""
+    async def grammar_processors(
+        self, plan: ChatPlan, is_disconnected: Callable[[], Awaitable[bool]] | None = None
+    ) -> Callable[[], list[LogitsProcessor]] | None:
+        """The per-choice grammar mask of a constrained chat request (None: unconstrained).
+        The schema is checked here, the grammar compiled in a worker process under the
+        time budget (``grammar_workers``): 400 naming the field when the grammar library is
+        missing, a schema keyword would not be enforced, the schema or tools do not compile
+        or take longer than the budget; the compile is abandoned when the client leaves
+        (499) or the server starts shutting down (503)."""
         constraint = plan.constraint()
         if constraint is None:
             return None
+        param = constraint_param(constraint)
         try:
-            if self._grammar is None:
-                llm = self.engine.engine
-                self._grammar = GrammarBackend(
-                    self.engine.tokenizer, llm.runner.model_config.vocab_size, sorted(llm.eos_token_ids)
-                )
-            backend = self._grammar
-            compiled = await self._off_loop(backend.compile, constraint)
+            structured_output.import_xgrammar()  # a server without it: 400, before anything else
+            backend, pool, key = await self._off_loop(self._grammar_key, constraint)
+            compiled = await pool.compile(
+                key, constraint, is_disconnected=is_disconnected, is_draining=lambda: self.engine.draining
+            )
         except StructuredOutputUnavailable as exc:
             raise bad_request(str(exc), param=plan.constrained_field, code="structured_output_unavailable") from exc
         except RequestError as exc:
             raise bad_request(str(exc), param=exc.param) from exc
+        except CompileTimeout as exc:
+            raise bad_request(
+                f"{param} is too complex: its grammar {exc} (the server's "
+                "--structured-outputs-compile-timeout); simplify the schema",
+                param=param, code="schema_too_complex",
+            ) from exc
+        except CompileFailed as exc:
+            raise bad_request(f"{param} cannot be compiled into a grammar: {exc}", param=param) from exc
+        except CompileAbandoned as exc:
+            if self.engine.draining:
+                raise unavailable(ShuttingDownError(f"the server is shutting down ({exc})")) from exc
+            raise APIError(499, "the client closed the request", type="client_closed") from exc
         return lambda: [backend.logits_processor(compiled)]
+
+    def _grammar_key(self, constraint: JsonConstraint | ToolCallConstraint) -> tuple[GrammarBackend, GrammarCompilePool, str]:
+        """The grammar backend and compile pool (made at the first constrained request: the
+        tokenizer table takes a second for a large vocabulary); the constraint's schemas
+        checked; its cache key. Runs in the prompt pool (tens of milliseconds for a
+        megabyte of schema)."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                llm = self.engine.engine
+                backend = GrammarBackend(
+                    self.engine.tokenizer, llm.runner.model_config.vocab_size, sorted(llm.eos_token_ids)
+                )
+                pool = GrammarCompilePool(backend.tokenizer_info(), timeout=self.grammar_compile_timeout)
+                self._grammar = backend, pool
+            backend, pool = self._grammar
+        check_constraint(constraint)
+        return backend, pool, constraint_key(constraint)
+
+    def close(self) -> None:
+        """Kill the grammar workers (server shutdown); nothing compiles past this."""
+        if self._grammar is not None:
+            self._grammar[1].close()
 
     def template_of(self, req: ChatCompletionRequest) -> tuple[str | None, dict[str, Any]]:
         """The request's own chat template (None: the model's) and the template variables

@@ -13,12 +13,18 @@ allowed next tokens (a bitmask over the vocabulary, filled on the CPU) and sets 
 logit to -inf on the logits' device. Once the grammar is complete only the stop tokens (the
 model's EOS) remain allowed.
 
+Schemas are checked before they compile (``schema_check``: a keyword the grammar does not
+enforce is refused, not ignored); the server compiles in worker processes under a time
+budget (``grammar_workers``).
+
 xgrammar is optional (the ``serve`` extra): it is imported at the first request that needs
 it, and a server without it answers such requests with a 400 naming the field.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +32,7 @@ from typing import Any
 import torch
 
 from onecat.runtime.errors import RequestError
+from onecat.runtime.server.schema_check import check_schema
 
 THINK_END = "</think>"
 XGRAMMAR_TOOL_FORMATS = {"qwen3_coder": "qwen_3_5", "qwen3_xml": "qwen_3_5", "hermes": "qwen_3"}
@@ -77,53 +84,90 @@ parameter values): enough for an indented nested object, and a sampled model can
 its whole budget on blank space."""
 
 
+def check_constraint(constraint: JsonConstraint | ToolCallConstraint) -> None:
+    """RequestError naming the request field, the keyword and where it is when a schema of
+    ``constraint`` uses a keyword the grammar would not enforce or cannot be satisfied
+    (``schema_check``)."""
+    if isinstance(constraint, JsonConstraint):
+        check_schema(constraint.schema, "response_format.json_schema.schema", "response_format")
+        return
+    for i, tool in enumerate(constraint.tools):
+        parameters = tool.get("function", {}).get("parameters")
+        if parameters is not None:
+            check_schema(parameters, f"tools[{i}].function.parameters", "tools")
+
+
+def constraint_key(constraint: JsonConstraint | ToolCallConstraint) -> str:
+    """The constraint as JSON, in its schemas' key order (the grammar cache's key)."""
+    return json.dumps([type(constraint).__name__, dataclasses.asdict(constraint)], separators=(",", ":"))
+
+
+def structural_tag(constraint: JsonConstraint | ToolCallConstraint) -> Any:
+    """xgrammar's structural tag for ``constraint``, its schemas checked first."""
+    xgr = import_xgrammar()
+    from xgrammar import structural_tag as st
+
+    check_constraint(constraint)
+    if isinstance(constraint, JsonConstraint):
+        body: Any = st.JSONSchemaFormat(json_schema=constraint.schema, max_whitespace_cnt=MAX_WHITESPACE)
+        if constraint.after_reasoning:
+            body = st.SequenceFormat(elements=[_reasoning_prefix(st), body])
+        return st.StructuralTag(format=body)
+    try:
+        return xgr.get_model_structural_tag(
+            XGRAMMAR_TOOL_FORMATS[constraint.parser],
+            tools=constraint.tools,
+            tool_choice=constraint.tool_choice,
+            reasoning="enabled" if constraint.after_reasoning else "disabled",
+            max_whitespace_cnt=MAX_WHITESPACE,
+            parallel_tool_calls=constraint.parallel_tool_calls,
+        )
+    except Exception as exc:  # xgrammar raises ValueError / its own types
+        raise RequestError(f"tools cannot be compiled into a grammar: {exc}", param="tools") from exc
+
+
+def constraint_param(constraint: JsonConstraint | ToolCallConstraint) -> str:
+    """The request field a constraint comes from (for error bodies)."""
+    return "response_format" if isinstance(constraint, JsonConstraint) else "tools"
+
+
 class GrammarBackend:
-    """Compiles constraints for one model's tokenizer and vocabulary (lazily: the first call
-    builds xgrammar's token table, a second or so for a large vocabulary) and makes their
-    logits processors. ``compile`` is thread-safe (the server calls it off the event loop)."""
+    """One model's tokenizer as xgrammar sees it (built lazily: xgrammar's token table takes
+    a second or so for a large vocabulary), an in-process ``compile`` (the server compiles
+    in worker processes instead: ``grammar_workers``) and the logits processors of compiled
+    grammars."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
+        self._info: Any = None
         self._compiler: Any = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
-    def _get_compiler(self) -> Any:
+    def tokenizer_info(self) -> Any:
+        """xgrammar's ``TokenizerInfo`` of the model (thread-safe)."""
+        xgr = import_xgrammar()
+        with self._lock:
+            if self._info is None:
+                self._info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                )
+        return self._info
+
+    def compile(self, constraint: JsonConstraint | ToolCallConstraint) -> Any:
+        """The compiled grammar of ``constraint``, in this process and without a time limit;
+        RequestError (naming the request field) when the schema or the tools are refused or
+        cannot be compiled."""
+        tag = structural_tag(constraint)
         xgr = import_xgrammar()
         with self._lock:
             if self._compiler is None:
-                info = xgr.TokenizerInfo.from_huggingface(
-                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
-                )
-                self._compiler = xgr.GrammarCompiler(info, max_threads=2)
-        return self._compiler
-
-    def compile(self, constraint: JsonConstraint | ToolCallConstraint) -> Any:
-        """The compiled grammar of ``constraint``; RequestError (naming the request field)
-        when the schema or the tools cannot be compiled."""
-        compiler = self._get_compiler()
-        xgr = import_xgrammar()
-        from xgrammar import structural_tag as st
-
-        param = "response_format" if isinstance(constraint, JsonConstraint) else "tools"
+                self._compiler = xgr.GrammarCompiler(self.tokenizer_info(), max_threads=2)
         try:
-            if isinstance(constraint, JsonConstraint):
-                body: Any = st.JSONSchemaFormat(json_schema=constraint.schema, max_whitespace_cnt=MAX_WHITESPACE)
-                if constraint.after_reasoning:
-                    body = st.SequenceFormat(elements=[_reasoning_prefix(st), body])
-                tag = st.StructuralTag(format=body)
-            else:
-                tag = xgr.get_model_structural_tag(
-                    XGRAMMAR_TOOL_FORMATS[constraint.parser],
-                    tools=constraint.tools,
-                    tool_choice=constraint.tool_choice,
-                    reasoning="enabled" if constraint.after_reasoning else "disabled",
-                    max_whitespace_cnt=MAX_WHITESPACE,
-                    parallel_tool_calls=constraint.parallel_tool_calls,
-                )
-            return compiler.compile_structural_tag(tag)
+            return self._compiler.compile_structural_tag(tag)
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError / its own types
+            param = constraint_param(constraint)
             raise RequestError(f"{param} cannot be compiled into a grammar: {exc}", param=param) from exc
 
     def logits_processor(self, compiled: Any) -> GrammarLogitsProcessor:
