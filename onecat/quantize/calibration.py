@@ -23,14 +23,13 @@ from pathlib import Path
 import torch
 
 from onecat.errors import OnecatError
+from onecat.texts import pydoc_documents
 
 BUILTIN_PYDOC = "builtin:pydoc"
 
 
 def _pydoc_documents() -> list[str]:
-    from pydoc_data.topics import topics
-
-    return [topics[key] for key in sorted(topics)]
+    return pydoc_documents()
 
 
 def _split_field(source: str, suffix: str) -> tuple[Path, str]:
