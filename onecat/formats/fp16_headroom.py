@@ -146,3 +146,16 @@ def derive_plan(layers: list[dict[str, Any]], logits: float | None = None, *, so
 def fractions(peaks: dict[str, float]) -> dict[str, float]:
     """``{site: peak / FP16_MAX}`` rounded for a report (values above 1 overflow fp16)."""
     return {site: round(value / FP16_MAX, 6) for site, value in peaks.items()}
+
+
+def describe_plan(plan: HeadroomPlan) -> str:
+    """One log line: what the plan scales."""
+    parts = [f"residual stream x 2^-{plan.residual_shift}"] if plan.residual_shift else []
+    for label, shifts in (("MLP", plan.mlp_shift), ("attention", plan.attn_shift), ("GDN", plan.gdn_shift)):
+        layers = {i: m for i, m in shifts.items() if m}
+        if layers:
+            parts.append(f"{label} inputs of layers {sorted(layers)} scaled down (max 2^-{max(layers.values())})")
+    text = "; ".join(parts) or "nothing to scale"
+    if plan.unhandled:
+        text += f"; near the fp16 limit, unmovable: {plan.unhandled}"
+    return text

@@ -29,9 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from onecat.formats.fp16_headroom import HeadroomPlan, derive_plan, plan_from_config
+from onecat.formats.fp16_headroom import HeadroomPlan, derive_plan, describe_plan, plan_from_config
 from onecat.runtime.context import ForwardContext, PrefillChunk, set_context
-from onecat.runtime.fp16_headroom import describe
 from onecat.runtime.layers.norm import rms_norm_math
 from onecat.runtime.loader import WeightSource, load_weights, read_model_config
 from onecat.runtime.models.qwen3_5 import DecoderLayer
@@ -182,5 +181,5 @@ def startup_plan(path: str | Path, tokenizer: Any, device: torch.device) -> Head
     if device.type == "cuda":
         torch.cuda.empty_cache()
     log.info("fp16 headroom audit of %s (%d tokens, fp32, %.1f s): %s", path,
-             sum(map(len, sequences)), time.perf_counter() - started, describe(plan))
+             sum(map(len, sequences)), time.perf_counter() - started, describe_plan(plan))
     return plan

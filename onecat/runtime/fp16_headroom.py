@@ -142,16 +142,3 @@ def scale_norm_eps(model: nn.Module, plan: HeadroomPlan, tied: bool) -> None:
             mtp.pre_fc_norm_hidden.eps /= factor
     for norm in norms:
         norm.eps *= factor
-
-
-def describe(plan: HeadroomPlan) -> str:
-    """One log line: what the plan scales."""
-    parts = [f"residual stream x 2^-{plan.residual_shift}"] if plan.residual_shift else []
-    for label, shifts in (("MLP", plan.mlp_shift), ("attention", plan.attn_shift), ("GDN", plan.gdn_shift)):
-        layers = {i: m for i, m in shifts.items() if m}
-        if layers:
-            parts.append(f"{label} inputs of layers {sorted(layers)} scaled down (max 2^-{max(layers.values())})")
-    text = "; ".join(parts) or "nothing to scale"
-    if plan.unhandled:
-        text += f"; near the fp16 limit, unmovable: {plan.unhandled}"
-    return text
