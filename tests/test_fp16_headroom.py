@@ -130,21 +130,24 @@ def test_which_tensors_the_plan_scales():
     assert tensor_shift(plan, "model.norm.weight") == 0
 
 
-def test_packed_scaling_is_exact():
+def test_packed_scaling_is_exact(caplog):
     gen = torch.Generator().manual_seed(0)
     n, k, g = 64, 128, 32
     q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
     zeros = torch.randint(0, 16, (n, k // g), generator=gen, dtype=torch.uint8)
-    scales = (torch.rand(n, k // g, generator=gen) * 0.02 + 0.001).half()
+    scales = (torch.rand(n, k // g, generator=gen) * 0.02 + 0.01).half()  # scaled: still normal
     qweight, scales_zeros = pack_volta(q, zeros, scales)
     weights = LinearWeights(qweight=qweight, scales_zeros=scales_zeros, group_size=g)
-    down = scale_linear(weights, -5, "test")
+    down = scale_linear(weights, -3, "test")
     assert torch.equal(down.qweight, qweight)
     assert torch.equal(dequantize_volta(down.qweight, down.scales_zeros, g),
-                       dequantize_volta(qweight, scales_zeros, g) * 2.0**-5)
+                       dequantize_volta(qweight, scales_zeros, g) * 2.0**-3)
     up = scale_linear(weights, 3, "test")
     assert torch.equal(dequantize_volta(up.qweight, up.scales_zeros, g),
                        dequantize_volta(qweight, scales_zeros, g) * 8)
+    with caplog.at_level("INFO", logger="onecat.runtime.fp16_headroom"):
+        scale_linear(weights, -8, "tiny")  # 0.01 * 2^-8 is below the fp16 normal range
+    assert "tiny times 2^-8" in caplog.text and "fell below the fp16 normal range" in caplog.text
     dense = torch.randn(8, 16, generator=gen).bfloat16()
     assert torch.equal(scale_linear(LinearWeights(weight=dense), -4, "t").weight, dense / 16)
     with pytest.raises(OnecatError, match="overflows"):
