@@ -162,3 +162,37 @@ def test_scaled_norm_with_scaled_eps_is_unchanged():
         c = 2.0**-k
         assert torch.equal(rms_norm_math(x * c, w, 1e-6 * c * c), rms_norm_math(x, w, 1e-6))
         assert not torch.equal(rms_norm_math(x * c, w, 1e-6), rms_norm_math(x, w, 1e-6))
+
+
+def test_quantize_reports_the_sites_and_pack_carries_the_plan(overflow, tmp_path, capsys):
+    from onecat.pack.writer import pack_checkpoint
+    from onecat.quantize.pipeline import REPORT_NAME, quantize_model
+    from onecat.quantize.summary import print_summary
+
+    path, windows, _, _, _ = overflow
+    with pytest.warns(UserWarning, match="exceed the fp16 range"):
+        awq = quantize_model(path, tmp_path / "awq", samples=4, seqlen=64, group_size=32, show_progress=False)
+    report = json.loads((awq / REPORT_NAME).read_text())
+    sites = {layer["layer"]: layer["fp16_headroom"] for layer in report["layers"]}
+    assert set(sites[0]) == {"residual", "norm", "gate", "up", "down_in", "gdn_out"}
+    assert set(sites[3]) == {"residual", "norm", "gate", "up", "down_in", "attn_out"}
+    assert sites[0]["residual"] < 1e-3 and sites[1]["residual"] > 1 and sites[1]["down_in"] > 1 / 8
+    assert sites[2]["gdn_out"] > 1 / 8 and sites[3]["attn_out"] > 1 / 8
+    assert 0 < report["fp16_headroom"]["logits"] < 0.01
+    plan = HeadroomPlan.from_json(report["fp16_headroom"]["plan"], "report")
+    assert plan.source == "calibration" and plan.residual_shift >= 5
+    assert plan.mlp_shift[1] >= 1 and plan.gdn_shift[2] >= 1 and plan.attn_shift[3] >= 1
+    config = json.loads((awq / "config.json").read_text())
+    assert config[CONFIG_KEY] == report["fp16_headroom"]["plan"]
+    print_summary(report, awq)
+    printed = " ".join(capsys.readouterr().out.split())  # rich wraps at the terminal width
+    assert "fp16" in printed and "residual stream x 2^-" in printed and "logits" in printed
+
+    packed = pack_checkpoint(awq, tmp_path / "packed", show_progress=False)
+    assert json.loads((packed / "config.json").read_text())[CONFIG_KEY] == config[CONFIG_KEY]
+    tokens = windows[1][:64]
+    fp32 = forward_logits(load_model(packed, CPU, torch.float32, headroom=HeadroomPlan()), tokens, CPU)
+    plain = forward_logits(load_model(packed, CPU, torch.float16, headroom=HeadroomPlan()), tokens, CPU)
+    assert not bool(torch.isfinite(plain).all())
+    handled = forward_logits(load_model(packed, CPU, torch.float16), tokens, CPU)  # the plan from config.json
+    torch.testing.assert_close(handled, fp32, atol=LOGIT_ATOL, rtol=0)
