@@ -23,15 +23,9 @@ from pathlib import Path
 import torch
 
 from onecat.errors import OnecatError
+from onecat.texts import pydoc_documents
 
 BUILTIN_PYDOC = "builtin:pydoc"
-
-
-def pydoc_documents() -> list[str]:
-    """The running Python's pydoc topics, sorted by key (the ``builtin:pydoc`` documents)."""
-    from pydoc_data.topics import topics
-
-    return [topics[key] for key in sorted(topics)]
 
 
 def pydoc_text() -> str:

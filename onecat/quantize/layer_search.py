@@ -53,6 +53,7 @@ from onecat.formats.awq_gemm import pack_awq_gemm
 from onecat.formats.integers import dequantize, quantize_groups
 from onecat.quantize.auto_clip import apply_clip, search_clip
 from onecat.quantize.auto_scale import ScaleResult, search_scale, weight_mean
+from onecat.quantize.fp16_sites import SiteProbe
 from onecat.quantize.gptq import (
     HessianNotPositiveDefinite,
     activation_order,
@@ -234,11 +235,15 @@ class LayerQuantizer:
             seqs, seqlen = hidden.shape[0], hidden.shape[1]
             loss_idx, chunks = plan_chunks(seqs, seqlen, rcp.loss_tokens)
             cap = _Capture(self, layer, mappings, quantized, seqs * seqlen)
+            probe = SiteProbe(layer)
             next_hidden = torch.empty_like(hidden)
             for c, chunk in enumerate(chunks):
                 cap.begin_chunk(chunk, seqlen, loss=(c == 0))
                 next_hidden[chunk] = self.factory.run(layer, hidden[chunk])
             cap.remove()
+            probe.remove()
+            probe.note("residual", float(next_hidden.abs().amax()))
+            report["fp16_peaks"] = probe.peaks
             self._check_activations(where, cap, next_hidden, report)
 
             results = [self._search(m, modules, cap, where) for m in mappings]

@@ -34,6 +34,8 @@ from onecat.errors import OnecatError
 from onecat.formats.awq_gemm import awq_config
 from onecat.formats.checkpoint import INDEX_NAME, Checkpoint
 from onecat.formats.files import read_checkpoint_json, write_json
+from onecat.formats.fp16_headroom import CONFIG_KEY as HEADROOM_KEY
+from onecat.formats.fp16_headroom import derive_plan, fractions
 from onecat.formats.quant_config import find_quantization_config
 from onecat.formats.staging import (
     check_no_overlap,
@@ -46,6 +48,7 @@ from onecat.formats.staging import (
     write_shard,
 )
 from onecat.quantize.calibration import calibration_tokens
+from onecat.quantize.fp16_sites import fraction_of_fp16, logits_peak
 from onecat.quantize.layer_build import LayerFactory
 from onecat.quantize.layer_search import LayerQuantizer
 from onecat.quantize.recipe import METHODS, Recipe, load_recipe, recipe_for_model_type
@@ -358,7 +361,7 @@ def _run(model, out, *, awq, recipe, calib, samples, seqlen, group_size, method,
 
     quantizer = LayerQuantizer(factory, rcp, group, awq=awq, gptq=gptq)
     try:
-        weight_map = _quantize_layers(
+        weight_map, hidden = _quantize_layers(
             quantizer, reader, layer_names, prefix, hidden, work, progress,
             first_shard=len(rest_groups) + 1, total_shards=total_shards, show_progress=show_progress,
         )
@@ -366,6 +369,10 @@ def _run(model, out, *, awq, recipe, calib, samples, seqlen, group_size, method,
         if created and not progress["layers"]:
             shutil.rmtree(work, ignore_errors=True)  # bad input, nothing worth resuming
         raise
+    headroom = None
+    if hidden is not None:
+        headroom = _fp16_headroom(reader, prefix, rcp, hf_config, hidden,
+                                  [progress["layers"][str(i)]["report"] for i in range(num_layers)])
     del hidden
     if not any(n.endswith(".qweight") for n in weight_map):
         shutil.rmtree(work, ignore_errors=True)
@@ -382,7 +389,10 @@ def _run(model, out, *, awq, recipe, calib, samples, seqlen, group_size, method,
     write_index(work, weight_map)
     kept = [n for i in range(num_layers) for n in progress["layers"][str(i)]["fp16_kept"]]
     not_convert = list(rcp.modules_to_not_convert) + kept
-    write_json(work / "config.json", awq_config(config, group, not_convert))
+    out_config = awq_config(config, group, not_convert)
+    if headroom is not None:
+        out_config[HEADROOM_KEY] = headroom["plan"]
+    write_json(work / "config.json", out_config)
     copy_side_files(model_dir, work)
     layers = [progress["layers"][str(i)]["report"] for i in range(num_layers)]
     report = {
@@ -396,6 +406,7 @@ def _run(model, out, *, awq, recipe, calib, samples, seqlen, group_size, method,
         "device": dev.type,
         "compute_dtype": str(dtype),
         "modules_to_not_convert": not_convert,
+        "fp16_headroom": headroom,
         "layers": layers,
         "time_s": round(time.perf_counter() - started, 3),
     }
@@ -410,8 +421,10 @@ def _run(model, out, *, awq, recipe, calib, samples, seqlen, group_size, method,
 
 def _quantize_layers(quantizer: LayerQuantizer, reader: Checkpoint, layer_names: dict,
                      prefix: str, hidden: torch.Tensor | None, work: Path, progress: dict, *,
-                     first_shard: int, total_shards: int, show_progress: bool) -> dict[str, str]:
-    """Quantize (or, when resuming, replay) every decoder layer; returns the weight map."""
+                     first_shard: int, total_shards: int,
+                     show_progress: bool) -> tuple[dict[str, str], torch.Tensor | None]:
+    """Quantize (or, when resuming, replay) every decoder layer; returns the weight map and
+    the last layer's fp output (None without calibration)."""
     num_layers = len(layer_names)
     progress_path = work / PROGRESS_NAME
     weight_map: dict[str, str] = {}
@@ -422,7 +435,7 @@ def _quantize_layers(quantizer: LayerQuantizer, reader: Checkpoint, layer_names:
         shard = shard_name(first_shard + i, total_shards)
         done = progress["layers"].get(str(i))
         if done is not None and (work / shard).is_file():
-            if hidden is not None and i + 1 < num_layers:  # replay: the next layer's inputs
+            if hidden is not None:  # replay: the next layer's inputs (the logits' after the last)
                 layer = quantizer.factory.build(i, _load_layer(reader, layer_names[i], where), where)
                 hidden = quantizer.propagate(layer, hidden, quantizer.recipe.loss_tokens)
                 del layer
@@ -443,7 +456,24 @@ def _quantize_layers(quantizer: LayerQuantizer, reader: Checkpoint, layer_names:
             bar.update(1)
     if bar is not None:
         bar.close()
-    return weight_map
+    return weight_map, hidden
+
+
+def _fp16_headroom(reader: Checkpoint, prefix: str, rcp: Recipe, hf_config, hidden: torch.Tensor,
+                   reports: list[dict]) -> dict:
+    """The report's ``fp16_headroom`` (each layer's site peaks as fractions of the fp16
+    maximum are in its own report, ``fp16_headroom``): the logits' fraction and the plan
+    (``onecat.formats.fp16_headroom``) written into config.json."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    base = prefix[: -len("layers.")]
+    head_name = "lm_head.weight" if "lm_head.weight" in reader.names() else base + "embed_tokens.weight"
+    logits = logits_peak(hidden, reader.get(base + "norm.weight"), reader.get(head_name),
+                         float(text.rms_norm_eps), rcp.norm_style == "one_plus")
+    for report in reports:
+        report["fp16_headroom"] = fractions(report.get("fp16_peaks", {}))
+    plan = derive_plan([{"layer": r["layer"], **r.get("fp16_peaks", {})} for r in reports], logits,
+                       source="calibration")
+    return {"logits": fraction_of_fp16(logits), "plan": plan.to_json()}
 
 
 def _load_layer(reader: Checkpoint, names: list[str], where: str) -> dict[str, torch.Tensor]:

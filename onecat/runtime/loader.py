@@ -27,6 +27,7 @@ from torch import nn
 from onecat.errors import OnecatError
 from onecat.formats.checkpoint import Checkpoint
 from onecat.formats.files import read_checkpoint_json
+from onecat.formats.fp16_headroom import HeadroomPlan, plan_from_config
 from onecat.formats.integers import dequantize, group_size_of
 from onecat.formats.quant_config import ONECAT, detect_format
 from onecat.formats.quantized_linears import (
@@ -37,6 +38,7 @@ from onecat.formats.quantized_linears import (
 from onecat.pack.artifact import open_packed
 from onecat.pack.repack import to_volta
 from onecat.pack.volta_layout import fits_layout
+from onecat.runtime import fp16_headroom as headroom
 from onecat.runtime.layers.linear import Linear, LinearWeights
 from onecat.runtime.layers.moe import DOWN, GATE, UP, FusedExperts
 from onecat.runtime.models.config import ModelConfig
@@ -47,11 +49,17 @@ WRAPPER_PREFIX = "model.language_model."
 
 
 class WeightSource:
-    """Tensors of one checkpoint by text-model name (``model.layers.N...``, ``lm_head``)."""
+    """Tensors of one checkpoint by text-model name (``model.layers.N...``, ``lm_head``).
 
-    def __init__(self, path: Path, config: dict[str, Any]) -> None:
+    With a ``headroom`` plan (``onecat.formats.fp16_headroom``) every linear and tensor comes
+    back with the plan's power of two folded in (``onecat.runtime.fp16_headroom``)."""
+
+    def __init__(self, path: Path, config: dict[str, Any], headroom: HeadroomPlan | None = None) -> None:
         self.path = path
         self.config = config
+        self.headroom = headroom if headroom is not None and not headroom.is_identity else None
+        self.tied = bool(config.get("tie_word_embeddings", (config.get("text_config") or {}).get(
+            "tie_word_embeddings", False)))
         self._format = detect_format(config, str(path / "config.json"))
         self.kind = self._format.kind
         self._packed = None
@@ -92,14 +100,27 @@ class WeightSource:
         return self.actual(name) in self._names
 
     def tensor(self, name: str) -> torch.Tensor:
-        """Tensor ``name`` (text-model name) on the CPU."""
+        """Tensor ``name`` (text-model name) on the CPU (the headroom plan folded in)."""
         key = self.actual(name)
         if key not in self._names:
             raise OnecatError(f"tensor {key} is missing from the checkpoint {self.path}")
-        return self._packed.get_tensor(key) if self._packed else self._ckpt.get(key)
+        t = self._packed.get_tensor(key) if self._packed else self._ckpt.get(key)
+        plan = self.headroom
+        if plan is None:
+            return t
+        if self.tied and name in ("model.norm.weight", "mtp.norm.weight"):  # lm_head is the scaled embedding
+            return headroom.scale_one_plus(t, plan.residual_shift)
+        return headroom.scale_tensor(t, headroom.tensor_shift(plan, name), key)
 
     def linear(self, name: str) -> LinearWeights | None:
-        """The linear ``name`` (without ``.weight``), packed when it is quantized; None if absent."""
+        """The linear ``name`` (without ``.weight``), packed when it is quantized; None if absent
+        (the headroom plan folded in)."""
+        weights = self._linear(name)
+        if weights is None or self.headroom is None:
+            return weights
+        return headroom.scale_linear(weights, headroom.linear_shift(self.headroom, name), self.actual(name))
+
+    def _linear(self, name: str) -> LinearWeights | None:
         key = self.actual(name)
         bias = self.tensor(f"{name}.bias") if self.has(f"{name}.bias") else None
         if key in self._quantized:
@@ -122,8 +143,16 @@ class WeightSource:
         return None
 
     def expert(self, prefix: str, expert: int, which: str) -> LinearWeights:
-        """Expert ``expert``'s ``which`` projection of the experts at ``prefix``."""
-        per_expert = self.linear(f"{prefix}.{expert}.{which}")
+        """Expert ``expert``'s ``which`` projection of the experts at ``prefix`` (the headroom
+        plan folded in)."""
+        weights = self._expert(prefix, expert, which)
+        if self.headroom is None:
+            return weights
+        shift = headroom.expert_shift(self.headroom, prefix, which)
+        return headroom.scale_linear(weights, shift, f"{self.actual(prefix)}.{expert}.{which}")
+
+    def _expert(self, prefix: str, expert: int, which: str) -> LinearWeights:
+        per_expert = self._linear(f"{prefix}.{expert}.{which}")
         if per_expert is not None:
             return per_expert
         fused_name = f"{prefix}.down_proj" if which == DOWN else f"{prefix}.gate_up_proj"
@@ -134,7 +163,8 @@ class WeightSource:
             )
         if fused_name not in self._fused_cache:
             self._fused_cache.clear()  # one layer's fused experts at a time
-            self._fused_cache[fused_name] = self.tensor(fused_name)
+            key = self.actual(fused_name)
+            self._fused_cache[fused_name] = self._packed.get_tensor(key) if self._packed else self._ckpt.get(key)
         fused = self._fused_cache[fused_name][expert]
         if which != DOWN:
             half = fused.shape[0] // 2
@@ -151,19 +181,31 @@ def read_model_config(path: str | Path) -> tuple[dict[str, Any], ModelConfig]:
     return raw, ModelConfig.from_dict(raw, str(path / "config.json"))
 
 
-def load_model(path: str | Path, device: torch.device, dtype: torch.dtype, *, mtp: bool = False) -> Qwen3_5ForCausalLM:
+def load_model(
+    path: str | Path, device: torch.device, dtype: torch.dtype, *, mtp: bool = False,
+    headroom: HeadroomPlan | None = None,
+) -> Qwen3_5ForCausalLM:
     """Build the model of checkpoint ``path`` on ``device`` (activations in ``dtype``) and load
-    every weight; ``mtp`` also loads the multi-token-prediction head (``mtp.*``). Raises
-    OnecatError on unsupported or incomplete checkpoints."""
+    every weight; ``mtp`` also loads the multi-token-prediction head (``mtp.*``). ``headroom``:
+    the fp16 headroom plan to fold into the weights (None: the one in config.json, if any).
+    Raises OnecatError on unsupported or incomplete checkpoints."""
     path = Path(path)
     raw, cfg = read_model_config(path)
-    source = WeightSource(path, raw)
+    plan = headroom if headroom is not None else plan_from_config(raw, str(path / "config.json"))
+    source = WeightSource(path, raw, plan)
     if mtp:
         check_mtp(source)
     with torch.device(device):
         model = Qwen3_5ForCausalLM(cfg, source.plan(), dtype, mtp=mtp)
     load_weights(model, source)
+    apply_norm_eps(model, source)
     return model
+
+
+def apply_norm_eps(model: nn.Module, source: WeightSource) -> None:
+    """After :func:`load_weights`: scale the norms' eps for the source's headroom plan."""
+    if source.headroom is not None:
+        headroom.scale_norm_eps(model, source.headroom, source.tied)
 
 
 def check_mtp(source: WeightSource) -> None:

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from onecat.errors import OnecatError
+from onecat.formats.fp16_headroom import HeadroomPlan, plan_from_config
 from onecat.pack.partitions import check_partition
 from onecat.pack.volta_layout import TILE, slice_volta
 from onecat.runtime.distributed.parallel_state import tp_rank, tp_size
@@ -259,23 +260,29 @@ class ShardedWeightSource:
         return t
 
 
-def load_model_shard(path: str | Path, device: torch.device, dtype: torch.dtype, *, mtp: bool = False) -> Qwen3_5ForCausalLM:
+def load_model_shard(
+    path: str | Path, device: torch.device, dtype: torch.dtype, *, mtp: bool = False,
+    headroom: HeadroomPlan | None = None,
+) -> Qwen3_5ForCausalLM:
     """This rank's shard of checkpoint ``path`` (``onecat.runtime.loader.load_model`` at
     tensor-parallel size 1; ``mtp``: with the multi-token-prediction head, its decoder layer
-    split like the model's). Call after ``parallel_state.init_tensor_parallel``."""
-    from onecat.runtime.loader import check_mtp, load_model
+    split like the model's; ``headroom``: the fp16 headroom plan, None for config.json's).
+    Call after ``parallel_state.init_tensor_parallel``."""
+    from onecat.runtime.loader import apply_norm_eps, check_mtp, load_model
 
     world = tp_size()
     if world == 1:
-        return load_model(path, device, dtype, mtp=mtp)
+        return load_model(path, device, dtype, mtp=mtp, headroom=headroom)
     path = Path(path)
     raw, cfg = read_model_config(path)
     local = shard_config(cfg, world, str(path / "config.json"))
-    base = WeightSource(path, raw)
+    plan = headroom if headroom is not None else plan_from_config(raw, str(path / "config.json"))
+    base = WeightSource(path, raw, plan)
     if mtp:
         check_mtp(base)
     source = ShardedWeightSource(base, cfg, tp_rank(), world)
     with torch.device(device):
         model = Qwen3_5ForCausalLM(local, source.plan(), dtype, mtp=mtp)
     load_weights(model, source)
+    apply_norm_eps(model, base)
     return model

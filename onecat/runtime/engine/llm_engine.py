@@ -83,7 +83,9 @@ class LLMEngine:
     """Continuous-batching Qwen3.5 engine over a checkpoint or packed artifact."""
 
     def __init__(self, config: EngineConfig) -> None:
-        """Load ``config.model`` (fp16 on a GPU, fp32 on CPU) and its tokenizer."""
+        """Load ``config.model`` (fp16 on a GPU, fp32 on CPU) and its tokenizer. In fp16 a
+        checkpoint whose config.json has no fp16 headroom plan is audited first
+        (``runtime/fp16_audit.py``) and loaded with the plan derived."""
         from transformers import AutoTokenizer
 
         from onecat.runtime.distributed.executor import create_runner
@@ -100,7 +102,12 @@ class LLMEngine:
             tokenizer = AutoTokenizer.from_pretrained(path)
         except Exception as exc:
             raise OnecatError(f"{path}: cannot load the tokenizer ({exc}); copy the tokenizer files next to config.json") from None
-        factory = functools.partial(load_model_shard, path, mtp=speculation is not None)
+        headroom = None
+        if dtype == torch.float16:  # a checkpoint without a plan is audited first
+            from onecat.runtime.fp16_audit import startup_plan
+
+            headroom = startup_plan(path, tokenizer, device)
+        factory = functools.partial(load_model_shard, path, mtp=speculation is not None, headroom=headroom)
         runner = create_runner(config, factory, device, dtype)
         self._setup(config, runner, tokenizer, _generation_eos(path))
 

@@ -287,7 +287,9 @@ class ModelRunner:
             self._overflow_warned = True
             logger.warning(
                 "non-finite logits: activations overflowed fp16 (the checkpoint was trained in "
-                "bf16); outputs of this model may be garbage on fp16 hardware"
+                "bf16) beyond what its fp16 headroom plan measured (config.json's "
+                "onecat_fp16_headroom, or the start-up audit); outputs may be garbage. Re-run "
+                "onecat quantize with calibration text like these prompts"
             )
         self._save_checkpoints(scheduled)
         return sampled, logits
