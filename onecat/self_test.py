@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from rich.table import Table
 
 from onecat.errors import OnecatError
 from onecat.formats.files import read_json
@@ -424,3 +425,37 @@ def run_self_test(
             tp = EnginePath(True, True, False, True, tensor_parallel=2)
             emit(run_path(family, model, tp, device, workload, refs))
     return rows
+
+
+# --- the report ---------------------------------------------------------------------------
+
+
+def row_line(row: Row) -> str:
+    """One row as a line of text (progress output while the suite runs)."""
+    mark = "ok  " if row.ok else "FAIL"
+    return (f"{mark} {row.model:12s} {row.path:24s} batch {row.batch:9s} diff {row.max_diff:8.2e} "
+            f"tokens {'equal' if row.tokens_equal else 'DIFFER'} {row.seconds:6.2f} s  {row.detail}")  # fmt: skip
+
+
+def report_table(rows: list[Row], title: str = "onecat self-test") -> Table:
+    """A rich table of ``rows``: path x result (max logit diff, tokens equal, time)."""
+    table = Table(title=title, title_justify="left")
+    for name, justify in (("model", "left"), ("path", "left"), ("batch", "left"), ("max logit diff", "right"),
+                          ("tokens", "left"), ("time s", "right"), ("result", "left"), ("detail", "left")):
+        table.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
+    for row in rows:
+        table.add_row(
+            row.model, row.path, row.batch, f"{row.max_diff:.2e}", "equal" if row.tokens_equal else "DIFFER",
+            f"{row.seconds:.2f}", "[green]ok[/]" if row.ok else "[red]FAIL[/]", row.detail,
+        )
+    return table
+
+
+def summary(rows: list[Row]) -> str:
+    """``N paths on M models: K rows failed`` (a path is a model's engine configuration)."""
+    paths = {(row.model, row.path) for row in rows if not row.path.startswith("reference")}
+    failed = [row for row in rows if not row.ok]
+    models = len({row.model for row in rows})
+    return f"{len(paths)} paths on {models} models, {len(rows)} rows: " + (
+        f"{len(failed)} failed" if failed else "all passed"
+    )
