@@ -226,7 +226,7 @@ def _self_test() -> bool:
 
     from onecat import self_test
 
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=180)  # a file: the whole table
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gpus = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) or "none"
     console.print(f"self-test on {device}: onecat {_version()}, torch {torch.__version__}, "

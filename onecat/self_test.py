@@ -191,6 +191,7 @@ class _Run:
     tokens: dict[str, list[int]] = field(default_factory=dict)
     logits: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     hits: int = 0
+    overlapped: int = 0
     seconds: float = 0.0
 
 
@@ -230,7 +231,9 @@ def packed_model(family: str, cache: Path | None = None) -> Path:
 def _recorded(engine, owners: dict[int, str]) -> Iterator[dict[str, list[torch.Tensor]]]:
     """Record the logits row of every token ``engine`` samples, per request id.
 
-    Plain and overlapped steps: the runner's ``run`` returns each sampled row. Speculative
+    Plain and overlapped steps: the runner's ``run`` returns each sampled row (a pass whose
+    input tokens came from the step in flight also adds an entry under "overlapped steps").
+    Speculative
     steps sample every token through ``speculative.accept`` (the rows of the pending token and
     its drafts): its kept rows are recorded, the request found by its ``SamplingParams``
     object (``owners``: ``id(params)`` -> request id). Rows are cloned on the device, so
@@ -242,6 +245,8 @@ def _recorded(engine, owners: dict[int, str]) -> Iterator[dict[str, list[torch.T
         run = engine.runner.run
 
         def spy_run(scheduled, *args):
+            if args and args[0] is not None:  # input tokens taken on the device: an overlapped step
+                records["overlapped steps"].append(torch.empty(0))
             seqs, logits = run(scheduled, *args)
             for seq, row in zip(seqs, logits, strict=True):
                 records[seq.request_id].append(row.detach().float().clone())
@@ -290,6 +295,7 @@ def _run_phase(engine, prompts: dict[str, list[int]], together: bool) -> _Run:
         if engine.runner.device.type == "cuda":
             torch.cuda.synchronize(engine.runner.device)
         result.seconds = time.perf_counter() - start
+        result.overlapped = len(records.pop("overlapped steps", []))
         result.logits = {rid: [row.cpu() for row in rows] for rid, rows in records.items()}
     result.hits = engine.stats()["prefix_cache_hits"] - hits
     return result
@@ -364,10 +370,17 @@ def run_path(family: str, model: Path, path: EnginePath, device: str, workload: 
                 problems.append("the prefix cache had no hits")
             if not path.prefix_cache and run.hits:
                 problems.append(f"{run.hits} prefix cache hits with the cache off")
+            if path.async_scheduling and not path.speculative and not run.overlapped:
+                problems.append("async scheduling never overlapped a step")
             problems += _graph_problems(engine, path)
             row.max_diff, row.tokens_equal, row.seconds = worst, equal, run.seconds
             row.ok = not problems
             notes = [f"{run.hits} cached tokens"] if path.prefix_cache else []
+            if run.overlapped:
+                notes.append(f"{run.overlapped} overlapped steps")
+            if path.speculative:
+                stats = engine.speculation_stats
+                notes.append(f"drafts accepted {stats.num_accepted_tokens}/{stats.num_draft_tokens} (cumulative)")
             if row is rows[0]:
                 notes.append(f"start {started:.1f} s")
             row.detail = "; ".join(problems[:3] + notes)
@@ -452,10 +465,9 @@ def report_table(rows: list[Row], title: str = "onecat self-test") -> Table:
 
 
 def summary(rows: list[Row]) -> str:
-    """``N paths on M models: K rows failed`` (a path is a model's engine configuration)."""
-    paths = {(row.model, row.path) for row in rows if not row.path.startswith("reference")}
+    """``N paths on M models: ...``; a path is an engine configuration with a batch shape
+    (the reference rows are not paths)."""
+    paths = [row for row in rows if not row.path.startswith("reference")]
     failed = [row for row in rows if not row.ok]
     models = len({row.model for row in rows})
-    return f"{len(paths)} paths on {models} models, {len(rows)} rows: " + (
-        f"{len(failed)} failed" if failed else "all passed"
-    )
+    return f"{len(paths)} paths on {models} models: " + (f"{len(failed)} failed" if failed else "all passed")
