@@ -341,13 +341,15 @@ def compare(ref: dict[str, Reference], run: _Run, rtol: float) -> tuple[float, b
 def _graph_problems(engine, path: EnginePath) -> list[str]:
     """A graphs path whose capture failed ran eagerly (the engine stays correct, logs it)."""
     runner = engine.runner
-    if not path.graphs or not hasattr(runner, "use_graphs"):
+    if not path.graphs:
         return []
     problems = []
     if not runner.use_graphs:
         problems.append("CUDA graph capture failed: decode ran eagerly (see the log's warning)")
-    if getattr(runner, "prompt_graphs", None) is None:
-        problems.append("prompt-pass graphs were not captured: prompts ran eagerly")
+    from onecat.runtime.engine.prompt_graphs import supports_prompt_graphs
+
+    if runner.prompt_graphs is None and supports_prompt_graphs(runner.model):
+        problems.append("prompt-pass graphs were not captured: prompts ran eagerly (see the log's warning)")
     return problems
 
 
