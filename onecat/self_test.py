@@ -14,8 +14,8 @@ and MoE, with MTP heads) ship in ``onecat/fixtures``.
 - Paths (:func:`engine_paths`): eager / CUDA graphs x prefix cache off / on x speculative
   (MTP, :data:`NUM_DRAFTS` drafts) off / on x async scheduling on / off, each engine running
   two phases (:class:`Workload`): three prompts one at a time (batch 1; with the cache, the
-  second and third hit what the ones before left) and then a ragged batch of eight (lengths
-  24-160, five sharing prefixes with the first phase). Chunks of :data:`CHUNK_TOKENS` tokens,
+  second and third hit what the ones before left) and then a ragged batch of eight (20-169
+  tokens: four hit what the first phase left, three share a prefix among themselves). Chunks of :data:`CHUNK_TOKENS` tokens,
   blocks of 16 and GDN state checkpoints every 32 tokens put cache hits inside a prompt's
   chunks and checkpoints inside chunks. On CPU only eager exists: 16 paths per model.
 - Checks: per request, greedy tokens equal to the reference's, and every generated step's
@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from rich.table import Table
@@ -48,13 +49,18 @@ from rich.table import Table
 from onecat.errors import OnecatError
 from onecat.formats.files import read_json
 
+if TYPE_CHECKING:
+    from onecat.runtime.config import EngineConfig
+
 FAMILIES = ("qwen3_5", "qwen3_5_moe")
 MAX_TOKENS = 8
 """Greedy tokens generated per request."""
 NUM_DRAFTS = 3
 """MTP drafts per step on the speculative paths."""
+MAX_STEPS = 1000
+"""A phase that takes more engine steps than this hangs: reported as a failure."""
 CHUNK_TOKENS = 48
-"""``max_num_batched_tokens``: prompts of up to 160 tokens run in several chunks, and a cache
+"""``max_num_batched_tokens``: prompts of up to 169 tokens run in several chunks, and a cache
 hit (a multiple of :data:`CHECKPOINT_TOKENS`) lands inside the chunk that would cover it."""
 BLOCK_TOKENS = 16
 CHECKPOINT_TOKENS = 32
@@ -107,7 +113,6 @@ class Workload:
         return self.batch1 | self.batch8
 
 
-
 @dataclass(frozen=True)
 class EnginePath:
     """One combination of the engine's execution paths."""
@@ -129,7 +134,7 @@ class EnginePath:
         ]
         return (f"TP{self.tensor_parallel} " if self.tensor_parallel > 1 else "") + " ".join(parts)
 
-    def engine_config(self, model: Path, device: str) -> object:
+    def engine_config(self, model: Path, device: str) -> EngineConfig:
         """The :class:`onecat.runtime.config.EngineConfig` of this path."""
         from onecat.runtime.config import EngineConfig
 
@@ -200,7 +205,9 @@ class _Run:
 
 def packed_model(family: str, cache: Path | None = None) -> Path:
     """The trained tiny ``family`` quantized round-to-nearest and packed (Volta layout), made
-    once and kept under ``cache`` (default: onecat's cache directory, ``self-test/``)."""
+    once and kept under ``cache`` (default: onecat's cache directory, ``self-test/``), keyed
+    by the fixture and the source of onecat's quantizer, packer and formats (a changed one
+    makes a new artifact)."""
     from onecat.kernels.build import cache_dir
     from onecat.pack.writer import pack_checkpoint
     from onecat.quantize.pipeline import quantize_rtn
@@ -212,6 +219,9 @@ def packed_model(family: str, cache: Path | None = None) -> Path:
     digest = hashlib.sha256()
     for name in ("config.json", "model.safetensors.index.json", "training.json"):
         digest.update((source / name).read_bytes())
+    package = Path(__file__).resolve().parent
+    for code in sorted(f for part in ("quantize", "pack", "formats") for f in (package / part).rglob("*.py")):
+        digest.update(code.read_bytes())
     root = (cache or cache_dir() / "self-test").expanduser()
     out = root / f"{family}-rtn{GROUP_SIZE}-{digest.hexdigest()[:12]}"
     if (out / "onecat_manifest.json").is_file():
@@ -233,8 +243,7 @@ def _recorded(engine, owners: dict[int, str]) -> Iterator[dict[str, list[torch.T
 
     Plain and overlapped steps: the runner's ``run`` returns each sampled row (a pass whose
     input tokens came from the step in flight also adds an entry under "overlapped steps").
-    Speculative
-    steps sample every token through ``speculative.accept`` (the rows of the pending token and
+    Speculative steps sample every token through ``speculative.accept`` (the rows of the pending token and
     its drafts): its kept rows are recorded, the request found by its ``SamplingParams``
     object (``owners``: ``id(params)`` -> request id). Rows are cloned on the device, so
     recording adds no host sync to overlapped steps."""
@@ -287,11 +296,15 @@ def _run_phase(engine, prompts: dict[str, list[int]], together: bool) -> _Run:
         for wave in waves:
             for rid in wave:
                 engine.add_request(rid, prompts[rid], params[rid])
-            while engine.has_unfinished_requests():
+            for _ in range(MAX_STEPS):
+                if not engine.has_unfinished_requests():
+                    break
                 for out in engine.step():
                     if out.finish_reason == "error":
-                        raise OnecatError(f"request {out.request_id} failed in the engine: {out.text!r}")
+                        raise OnecatError(f"request {out.request_id} failed in the engine: {out.error}")
                     result.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            else:
+                raise OnecatError(f"the engine did not finish {wave} in {MAX_STEPS} steps")
         if engine.runner.device.type == "cuda":
             torch.cuda.synchronize(engine.runner.device)
         result.seconds = time.perf_counter() - start
