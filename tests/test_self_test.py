@@ -22,7 +22,7 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("self-test")
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", pytest.param("qwen3_5_moe", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
 def test_every_cpu_path_matches_the_reference(family, cache):
     torch.set_num_threads(1)
     start = time.perf_counter()
