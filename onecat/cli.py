@@ -182,22 +182,71 @@ def tune_command(ms: str, shapes: tuple[str, ...], group_size: int) -> None:
 
 
 @main.command("doctor")
+@click.option("--self-test", "self_test", is_flag=True,
+              help="Also run every engine path (eager / CUDA graphs, prefix cache, speculative "
+                   "decoding, batch 1 / 8, async scheduling) on the bundled trained tiny models "
+                   "against a CPU fp32 reference: a few minutes, no download. Attach its output "
+                   "to bug reports.")
 @_friendly
-def doctor_command() -> None:
+def doctor_command(self_test: bool) -> None:
     """Check GPU, driver, torch, NVRTC and every kernel; print each problem with its fix."""
+    import torch
+
     from onecat.kernels.doctor import diagnose
 
     findings = diagnose()
+    cpu_only = self_test and not torch.cuda.is_available()
+    problems = []
     for f in findings:
+        if cpu_only and f.check == "GPU":  # the self-test runs the CPU paths instead
+            click.echo(f"note {f.check}: {f.detail}; the self-test runs the CPU paths only")
+            continue
         mark = click.style("ok  ", fg="green") if f.ok else click.style("FAIL", fg="red")
         click.echo(f"{mark} {f.check}: {f.detail}")
         if f.fix:
             click.echo(f"     fix: {f.fix}")
-    problems = [f for f in findings if not f.ok]
+        if not f.ok:
+            problems.append(f)
     click.echo(f"{len(problems)} problem(s)" if problems else "all checks passed")
-    if problems:
+    failed = bool(problems)
+    if self_test:
+        failed = _self_test() or failed
+    if failed:
         sys.exit(1)
 
+
+def _self_test() -> bool:
+    """Run ``onecat.self_test`` with a line per row as it finishes, then its table; True
+    when anything failed."""
+    import platform
+    import time
+
+    import torch
+    from rich.console import Console
+
+    from onecat import self_test
+
+    console = Console() if sys.stdout.isatty() else Console(width=180)  # a file: the whole table
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gpus = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) or "none"
+    console.print(f"self-test on {device}: onecat {_version()}, torch {torch.__version__}, "
+                  f"Python {platform.python_version()}, GPUs: {gpus}")
+    start = time.perf_counter()
+    rows = self_test.run_self_test(device, progress=lambda row: console.print(self_test.row_line(row), markup=False))
+    console.print(self_test.report_table(rows))
+    failed = any(not row.ok for row in rows)
+    console.print(f"{self_test.summary(rows)} in {time.perf_counter() - start:.0f} s",
+                  style="red" if failed else "green")
+    return failed
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("onecat")
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
 # --- serve / generate (onecat.runtime) ---------------------------------------------------

@@ -1,6 +1,6 @@
 """``make demo``: onecat end to end on a machine with no GPU and no model download.
 
-Copies the trained tiny Qwen3.5 (``tests/fixtures/trained-qwen3_5``, made by
+Copies the trained tiny Qwen3.5 (``onecat/fixtures/trained-qwen3_5``, made by
 ``onecat/tiny_train.py``: the real architecture trained on the pydoc topics, local
 tokenizer), quantizes it with AWQ, packs it into the Volta layout, serves the packed artifact
 with the OpenAI-compatible server on a free loopback port, asks one chat completion with the

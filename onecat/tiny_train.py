@@ -26,11 +26,11 @@ minutes, deterministically:
   topic's opening), so a chat question about a topic is answered in recognisable text;
 - determinism: seeded initialisation and batches, one CPU thread, deterministic algorithms.
 
-The checkpoints are committed under ``tests/fixtures/`` (a few MB each, with the command
+The checkpoints are committed under ``onecat/fixtures/`` (package data, a few MB each, with the command
 that made them, the torch / Python versions and the held-out perplexity in
 ``training.json``): training takes minutes, and a CPU with other vector units or another
 Python (its pydoc text) would train slightly different weights, while the tests need the
-same weights everywhere. Run: ``python -m onecat.tiny_train --out tests/fixtures``.
+same weights everywhere. Run: ``python -m onecat.tiny_train --out onecat/fixtures``.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from torch import nn
 from onecat.formats.staging import check_replaceable
 from onecat.tiny import _build_model, _fuse_experts, build_tokenizer, write_mtp_tensors
 
-FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 """Where the committed trained checkpoints live (``FIXTURES / "trained-qwen3_5"``, ...)."""
 VOCAB_SIZE = 2048
 HELDOUT_EVERY = 8
@@ -302,7 +302,7 @@ def heldout_perplexity(model_dir: Path, tokens: int = 4096, ctx: int = 256) -> f
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m onecat.tiny_train``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(FIXTURES), help="parent directory (default: tests/fixtures)")
+    parser.add_argument("--out", default=str(FIXTURES), help="parent directory (default: onecat/fixtures)")
     parser.add_argument("--family", choices=("qwen3_5", "qwen3_5_moe"), action="append")
     parser.add_argument("--steps", type=int, default=TrainSpec.steps)
     args = parser.parse_args(argv)

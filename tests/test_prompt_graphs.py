@@ -19,8 +19,7 @@ from onecat.runtime.config import EngineConfig
 from onecat.runtime.engine import LLMEngine
 from onecat.runtime.engine.prompt_graphs import PromptGraphs, prompt_buckets
 from onecat.runtime.sampling_params import SamplingParams
-
-FIXTURES = Path(__file__).parent / "fixtures"
+from onecat.tiny_train import FIXTURES
 
 
 def test_buckets_cover_every_pass_up_to_the_limit():

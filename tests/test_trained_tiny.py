@@ -1,4 +1,4 @@
-"""The trained tiny Qwen3.5 fixtures (``onecat/tiny_train.py``, ``tests/fixtures/``).
+"""The trained tiny Qwen3.5 fixtures (``onecat/tiny_train.py``, ``onecat/fixtures/``).
 
 Trained weights have real next-token margins, so engines are compared on greedy tokens
 exactly, with no near-tie allowance: onecat's embedded engine (eager, CPU fp32) against
