@@ -1,6 +1,6 @@
 """A checkpoint built to overflow fp16, and a one-pass forward of the runtime model.
 
-``overflow_checkpoint`` copies the trained tiny Qwen3.5 (``tests/fixtures/trained-qwen3_5``)
+``overflow_checkpoint`` copies the trained tiny Qwen3.5 (``onecat/fixtures/trained-qwen3_5``)
 and scales a few tensors so that, in fp32, layer 1's MLP writes ~4.8e5 into the residual
 stream (up_proj x 5000, down_proj x 200: ``silu(gate) * up`` ~1.6e4), layer 2's GDN output
 reaches ~1.1e4 (its gated norm's weight x 6000) and layer 3's attention output ~1.1e4

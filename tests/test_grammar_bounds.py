@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -21,8 +20,9 @@ from server_helpers import HELLO, make_engine  # noqa: E402
 
 from onecat.runtime.server.chat_plan import ChatOptions  # noqa: E402
 from onecat.runtime.server.launcher import BackgroundServer  # noqa: E402
+from onecat.tiny_train import fixture_dir  # noqa: E402
 
-TRAINED = Path(__file__).parent / "fixtures" / "trained-qwen3_5"
+TRAINED = fixture_dir("qwen3_5")
 BUDGET = 4.0
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 

@@ -20,23 +20,27 @@ class InFlightStep:
     tensor, one per entry) on their way to the host. ``positions[i]`` is where entry ``i``'s
     token goes in its sequence's token ids (a placeholder may hold the place already: the
     next step was scheduled before this one's tokens were read). ``failures``: rows whose
-    sampling raised (their token is a stand-in; the engine fails those requests)."""
+    sampling raised (their token is a stand-in; the engine fails those requests). ``reported``:
+    what the host reads in place of ``tokens`` (-1 where the row's logits were not finite);
+    ``pass_name``: how the forward pass ran."""
 
     def __init__(
-        self, scheduled: list[tuple[Sequence, int]], tokens: torch.Tensor, failures: dict[int, Exception] | None = None
+        self, scheduled: list[tuple[Sequence, int]], tokens: torch.Tensor, failures: dict[int, Exception] | None = None,
+        reported: torch.Tensor | None = None, pass_name: str = "",
     ) -> None:
         self.scheduled = scheduled
         self.tokens = tokens
         self.failures = failures or {}
+        self.pass_name = pass_name  # how the forward pass ran (error reports)
         self.positions = [seq.num_computed_tokens for seq, _ in scheduled]
         self._ready: torch.cuda.Event | None = None
         if tokens.is_cuda:
             self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
+            self._host.copy_(tokens if reported is None else reported, non_blocking=True)
             self._ready = torch.cuda.Event()
             self._ready.record()
         else:
-            self._host = tokens
+            self._host = tokens if reported is None else reported
 
     def rows_of(self, seqs: list[Sequence]) -> list[int]:
         """The row of each of ``seqs`` (all entries of this step) in ``tokens``."""

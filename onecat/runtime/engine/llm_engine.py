@@ -41,6 +41,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+class NonFiniteLogits(RuntimeError):
+    """A request's logits held NaN or inf: its output would be garbage, so it ends with an error."""
+
+
+def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Bool ``[rows]`` on the logits' device: True where a row holds a NaN or an inf."""
+    return ~torch.isfinite(logits).all(dim=-1)
+
+
 @dataclass
 class RequestOutput:
     """What one step produced for one request."""
@@ -300,10 +309,13 @@ class LLMEngine:
             picks = list(zip(result.token_ids, result.logprobs, strict=True))
         except Exception:  # one request's settings (or logits processor) broke the batch: find which
             picks = [self._sample_alone(seq, logits[row : row + 1]) for row, seq in enumerate(sampled)]
+        for row in torch.nonzero(nonfinite_rows(logits)).flatten().tolist():
+            picks[row] = self._nonfinite(sampled[row])
         outputs = []
         for seq, pick in zip(sampled, picks, strict=True):
             try:  # free while nothing raises (Python 3.11+): no per-token cost
-                outputs.append(self._fail(seq, pick) if isinstance(pick, Exception) else self._append(seq, *pick))
+                outputs.append(self._fail(seq, pick, log=not isinstance(pick, NonFiniteLogits))
+                               if isinstance(pick, Exception) else self._append(seq, *pick))
             except Exception as exc:
                 outputs.append(self._fail(seq, exc))
         return outputs
@@ -345,7 +357,10 @@ class LLMEngine:
                     failures[row] = exc
                     rows.append(torch.zeros(1, dtype=torch.int64, device=logits.device))
             tokens = torch.cat(rows)
-        return InFlightStep(scheduled, tokens, failures)
+        # the host reads -1 for a row whose logits are not finite (the next step's inputs
+        # keep the sampled tokens: -1 is no token id)
+        reported = torch.where(nonfinite_rows(logits), -1, tokens)
+        return InFlightStep(scheduled, tokens, failures, reported, self.runner_pass())
 
     def _step_in_flight(self) -> list[RequestOutput]:
         """Queue the step after the one in flight where the scheduler allows, then emit the
@@ -386,6 +401,9 @@ class LLMEngine:
             if row in step.failures:
                 outputs.append(self._fail(seq, step.failures[row]))
                 continue
+            if token < 0:
+                outputs.append(self._fail(seq, self._nonfinite(seq, step.pass_name, position), log=False))
+                continue
             if position < seq.num_tokens:
                 seq.token_ids[position] = token
             else:
@@ -424,7 +442,9 @@ class LLMEngine:
             logits = all_logits[to_device(rows, torch.int64, hidden.device)]
         elif rows:  # every rank computes them (tensor parallelism: lm_head is split)
             logits = self.runner.hidden_logits(rows)
-        argmax = logits.argmax(dim=-1).tolist() if logits is not None else []  # greedy rows: one read
+        argmax, bad = [], []
+        if logits is not None:  # greedy rows and non-finite rows: one read
+            argmax, bad = torch.stack([logits.argmax(dim=-1), nonfinite_rows(logits).long()]).tolist()
         # index -> (tokens to append, chunk start, logprobs of the first), or what failed
         picks: dict[int, tuple[list[int], int, TokenLogprobs | None] | Exception] = {}
         plain: dict[int, int] = {}  # sequences that decode without drafts -> logits row, sampled together
@@ -438,6 +458,10 @@ class LLMEngine:
             drafts, seq.draft_token_ids = seq.draft_token_ids[:checked], []
             row = slice(cursor, cursor + checked + 1)
             cursor += checked + 1
+            if any(bad[row]):
+                seq.num_computed_tokens += count
+                picks[i] = self._nonfinite(seq)
+                continue
             if not can_speculate(seq.params):
                 seq.num_computed_tokens += count
                 plain[i] = row.start
@@ -479,7 +503,7 @@ class LLMEngine:
                 committed = seq.num_tokens
                 out = self._append_tokens(seq, tokens, logprobs)
             except Exception as exc:
-                outputs.append(self._fail(seq, exc))
+                outputs.append(self._fail(seq, exc, log=not isinstance(exc, NonFiniteLogits)))
                 continue
             outputs.append(out)
             if not out.finished and self._drafts_for(seq):
@@ -555,6 +579,21 @@ class LLMEngine:
         ids = ", ".join(seq.request_id for seq, _ in scheduled)
         logger.error("the forward pass failed; failing its requests %s", ids, exc_info=exc)
         return [self._fail(seq, exc, log=False) for seq, _ in scheduled]
+
+    def runner_pass(self) -> str:
+        """How the runner computed its last pass (decode graph, piecewise graphs, eager)."""
+        return getattr(self.runner, "last_pass", "") or "forward"
+
+    def _nonfinite(self, seq: Sequence, pass_name: str | None = None, position: int | None = None) -> NonFiniteLogits:
+        """The error of ``seq`` whose logits for the token at ``position`` (default: its next
+        one) were not finite; logged with what is known (request, output token, the pass that
+        computed them), no guess at a cause."""
+        step = (seq.num_tokens if position is None else position) - seq.num_prompt_tokens + 1
+        where = pass_name or self.runner_pass()
+        logger.error("request %s: non-finite logits (NaN or inf) for output token %d (pass: %s); "
+                     "the request ends with an error", seq.request_id, step, where)
+        return NonFiniteLogits(f"the model's logits for output token {step} were not finite (NaN or inf); "
+                               f"pass: {where}")
 
     def _fail(self, seq: Sequence, exc: Exception, log: bool = True) -> RequestOutput:
         """Finish ``seq`` with ``finish_reason`` "error" after ``exc``; free its blocks and slot."""

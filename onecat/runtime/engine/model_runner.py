@@ -70,11 +70,6 @@ GRAPH_RESERVE_BYTES = 512 << 20
 MIN_GRAPH_BLOCKS = 16
 MAX_STATE_CHECKPOINTS = 16
 """Most GDN state checkpoints kept for prefix caching (each is a whole slot: ~151 MB on the 27B)."""
-OVERFLOW_CHECK_STEPS = 64
-"""The fp16-overflow check of the logits (a host sync and four small kernels) runs on every
-eager pass (every prompt) and on one decode-graph step in this many."""
-
-
 def next_power_of_two(n: int) -> int:
     """The smallest power of two >= ``n`` (1 for n <= 1)."""
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
@@ -121,8 +116,7 @@ class ModelRunner:
         self.graph_batch_sizes = [1 << i for i in range(int(math.log2(self.num_slots)) + 1)]
         if self.graph_batch_sizes[-1] < self.num_slots:
             self.graph_batch_sizes.append(self.num_slots)
-        self._overflow_warned = False
-        self._graph_steps = 0  # decode-graph steps, for the sparse overflow check
+        self.last_pass = ""  # how the last pass ran, for error reports ("decode graph", ...)
         self._verified: tuple[DecodeGraph, list[Sequence]] | None = None  # the last verify graph and its sequences
         self.last_hidden = torch.empty(0)  # run_hidden's last result
 
@@ -279,18 +273,8 @@ class ModelRunner:
             graph = self._run_graph(scheduled, 1, input_tokens)
             if graph is not None:
                 logits, sampled = graph.logits[: len(seqs)], seqs
-                self._graph_steps += 1
-        checked = logits is None or self._graph_steps % OVERFLOW_CHECK_STEPS == 1  # a sync: not every step
         if logits is None:
             sampled, logits = self._run_eager(scheduled, input_tokens)
-        if checked and self.dtype == torch.float16 and not self._overflow_warned and not bool(torch.isfinite(logits).all()):
-            self._overflow_warned = True
-            logger.warning(
-                "non-finite logits: activations overflowed fp16 (the checkpoint was trained in "
-                "bf16) beyond what its fp16 headroom plan measured (config.json's "
-                "onecat_fp16_headroom, or the start-up audit); outputs may be garbage. Re-run "
-                "onecat quantize with calibration text like these prompts"
-            )
         self._save_checkpoints(scheduled)
         return sampled, logits
 
@@ -395,8 +379,11 @@ class ModelRunner:
         if input_tokens is not None:
             ids[: input_tokens.shape[0]] = input_tokens
         graphs = self.prompt_graphs
+        kind = f"{len(prefills)} prompt chunk(s), {ctx.num_decodes} decode row(s)"
         if graphs is not None and graphs.bucket(len(ids)) is not None:
+            self.last_pass = f"piecewise CUDA graphs ({kind}, bucket {graphs.bucket(len(ids))})"
             return graphs.run(ids, as_tensor(positions), ctx), firsts
+        self.last_pass = f"eager ({kind})"
         set_context(ctx)
         try:
             return self.model(ids, as_tensor(positions)), firsts
@@ -642,4 +629,5 @@ class ModelRunner:
             graph.input_ids[:batch].copy_(input_tokens)
         update_tables(graph, rows.tables + [[self.num_blocks]] * pad)
         graph.graph.replay()
+        self.last_pass = f"decode CUDA graph ({graph.batch} sequences x {positions} row(s))"
         return graph
