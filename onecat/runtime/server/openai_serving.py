@@ -309,7 +309,7 @@ class OpenAIServing:
             raise bad_request(f"{param} cannot be compiled into a grammar: {exc}", param=param) from exc
         except CompileAbandoned as exc:
             if self.engine.draining:
-                raise unavailable(ShuttingDownError(f"the server is shutting down ({exc})")) from exc
+                raise unavailable(ShuttingDownError("the server is shutting down: its grammar compile was ended")) from exc
             raise APIError(499, "the client closed the request", type="client_closed") from exc
         return lambda: [backend.logits_processor(compiled)]
 
