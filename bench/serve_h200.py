@@ -132,7 +132,7 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float) -> N
 
 
 STEP_COUNTERS = ("onecat:engine_steps_total", "onecat:engine_steps_with_prompt_tokens_total",
-                 "onecat:generation_tokens_total", "onecat:num_preemptions_total")
+                 "vllm:generation_tokens_total", "vllm:num_preemptions_total")
 
 
 def step_counters(url: str) -> dict[str, float]:
@@ -142,7 +142,8 @@ def step_counters(url: str) -> dict[str, float]:
 
     samples = {}
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        name, _, value = line.partition(" ")
+        name, _, value = line.rpartition(" ")
+        name = name.partition("{")[0]  # vLLM's series carry model_name and engine labels
         if name in STEP_COUNTERS:
             samples[name] = float(value)
     return samples
@@ -157,8 +158,8 @@ def step_mix(before: dict[str, float], after: dict[str, float]) -> dict:
         "steps": int(steps),
         "steps_with_prompts": int(delta["onecat:engine_steps_with_prompt_tokens_total"]),
         "prompt_step_share": delta["onecat:engine_steps_with_prompt_tokens_total"] / steps if steps else None,
-        "tokens_per_step": delta["onecat:generation_tokens_total"] / steps if steps else None,
-        "preemptions": int(delta["onecat:num_preemptions_total"]),
+        "tokens_per_step": delta["vllm:generation_tokens_total"] / steps if steps else None,
+        "preemptions": int(delta["vllm:num_preemptions_total"]),
     }
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import httpx
@@ -43,14 +44,23 @@ def assert_all_free(stats: dict[str, int]) -> None:
     assert stats["free_state_slots"] == stats["total_state_slots"] > 0, stats
 
 
-def scrape(url: str) -> dict[str, float]:
-    """The unlabelled samples of /metrics (``onecat:name`` -> value)."""
+def metric_samples(text: str) -> dict[str, float]:
+    """The ``onecat:`` and ``vllm:`` samples of an exposition text, keyed by name and any
+    labels beside vLLM's ``model_name`` / ``engine`` (``vllm:prompt_tokens_total``,
+    ``vllm:time_to_first_token_seconds_bucket{le="0.1"}``, ``onecat:kv_blocks_free``)."""
     samples = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("onecat:") and "{" not in line:
+    for line in text.splitlines():
+        if line.startswith(("onecat:", "vllm:")):
             name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
+            base, _, labels = name.partition("{")
+            kept = [p for p in re.findall(r'[a-z_]+="[^"]*"', labels) if not p.startswith(("engine=", "model_name="))]
+            samples[base + ("{" + ",".join(kept) + "}" if kept else "")] = float(value)
     return samples
+
+
+def scrape(url: str) -> dict[str, float]:
+    """/metrics' samples (``metric_samples``)."""
+    return metric_samples(httpx.get(url + "/metrics", timeout=10).text)
 
 
 def assert_metrics_idle(url: str, timeout: float = 15.0) -> dict[str, float]:
@@ -60,8 +70,8 @@ def assert_metrics_idle(url: str, timeout: float = 15.0) -> dict[str, float]:
     while True:
         m = scrape(url)
         idle = (
-            m["onecat:num_requests_running"] == 0
-            and m["onecat:num_requests_waiting"] == 0
+            m["vllm:num_requests_running"] == 0
+            and m["vllm:num_requests_waiting"] == 0
             and m["onecat:kv_blocks_free"] == m["onecat:kv_blocks_total"] > 0
             and m["onecat:state_slots_free"] == m["onecat:state_slots_total"] > 0
         )

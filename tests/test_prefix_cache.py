@@ -279,10 +279,10 @@ def test_checkpoint_pool_is_lru_and_publishes_after_the_step():
 
 
 def test_metrics_report_prefix_cache_counters():
-    metrics = ServerMetrics(lambda: {"prefix_cache_queries": 300, "prefix_cache_hits": 128})
+    metrics = ServerMetrics(lambda: {"prefix_cache_queries": 300, "prefix_cache_hits": 128}, "m")
     text = metrics.render().decode()
-    assert "onecat:prefix_cache_queries_total 300.0" in text
-    assert "onecat:prefix_cache_hits_total 128.0" in text
+    assert 'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 300.0' in text
+    assert 'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 128.0' in text
 
 
 def test_stats_report_the_cache(dense):

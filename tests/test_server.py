@@ -25,6 +25,7 @@ from server_helpers import (  # noqa: E402
     assert_all_free,
     assert_metrics_idle,
     make_engine,
+    scrape,
     sse_payloads,
     stream_lines,
     wait_idle,
@@ -68,17 +69,70 @@ def test_models_health_version_metrics(client, server):
     text = metrics.text
     assert f"onecat:kv_blocks_total {float(stats['total_kv_blocks'])}" in text
     for name in (
-        "onecat:num_requests_running",
-        "onecat:num_requests_waiting",
         "onecat:kv_blocks_free",
         "onecat:state_slots_free",
-        "onecat:prompt_tokens_total",
-        "onecat:generation_tokens_total",
         "onecat:engine_steps_total",
         "onecat:engine_steps_with_prompt_tokens_total",
-        "onecat:num_preemptions_total",
     ):
         assert f"\n{name} " in text, name
+    labels = f'{{engine="0",model_name="{MODEL}"}}'
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:num_preemptions_total",
+    ):
+        assert f"\n{name}{labels} " in text, name
+
+
+def test_metrics_have_vllm_names_and_request_histograms_move(client, server):
+    """vLLM's series (names, types, labels, buckets) are exposed, and one plain and one
+    streamed request move the request histograms: TTFT, inter-token latency (one per step
+    after the first token), end-to-end and queue time, token counts, successes by reason."""
+    wait_idle(server)
+    before = scrape(server.url)
+    plain = client.post("/v1/completions", json={
+        "model": MODEL, "prompt": "Hello", "max_tokens": 5, "ignore_eos": True, "temperature": 0}).json()
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 4, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    chunks = [json.loads(p) for p in sse_payloads(stream_lines(client, "/v1/chat/completions", body)) if p != "[DONE]"]
+    streamed = chunks[-1]
+    wait_idle(server)
+    after = scrape(server.url)
+
+    def delta(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    usages = [plain["usage"], streamed["usage"]]
+    assert [u["completion_tokens"] for u in usages] == [5, 4]
+    for name in ("time_to_first_token", "e2e_request_latency", "request_queue_time", "request_inference_time",
+                 "request_prefill_time", "request_decode_time"):
+        assert delta(f"vllm:{name}_seconds_count") == 2, name
+    assert delta("vllm:inter_token_latency_seconds_count") == (5 - 1) + (4 - 1)
+    assert delta("vllm:time_to_first_token_seconds_sum") > 0
+    assert delta("vllm:e2e_request_latency_seconds_sum") > delta("vllm:time_to_first_token_seconds_sum")
+    assert delta("vllm:e2e_request_latency_seconds_sum") >= delta("vllm:request_queue_time_seconds_sum") >= 0
+    assert delta('vllm:request_success_total{finished_reason="length"}') == 2
+    assert delta("vllm:request_prompt_tokens_sum") == sum(u["prompt_tokens"] for u in usages)
+    assert delta("vllm:request_generation_tokens_sum") == 9
+    assert delta("vllm:prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
+    assert delta("vllm:generation_tokens_total") == 9
+    assert after["vllm:kv_cache_usage_perc"] == 0.0  # idle: every block free
+
+    text = client.get("/metrics").text
+    for name, kind in (("vllm:time_to_first_token_seconds", "histogram"), ("vllm:inter_token_latency_seconds", "histogram"),
+                       ("vllm:e2e_request_latency_seconds", "histogram"), ("vllm:request_queue_time_seconds", "histogram"),
+                       ("vllm:request_success_total", "counter"), ("vllm:kv_cache_usage_perc", "gauge")):
+        assert f"# TYPE {name} {kind}\n" in text, name
+    for name, last in (("time_to_first_token", "2560.0"), ("inter_token_latency", "80.0"),
+                       ("e2e_request_latency", "7680.0"), ("request_queue_time", "7680.0")):
+        bucket = f'vllm:{name}_seconds_bucket{{engine="0",le="{last}",model_name="{MODEL}"}} '
+        assert bucket in text, bucket
+    assert "onecat:num_requests_running" not in text and "onecat:prompt_tokens" not in text  # renamed
 
 
 def test_chat_completion_with_openai_client(server, tiny_model):
@@ -294,7 +348,7 @@ def test_64_concurrent_streaming_clients(server):
     generated = stats["generation_tokens_total"] - before["generation_tokens_total"]
     assert generated == sum(r["usage"]["completion_tokens"] for r in results)
     idle = assert_metrics_idle(server.url)  # what an operator's dashboard sees
-    assert idle["onecat:generation_tokens_total"] == stats["generation_tokens_total"]
+    assert idle["vllm:generation_tokens_total"] == stats["generation_tokens_total"]
 
 
 def test_engine_failure_is_reported_not_hung(tiny_model):

@@ -246,9 +246,11 @@ def test_metrics_report_acceptance_per_position():
 
     stats = {"spec_decode_num_drafts": 5, "spec_decode_num_draft_tokens": 15, "spec_decode_num_accepted_tokens": 7,
              "spec_decode_num_accepted_tokens_per_pos": [4, 2, 1]}
-    text = ServerMetrics(lambda: stats).render().decode()
-    assert "onecat:spec_decode_num_accepted_tokens_total 7.0" in text
-    assert 'onecat:spec_decode_num_accepted_tokens_per_pos_total{position="2"} 1.0' in text
+    text = ServerMetrics(lambda: stats, "m").render().decode()
+    assert 'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 5.0' in text
+    assert 'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 15.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 7.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 1.0' in text
 
 
 def test_server_streams_the_same_answer_with_speculation():
@@ -273,5 +275,5 @@ def test_server_streams_the_same_answer_with_speculation():
             if n:
                 counters = scrape(server.url)
     assert answers[0] and answers[0] == answers[1]
-    assert counters["onecat:spec_decode_num_drafts_total"] > 0
-    assert counters["onecat:spec_decode_num_accepted_tokens_total"] > 0
+    assert counters["vllm:spec_decode_num_drafts_total"] > 0
+    assert counters["vllm:spec_decode_num_accepted_tokens_total"] > 0

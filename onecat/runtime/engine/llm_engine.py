@@ -63,6 +63,8 @@ class RequestOutput:
     completion_tokens: int
     error: str | None = None  # finish_reason "error": what failed (the log has the traceback)
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
+    queued_at: float | None = None  # time.monotonic() when the engine queued the request
+    scheduled_at: float | None = None  # time.monotonic() when first scheduled (None: never)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -612,6 +614,8 @@ class LLMEngine:
             prompt_tokens=seq.num_prompt_tokens,
             completion_tokens=seq.num_completion_tokens,
             error=f"{type(exc).__name__}: {exc}",
+            queued_at=seq.queued_at,
+            scheduled_at=seq.scheduled_at,
         )
 
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None) -> RequestOutput:
@@ -645,6 +649,8 @@ class LLMEngine:
             prompt_tokens=seq.num_prompt_tokens,
             completion_tokens=seq.num_completion_tokens,
             logprobs=None if logprobs is None else [logprobs],
+            queued_at=seq.queued_at,
+            scheduled_at=seq.scheduled_at,
         )
 
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams) -> list[str]:

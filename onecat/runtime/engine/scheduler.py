@@ -35,6 +35,7 @@ and tokens found, as vLLM's do.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from onecat.runtime.engine.block_manager import BlockManager, StateCheckpoints, StateSlotPool
@@ -245,6 +246,8 @@ class Scheduler:
             self._plan_saves(seq, count)
             self.block_manager.grow(seq, hit + count)
             seq.status = SequenceStatus.RUNNING
+            if seq.scheduled_at is None:  # a preempted sequence keeps its first time (vLLM)
+                seq.scheduled_at = time.monotonic()
             self.running.append(seq)
             scheduled.append((seq, count))
             prompt = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from typing import NamedTuple
 
 import torch
@@ -79,6 +80,8 @@ class Sequence:
         self.transient_key: bytes | None = None
         self.finish_reason: str | None = None
         self.draft_token_ids: list[int] = []
+        self.queued_at = time.monotonic()  # /metrics: queue time, from here to the first scheduling
+        self.scheduled_at: float | None = None  # time.monotonic() when first scheduled
 
     @property
     def num_tokens(self) -> int:

@@ -221,7 +221,7 @@ def create_app(
     grammar's compile in seconds (``--structured-outputs-compile-timeout``). The grammar
     worker processes are killed when the app shuts down.
     """
-    metrics = ServerMetrics(engine.stats)
+    metrics = ServerMetrics(engine.stats, engine.model_name, engine.max_model_len)
     executor = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="onecat-prompt")
     serving = OpenAIServing(
         engine, metrics, executor, trust_request_chat_template=trust_request_chat_template,

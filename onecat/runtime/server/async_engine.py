@@ -23,6 +23,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,18 +59,22 @@ class RequestStream:
     """The outputs of one request, consumed by one asyncio task with ``async for``.
 
     Iteration yields ``RequestOutput`` objects and ends after the one with ``finished``; it
-    raises ``EngineDeadError`` if the engine fails meanwhile.
+    raises ``EngineDeadError`` if the engine fails meanwhile. ``output_at`` is the
+    ``time.monotonic()`` at which the engine thread handed over the step of the output
+    last yielded (/metrics' token latencies).
     """
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self.loop = loop
         self.finished = False
+        self.output_at = 0.0
         self._items: asyncio.Queue[Any] = asyncio.Queue()
 
-    def push(self, item: Any) -> None:
-        """Queue an output, an exception or the end marker (called on ``self.loop``)."""
-        self._items.put_nowait(item)
+    def push(self, item: Any, at: float | None = None) -> None:
+        """Queue an output (handed over at ``at``), an exception or the end marker (called on
+        ``self.loop``)."""
+        self._items.put_nowait((item, time.monotonic() if at is None else at))
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -77,7 +82,7 @@ class RequestStream:
     async def __anext__(self) -> Any:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._items.get()
+        item, self.output_at = await self._items.get()
         if item is _END:
             self.finished = True
             raise StopAsyncIteration
@@ -125,9 +130,9 @@ def _call_on_loop(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
         pass
 
 
-def _push_all(items: list[tuple[RequestStream, Any]]) -> None:
+def _push_all(items: list[tuple[RequestStream, Any]], at: float) -> None:
     for stream, item in items:
-        stream.push(item)
+        stream.push(item, at)
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:
@@ -332,6 +337,7 @@ class AsyncEngine:
     def _dispatch(self, outputs: list[Any]) -> None:
         """Hand a step's outputs to their streams: one wake-up of each event loop per step,
         not one per request."""
+        at = time.monotonic()
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
         for output in outputs:
             stream = self._streams.get(output.request_id)
@@ -341,7 +347,7 @@ class AsyncEngine:
                 del self._streams[output.request_id]
             by_loop.setdefault(stream.loop, []).append((stream, output))
         for loop, items in by_loop.items():
-            _call_on_loop(loop, _push_all, items)
+            _call_on_loop(loop, _push_all, items, at)
 
     def _publish_stats(self) -> None:
         try:

@@ -1,24 +1,58 @@
 """Prometheus metrics behind /metrics (text exposition format, prometheus_client).
 
-Engine gauges and token counters are read from the engine thread's latest ``stats()``
-snapshot at scrape time; request outcomes are counted by the handlers. Names follow vLLM's
-(``vllm:num_requests_running`` -> ``onecat:num_requests_running``) so existing dashboards
-map over. Each app has its own registry, so several servers can live in one process.
+Series that vLLM has carry vLLM's names, types, label names and histogram buckets (vLLM v1,
+``vllm/v1/metrics/loggers.py``), so dashboards built for ``vllm serve`` work unchanged:
+labels ``model_name`` (the served name) and ``engine`` (the engine's index, "0": onecat runs
+one engine per server). Series vLLM has no counterpart for keep the ``onecat:`` prefix and
+no labels (GDN state slots and checkpoints, block counts, engine steps, request errors).
+
+Engine gauges and counters are read from the engine thread's latest ``stats()`` snapshot at
+scrape time. Request histograms are observed per engine request (per choice of ``n``, as
+vLLM counts them) by ``RequestTimer``: the arrival at the server (the handler's start), the
+engine's first scheduling of the request, and the time the engine thread handed each step's
+outputs over (one observation per step, even when speculative decoding emits several tokens
+in it, as vLLM's inter-token latency is per engine step). Each app has its own registry, so
+several servers can live in one process.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LABELS = ("model_name", "engine")
+"""vLLM's labels on every ``vllm:`` series."""
+ENGINE_INDEX = "0"
 
-_GAUGES = {
-    "running": ("onecat:num_requests_running", "Requests being processed by the engine."),
-    "waiting": ("onecat:num_requests_waiting", "Requests waiting to be scheduled."),
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+"""vLLM's buckets: time to first token, inter-token latency, and the per-request phases
+(end to end, queue, inference, prefill, decode)."""
+
+_VLLM_GAUGES = {
+    "running": ("vllm:num_requests_running", "Number of requests in model execution batches."),
+    "waiting": ("vllm:num_requests_waiting", "Number of requests waiting to be processed."),
+}
+_VLLM_COUNTERS = {
+    "prompt_tokens_total": ("vllm:prompt_tokens", "Number of prefill tokens processed."),
+    "generation_tokens_total": ("vllm:generation_tokens", "Number of generation tokens processed."),
+    "prefix_cache_queries": ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."),
+    "prefix_cache_hits": ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
+    "num_preemptions": ("vllm:num_preemptions", "Cumulative number of preemption from the engine."),
+    "spec_decode_num_drafts": ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+    "spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+    "spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+}
+_ONECAT_GAUGES = {
     "free_kv_blocks": ("onecat:kv_blocks_free", "Free paged-KV blocks (full-attention layers)."),
     "total_kv_blocks": ("onecat:kv_blocks_total", "Paged-KV blocks in the cache."),
     "free_state_slots": ("onecat:state_slots_free", "Free recurrent-state slots (GDN layers)."),
@@ -27,55 +61,145 @@ _GAUGES = {
     "state_checkpoints": ("onecat:state_checkpoints", "GDN state checkpoints held for prefix caching."),
     "total_state_checkpoints": ("onecat:state_checkpoints_capacity", "GDN state checkpoint rows."),
 }
-_COUNTERS = {
-    "prompt_tokens_total": ("onecat:prompt_tokens", "Prompt tokens processed."),
-    "generation_tokens_total": ("onecat:generation_tokens", "Tokens generated."),
-    "prefix_cache_queries": ("onecat:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
-    "prefix_cache_hits": ("onecat:prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)."),
+_ONECAT_COUNTERS = {
     "steps_total": ("onecat:engine_steps", "Engine steps (forward passes) scheduled."),
     "prompt_steps_total": ("onecat:engine_steps_with_prompt_tokens",
                            "Engine steps that computed prompt tokens (beside any decodes)."),
-    "num_preemptions": ("onecat:num_preemptions", "Requests preempted (KV blocks taken back; recomputed later)."),
-    "spec_decode_num_drafts": ("onecat:spec_decode_num_drafts", "Verify steps with drafts (speculative decoding)."),
-    "spec_decode_num_draft_tokens": ("onecat:spec_decode_num_draft_tokens", "Draft tokens verified."),
-    "spec_decode_num_accepted_tokens": ("onecat:spec_decode_num_accepted_tokens", "Draft tokens accepted."),
 }
+
+
+def token_buckets(max_value: int) -> list[int]:
+    """vLLM's 1-2-5 buckets up to ``max_value`` (1, 2, 5, 10, 20, 50, ...), for token counts."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
 
 
 class _EngineCollector(Collector):
     """Turns the engine's stats snapshot into gauges and counters at scrape time."""
 
-    def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str) -> None:
         self._stats = stats
+        self._labels = [model_name, ENGINE_INDEX]
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
-        for key, (name, doc) in _GAUGES.items():
+        for key, (name, doc) in _VLLM_GAUGES.items():
+            if key in stats:
+                yield self._family(GaugeMetricFamily(name, doc, labels=LABELS), stats[key])
+        if stats.get("total_kv_blocks"):
+            usage = 1.0 - stats["free_kv_blocks"] / stats["total_kv_blocks"]
+            family = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                                       labels=LABELS)
+            yield self._family(family, usage)
+        for key, (name, doc) in _VLLM_COUNTERS.items():
+            if key in stats:
+                yield self._family(CounterMetricFamily(name, doc, labels=LABELS), stats[key])
+        if "spec_decode_num_accepted_tokens_per_pos" in stats:
+            family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                         "Accepted tokens per draft position.", labels=[*LABELS, "position"])
+            for position, value in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
+                family.add_metric([*self._labels, str(position)], value)
+            yield family
+        for key, (name, doc) in _ONECAT_GAUGES.items():
             if key in stats:
                 yield GaugeMetricFamily(name, doc, value=stats[key])
-        for key, (name, doc) in _COUNTERS.items():
+        for key, (name, doc) in _ONECAT_COUNTERS.items():
             if key in stats:
                 yield CounterMetricFamily(name, doc, value=stats[key])
-        if "spec_decode_num_accepted_tokens_per_pos" in stats:
-            family = CounterMetricFamily(
-                "onecat:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position.",
-                labels=["position"],
-            )
-            for position, value in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
-                family.add_metric([str(position)], value)
-            yield family
+
+    def _family(self, family: Any, value: float) -> Metric:
+        family.add_metric(self._labels, value)
+        return family
+
+
+class RequestTimer:
+    """The timing of one engine request (one choice), fed its outputs in order; observes
+    vLLM's request histograms into ``metrics``.
+
+    ``arrival``: ``time.monotonic()`` when the server received the request. Each output comes
+    with the time the engine thread handed its step's outputs over (``RequestStream.output_at``).
+    """
+
+    def __init__(self, metrics: ServerMetrics, arrival: float) -> None:
+        self.metrics = metrics
+        self.arrival = arrival
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+
+    def observe(self, output: Any, at: float) -> None:
+        """Record ``output`` (a ``RequestOutput``) emitted at ``at``: time to first token at
+        the first output with tokens, inter-token latency at each later step, and the
+        per-request histograms once it is finished."""
+        m = self.metrics
+        if output.new_token_ids:
+            if self.first_token_at is None:
+                self.first_token_at = at
+                m.time_to_first_token.observe(max(0.0, at - self.arrival))
+            elif self.last_token_at is not None and at > self.last_token_at:
+                m.inter_token_latency.observe(at - self.last_token_at)
+            self.last_token_at = at
+        if not output.finished:
+            return
+        m.request_success.labels(m.model_name, ENGINE_INDEX, output.finish_reason or "unknown").inc()
+        m.e2e_request_latency.observe(max(0.0, at - self.arrival))
+        m.request_prompt_tokens.observe(output.prompt_tokens)
+        m.request_generation_tokens.observe(output.completion_tokens)
+        queued_at = getattr(output, "queued_at", None)
+        scheduled_at = getattr(output, "scheduled_at", None)
+        if queued_at is None or scheduled_at is None:
+            return
+        m.request_queue_time.observe(max(0.0, scheduled_at - queued_at))
+        m.request_inference_time.observe(max(0.0, at - scheduled_at))
+        first = self.first_token_at if self.first_token_at is not None else at
+        m.request_prefill_time.observe(max(0.0, first - scheduled_at))
+        m.request_decode_time.observe(max(0.0, at - first))
 
 
 class ServerMetrics:
-    """The registry of one server: engine stats plus request outcome counters."""
+    """The registry of one server: engine stats, request histograms and outcome counters."""
 
-    def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str = "", max_model_len: int = 1) -> None:
+        self.model_name = model_name
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(stats))
+        self.registry.register(_EngineCollector(stats, model_name))
+        labels = [model_name, ENGINE_INDEX]
+
+        def histogram(name: str, doc: str, buckets: Any) -> Any:
+            return Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry).labels(*labels)
+
+        self.time_to_first_token = histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.inter_token_latency = histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.e2e_request_latency = histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+            REQUEST_LATENCY_BUCKETS)
+        self.request_queue_time = histogram(
+            "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS)
+        self.request_inference_time = histogram(
+            "vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_LATENCY_BUCKETS)
+        self.request_prefill_time = histogram(
+            "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS)
+        self.request_decode_time = histogram(
+            "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets(max_model_len))
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.",
+            token_buckets(max_model_len))
         self.request_success = Counter(
-            "onecat:request_success",
-            "Requests finished, by finish reason.",
-            ["finish_reason"],
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*LABELS, "finished_reason"],
             registry=self.registry,
         )
         self.request_errors = Counter(
@@ -84,6 +208,10 @@ class ServerMetrics:
             ["status"],
             registry=self.registry,
         )
+
+    def request_timer(self, arrival: float) -> RequestTimer:
+        """A timer for one engine request that arrived at ``arrival`` (``time.monotonic()``)."""
+        return RequestTimer(self, arrival)
 
     def render(self) -> bytes:
         """The exposition text of every metric."""

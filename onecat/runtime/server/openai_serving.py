@@ -98,6 +98,7 @@ class Submitted:
     include_usage: bool
     logprobs: int | None = None
     chat_plan: ChatPlan | None = None  # tools / response_format / reasoning of a chat request
+    arrival: float = field(default_factory=time.monotonic)  # when the server received it (/metrics)
 
     @property
     def finished(self) -> bool:
@@ -204,12 +205,14 @@ class OpenAIServing:
         max_tokens: int,
         logprobs: int | None = None,
         logits_processors: Callable[[], list[LogitsProcessor]] | None = None,
+        arrival: float | None = None,
     ) -> Submitted:
         """Submit a request whose model was checked, as ``req.n`` engine requests sharing the
         prompt (choice i seeded with ``seed + i``; ``logits_processors``, when given, is called
         once per choice, so stateful processors are never shared). The choices enter the
         engine together, before its next step (``AsyncEngine.add_requests``). Engine refusals
-        become 400, a full queue 429, a dead engine 503; no choice is then left running."""
+        become 400, a full queue 429, a dead engine 503; no choice is then left running.
+        ``arrival``: ``time.monotonic()`` when the server received the request (default: now)."""
         params = self.sampling_params(req, max_tokens, logprobs)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         choice_ids = [request_id] if req.n == 1 else [f"{request_id}-{i}" for i in range(req.n)]
@@ -230,7 +233,8 @@ class OpenAIServing:
                 raise unavailable(exc) from exc
             raise
         return Submitted(
-            request_id, choice_ids, streams, int(time.time()), self.engine.model_name, req.include_usage(), logprobs
+            request_id, choice_ids, streams, int(time.time()), self.engine.model_name, req.include_usage(), logprobs,
+            arrival=time.monotonic() if arrival is None else arrival,
         )
 
     def abort_unfinished(self, sub: Submitted) -> None:
@@ -241,6 +245,7 @@ class OpenAIServing:
 
     async def prepare_completion(self, req: CompletionRequest) -> Submitted:
         """Validate, tokenise and submit a /v1/completions request."""
+        arrival = time.monotonic()
         req.refuse_unsupported()
         self.check_model(req.model)
         prompt = req.single_prompt()  # the engine checks token ids and empty prompts
@@ -249,13 +254,14 @@ class OpenAIServing:
         else:
             prompt_ids = list(prompt)
         max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
-        return await self.submit("cmpl", req, prompt_ids, max_tokens, req.logprobs)
+        return await self.submit("cmpl", req, prompt_ids, max_tokens, req.logprobs, arrival=arrival)
 
     async def prepare_chat(
         self, req: ChatCompletionRequest, is_disconnected: Callable[[], Awaitable[bool]] | None = None
     ) -> Submitted:
         """Validate, render the chat template, tokenise and submit a chat request
         (``is_disconnected`` is polled while a grammar compiles)."""
+        arrival = time.monotonic()
         req.refuse_unsupported()
         self.check_model(req.model)
         plan = ChatPlan(req, self.chat_options)
@@ -272,7 +278,7 @@ class OpenAIServing:
         max_tokens = req.max_new_tokens()
         if max_tokens is None:  # OpenAI's chat default: as many as the context allows
             max_tokens = max(1, self.engine.max_model_len - len(prompt_ids))
-        sub = await self.submit("chatcmpl", req, prompt_ids, max_tokens, req.num_logprobs(), processors)
+        sub = await self.submit("chatcmpl", req, prompt_ids, max_tokens, req.num_logprobs(), processors, arrival)
         sub.chat_plan = plan
         return sub
 
@@ -368,32 +374,37 @@ class OpenAIServing:
     # ----- outputs of all choices ------------------------------------------------------------
 
     async def _outputs(self, sub: Submitted) -> AsyncIterator[tuple[int, Any]]:
-        """``(choice index, RequestOutput)`` of every choice as they come; a stream's error
-        (EngineDeadError, RequestFailedError) is raised here."""
+        """``(choice index, RequestOutput)`` of every choice as they come, each observed by
+        its choice's ``RequestTimer`` (/metrics); a stream's error (EngineDeadError,
+        RequestFailedError) is raised here."""
+        timers = [self.metrics.request_timer(sub.arrival) for _ in sub.streams]
         if len(sub.streams) == 1:
-            async for out in sub.streams[0]:
+            stream = sub.streams[0]
+            async for out in stream:
+                timers[0].observe(out, stream.output_at)
                 yield 0, out
             return
-        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, Any, float]] = asyncio.Queue()
 
         async def pump(index: int, stream: RequestStream) -> None:
             try:
                 async for out in stream:
-                    queue.put_nowait((index, out))
-                queue.put_nowait((index, None))
+                    queue.put_nowait((index, out, stream.output_at))
+                queue.put_nowait((index, None, 0.0))
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-                queue.put_nowait((index, exc))
+                queue.put_nowait((index, exc, 0.0))
 
         tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(sub.streams)]
         try:
             running = len(tasks)
             while running:
-                index, item = await queue.get()
+                index, item, at = await queue.get()
                 if item is None:
                     running -= 1
                 elif isinstance(item, BaseException):
                     raise item
                 else:
+                    timers[index].observe(item, at)
                     yield index, item
         finally:
             for task in tasks:
@@ -436,8 +447,6 @@ class OpenAIServing:
             self.abort_unfinished(sub)
         if any(result.final is None for result in results):  # aborted before its first output
             raise APIError(499, "the request was aborted", type="client_closed")
-        for result in results:
-            self.metrics.request_success.labels(result.final.finish_reason or "unknown").inc()
         return results
 
     async def completion_body(
@@ -603,8 +612,6 @@ class OpenAIServing:
         error event (then the stream ends, as vLLM does: the HTTP status is already 200)."""
         try:
             async for index, out in self._outputs(sub):
-                if out.finished:
-                    self.metrics.request_success.labels(out.finish_reason or "unknown").inc()
                 yield index, out, None
         except (EngineDeadError, RequestFailedError) as exc:
             error = unavailable(exc) if isinstance(exc, EngineDeadError) else internal_error(sub.request_id)
