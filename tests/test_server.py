@@ -135,6 +135,49 @@ def test_metrics_have_vllm_names_and_request_histograms_move(client, server):
     assert "onecat:num_requests_running" not in text and "onecat:prompt_tokens" not in text  # renamed
 
 
+def test_tokenize_and_detokenize_round_trip(client, server):
+    """vLLM's /tokenize (a prompt, or messages rendered as chat completions renders them) and
+    /detokenize bodies, and the text back."""
+    tokenizer = server.async_engine.tokenizer
+    prompt = "Hello, who are you? Ünïcode too."
+    body = client.post("/tokenize", json={"model": MODEL, "prompt": prompt}).json()
+    assert body == {"count": len(body["tokens"]), "max_model_len": MAX_MODEL_LEN,
+                    "tokens": tokenizer.encode(prompt), "token_strs": None}
+    assert client.post("/detokenize", json={"model": MODEL, "tokens": body["tokens"]}).json() == {"prompt": prompt}
+
+    strs = client.post("/tokenize", json={"prompt": prompt, "return_token_strs": True}).json()
+    assert strs["token_strs"] == tokenizer.convert_ids_to_tokens(body["tokens"])
+
+    chat = client.post("/tokenize", json={"model": MODEL, "messages": HELLO}).json()
+    assert chat["tokens"] == chat_token_ids(tokenizer, HELLO)  # what a chat request's usage counts
+    reply = client.post("/v1/chat/completions", json={"model": MODEL, "messages": HELLO, "max_tokens": 1}).json()
+    assert reply["usage"]["prompt_tokens"] == chat["count"]
+    bare = client.post("/tokenize", json={"messages": HELLO, "add_generation_prompt": False}).json()
+    assert bare["count"] < chat["count"] and chat["tokens"][:bare["count"]] == bare["tokens"]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": "a", "messages": HELLO}, "messages"),
+    ("/tokenize", {"messages": HELLO, "continue_final_message": True}, "continue_final_message"),
+    ("/tokenize", {"prompt": 3}, "prompt"),
+    ("/tokenize", {"model": "other", "prompt": "a"}, "model"),
+    ("/detokenize", {"tokens": [1, 10**6]}, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, "tokens"),
+    ("/detokenize", {"tokens": "12"}, "tokens"),
+    ("/detokenize", {}, "tokens"),
+])
+def test_tokenize_errors_name_the_field(client, path, body, param):
+    response = client.post(path, json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param, response.text
+
+
+def test_tokenize_needs_the_api_key(server):
+    for path, body in (("/tokenize", {"prompt": "a"}), ("/detokenize", {"tokens": [1]})):
+        assert httpx.post(server.url + path, json=body, timeout=10).status_code == 401
+
+
 def test_chat_completion_with_openai_client(server, tiny_model):
     openai = pytest.importorskip("openai")
     oc = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)

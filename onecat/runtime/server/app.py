@@ -5,8 +5,8 @@ Every error leaves as an OpenAI-style body ``{"error": {"message", "type", "para
 Unicode) and engine refusals as 400, a missing or wrong API key as 401, a body over the size
 limit as 413, a full queue as 429, a failed engine or a server shutting down as 503. A 500
 says only "internal error" and a request id; the log has that id with the traceback. When
-an API key is set it guards the ``/v1`` routes (as vLLM's ``--api-key`` does); /health,
-/version and /metrics stay open for probes and scrapers.
+an API key is set it guards the ``/v1`` routes, ``/tokenize`` and ``/detokenize`` (as vLLM's
+``--api-key`` does); /health, /version and /metrics stay open for probes and scrapers.
 """
 
 from __future__ import annotations
@@ -34,12 +34,19 @@ from onecat.runtime.server.chat_plan import ChatOptions
 from onecat.runtime.server.grammar_workers import DEFAULT_COMPILE_TIMEOUT
 from onecat.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from onecat.runtime.server.openai_serving import OpenAIServing, Submitted
-from onecat.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from onecat.runtime.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 PROMPT_THREADS = 2  # chat template rendering and tokenisation, off the event loop
+GUARDED_PATHS = ("/v1", "/tokenize", "/detokenize")
+"""What the API key guards (vLLM guards every route but its public ones)."""
 
 
 class _APIKeyMiddleware:
@@ -52,7 +59,7 @@ class _APIKeyMiddleware:
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        if scope["type"] == "http" and scope["path"].startswith(GUARDED_PATHS) and scope["method"] != "OPTIONS":
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 self.metrics.request_errors.labels("401").inc()
@@ -307,6 +314,14 @@ def create_app(
         if body.stream:
             return streamed(serving.completion_events(sub), sub)
         return JSONResponse(await serving.completion_body(sub, request.is_disconnected))
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> JSONResponse:
+        return JSONResponse(await serving.tokenize(body))
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+        return JSONResponse(await serving.detokenize(body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:

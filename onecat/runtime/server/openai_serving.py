@@ -42,7 +42,7 @@ from onecat.runtime.server.async_engine import (
     RequestStream,
     ShuttingDownError,
 )
-from onecat.runtime.server.chat_plan import ChatOptions, ChatPlan
+from onecat.runtime.server.chat_plan import ChatOptions, ChatPlan, template_message
 from onecat.runtime.server.grammar_workers import (
     DEFAULT_COMPILE_TIMEOUT,
     CompileAbandoned,
@@ -53,7 +53,13 @@ from onecat.runtime.server.grammar_workers import (
 from onecat.runtime.server.logprob_format import LogprobFormatter
 from onecat.runtime.server.metrics import ServerMetrics
 from onecat.runtime.server.prompts import chat_token_ids, reserved_template_kwargs, text_token_ids
-from onecat.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from onecat.runtime.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingFields,
+    TokenizeRequest,
+)
 from onecat.runtime.server.structured_output import (
     GrammarBackend,
     JsonConstraint,
@@ -341,7 +347,7 @@ class OpenAIServing:
         if self._grammar is not None:
             self._grammar[1].close()
 
-    def template_of(self, req: ChatCompletionRequest) -> tuple[str | None, dict[str, Any]]:
+    def template_of(self, req: ChatCompletionRequest | TokenizeRequest) -> tuple[str | None, dict[str, Any]]:
         """The request's own chat template (None: the model's) and the template variables
         from ``chat_template_kwargs``; 400 for a request template the operator does not
         trust and for kwargs that are ``apply_chat_template``'s own arguments."""
@@ -370,6 +376,51 @@ class OpenAIServing:
                 param="chat_template_kwargs",
             )
         return template, kwargs
+
+    # ----- /tokenize and /detokenize (vLLM's) ------------------------------------------------
+
+    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's /tokenize: the token ids of a text prompt or of a chat rendered as
+        /v1/chat/completions renders it, their count and the server's ``max_model_len``
+        (``token_strs`` too when asked). 400 naming the field for a bad body or template."""
+        req.refuse_unsupported()
+        self.check_model(req.model)
+        tokenizer = self.engine.tokenizer
+        if req.prompt is not None:
+            add_special = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = await self._off_loop(text_token_ids, tokenizer, req.prompt, add_special)
+        else:
+            template, template_kwargs = self.template_of(req)
+            if req.tools:
+                template_kwargs = {**template_kwargs, "tools": [t.model_dump(exclude_none=True) for t in req.tools]}
+            messages = [template_message(m) for m in req.messages or []]
+            try:
+                ids = await self._off_loop(
+                    functools.partial(
+                        chat_token_ids, tokenizer, messages, template_kwargs, template,
+                        add_generation_prompt=req.add_generation_prompt,
+                        continue_final_message=req.continue_final_message,
+                        add_special_tokens=bool(req.add_special_tokens),
+                    )
+                )
+            except OnecatError as exc:
+                raise bad_request(str(exc), param="messages") from exc
+        body: dict[str, Any] = {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids,
+                                "token_strs": None}
+        if req.return_token_strs:
+            body["token_strs"] = list(tokenizer.convert_ids_to_tokens(ids))
+        return body
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict[str, str]:
+        """vLLM's /detokenize: the text of ``tokens``; 400 naming ``tokens`` for an id outside
+        the tokenizer's vocabulary."""
+        self.check_model(req.model)
+        tokenizer = self.engine.tokenizer
+        vocab = len(tokenizer)
+        bad = next((t for t in req.tokens if t >= vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is out of vocabulary: ids must be in 0..{vocab - 1}", param="tokens")
+        return {"prompt": await self._off_loop(tokenizer.decode, req.tokens)}
 
     # ----- outputs of all choices ------------------------------------------------------------
 

@@ -17,10 +17,13 @@ def render_chat(
     messages: list[dict[str, str]],
     template_kwargs: dict[str, Any] | None = None,
     chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> str:
     """Render ``messages`` ([{role, content}]) with the tokenizer's chat template (or
     ``chat_template``, when given), ending with the assistant turn's opening
-    (``add_generation_prompt``). ``template_kwargs`` become template variables.
+    (``add_generation_prompt``) or, with ``continue_final_message``, inside the last message
+    (left open for the model to continue). ``template_kwargs`` become template variables.
 
     Raises OnecatError when there is no chat template or the template fails.
     """
@@ -29,10 +32,12 @@ def render_chat(
             "the model's tokenizer has no chat template (tokenizer_config.json / "
             "chat_template.jinja); use /v1/completions or `onecat generate` without --chat"
         )
-    extra = {"chat_template": chat_template} if chat_template is not None else {}
+    extra: dict[str, Any] = {"chat_template": chat_template} if chat_template is not None else {}
+    if continue_final_message:
+        extra["continue_final_message"] = True
     try:
         text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **extra, **(template_kwargs or {})
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra, **(template_kwargs or {})
         )
     except Exception as exc:  # a jinja error in a user-provided template or kwargs
         raise OnecatError(f"the chat template failed to render these messages: {exc}") from exc
@@ -44,15 +49,21 @@ def chat_token_ids(
     messages: list[dict[str, str]],
     template_kwargs: dict[str, Any] | None = None,
     chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    add_special_tokens: bool = False,
 ) -> list[int]:
-    """Token ids of the rendered chat (the template already holds any special tokens)."""
-    text = render_chat(tokenizer, messages, template_kwargs, chat_template)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    """Token ids of the rendered chat (``render_chat``; the template already holds any
+    special tokens, so the tokenizer adds none unless ``add_special_tokens``)."""
+    text = render_chat(tokenizer, messages, template_kwargs, chat_template, add_generation_prompt,
+                       continue_final_message)
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
-def text_token_ids(tokenizer: Any, prompt: str) -> list[int]:
-    """Token ids of a plain-text prompt, with the tokenizer's own special tokens (e.g. BOS)."""
-    return list(tokenizer.encode(prompt))
+def text_token_ids(tokenizer: Any, prompt: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of a plain-text prompt, with the tokenizer's own special tokens (e.g. BOS)
+    unless ``add_special_tokens`` is false."""
+    return list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
 
 def reserved_template_kwargs(tokenizer: Any) -> frozenset[str]:

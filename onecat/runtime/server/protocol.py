@@ -347,3 +347,49 @@ class ChatCompletionRequest(SamplingFields):
     def num_logprobs(self) -> int | None:
         """How many top alternatives to report per token (None: no logprobs at all)."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    """A /tokenize request, vLLM's two bodies in one: ``prompt`` (text, tokenised with the
+    tokenizer's special tokens unless ``add_special_tokens`` is false) or ``messages``
+    (rendered by the chat template with ``add_generation_prompt`` / ``continue_final_message``,
+    ``tools``, ``chat_template_kwargs``; no special tokens added unless asked). Exactly one
+    of the two; ``return_token_strs`` adds the tokens' strings."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool | None = False
+    tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        refuse_invalid_unicode(data)
+        return data
+
+    def refuse_unsupported(self) -> None:
+        """400 naming the field: neither or both of ``prompt`` and ``messages``, or both
+        ``continue_final_message`` and ``add_generation_prompt`` (vLLM's rule)."""
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("send either prompt (text) or messages (a chat), not both or neither",
+                              param="prompt" if self.prompt is None else "messages")
+        if self.messages is not None and self.continue_final_message and self.add_generation_prompt:
+            raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                              param="continue_final_message")
+
+
+class DetokenizeRequest(BaseModel):
+    """A /detokenize request: ``tokens`` (ids in the model's vocabulary) back to text."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[TokenId]
