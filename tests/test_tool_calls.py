@@ -28,7 +28,12 @@ from onecat.runtime.server.chat_output import ChatOutputParser, message_fields
 from onecat.runtime.server.chat_plan import ChatOptions
 from onecat.runtime.server.launcher import BackgroundServer
 from onecat.runtime.server.reasoning import Qwen3ReasoningParser, ReasoningState
-from onecat.runtime.server.tool_parsers import TOOL_PARSERS, HermesToolParser, Qwen3CoderToolParser
+from onecat.runtime.server.tool_parsers import (
+    TOOL_PARSERS,
+    HermesToolParser,
+    JsonToolCallParser,
+    Qwen3CoderToolParser,
+)
 from onecat.tiny import QWEN3_5_CHAT_TEMPLATE, build_tiny_model
 
 QWEN_CALLS = (
@@ -153,6 +158,38 @@ def test_reasoning_then_calls():
 
 # ----- through the server -------------------------------------------------------------------
 
+
+
+JSON_CALLS = ('[ {"name": "get_weather", "parameters": {"city": "Paris", "days": 3}},\n'
+              '{"name":"get_time","parameters":{ "zone" : "C\\"ET" }} ]')
+
+
+def test_json_calls_without_a_parser_parse_and_stream_at_every_split():
+    """Forced calls without --tool-call-parser (vLLM's JSON): an array of {name, parameters}
+    (arguments: each object's own parameters text) and a named function's arguments; the
+    streamed deltas add up to the whole message at every split."""
+    message = check_every_split(lambda: ChatOutputParser(None, JsonToolCallParser(TOOLS)), JSON_CALLS)
+    assert message["content"] == ""
+    assert [(n, json.loads(a)) for n, a in message["calls"]] == [
+        ("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"zone": 'C"ET'})]
+    named = check_every_split(lambda: ChatOutputParser(None, JsonToolCallParser(TOOLS, "get_weather")),
+                              '{"city": "Rome", "days": 2}')
+    assert named["calls"] == [("get_weather", '{"city": "Rome", "days": 2}')]
+    cut = JsonToolCallParser(TOOLS).parse('[{"name": "get_weather", "parameters": {"city": "Pa', final=False)
+    assert cut.calls[0].name == "get_weather" and cut.calls[0].arguments == '{"city": "Pa'
+    assert JsonToolCallParser(TOOLS).parse("not json", final=True).content == "not json"  # never raises
+
+
+def test_json_tool_schemas_are_vllms():
+    from onecat.runtime.server.structured_output import ToolJsonConstraint
+
+    named = ToolJsonConstraint(TOOLS, {"type": "function", "function": {"name": "get_weather"}})
+    assert named.schema == TOOLS[0]["function"]["parameters"]
+    required = ToolJsonConstraint(TOOLS, "required", parallel_tool_calls=False).schema
+    assert required["type"] == "array" and required["minItems"] == 1 and required["maxItems"] == 1
+    first = required["items"]["anyOf"][0]
+    assert first["properties"]["name"] == {"type": "string", "enum": ["get_weather"]}
+    assert first["required"] == ["name", "parameters"]
 
 
 def server_deps():
@@ -282,7 +319,7 @@ def test_unsupported_combinations_are_400s_naming_the_field(server, tiny_model):
 
     plain = make_engine(tiny_model, max_model_len=1024)  # a server without the flags
     with BackgroundServer(plain) as srv:
-        for body in ({"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "auto"}, {"tools": TOOLS, "tool_choice": named}):
+        for body in ({"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "auto"}):
             response = post(srv.url, **body)
             assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice", response.text
             assert "--tool-call-parser" in response.json()["error"]["message"]
@@ -340,3 +377,58 @@ def test_forced_calls_in_each_format_parse_back(tiny_model, parser, choice):
             check_weather_arguments(arguments)
         else:
             assert choice == "required" and arguments in ({"zone": "UTC"}, {"zone": "CET"})
+
+
+@pytest.fixture(scope="module")
+def plain_client(tiny_model):
+    """A server without --tool-call-parser (forced calls are JSON, as in vLLM)."""
+    with BackgroundServer(make_engine(tiny_model, max_model_len=1024)) as srv:
+        yield server_deps().OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.mark.timeout(300)
+def test_named_tool_choice_without_a_parser_is_json_arguments(plain_client):
+    """The random model's answer is constrained to the function's parameters schema, so the
+    arguments are always valid; whole and streamed."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    response = plain_client.chat.completions.create(
+        model="tiny-qwen3_5", messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=200, seed=0,
+        extra_body=NO_THINKING)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_") and not choice.message.content
+    check_weather_arguments(json.loads(call.function.arguments))
+
+    deltas, reasons = sse_deltas(plain_client.chat.completions.create(
+        model="tiny-qwen3_5", messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=200, seed=1, stream=True,
+        extra_body=NO_THINKING))
+    message = add_up(deltas)
+    assert reasons[-1] == "tool_calls" and message["content"] == "" and message["ids"][0].startswith("call_")
+    ((name, arguments),) = message["calls"]
+    assert name == "get_weather"
+    check_weather_arguments(json.loads(arguments))
+
+
+@pytest.mark.timeout(300)
+def test_required_tool_choice_without_a_parser_is_a_json_array_of_calls(plain_client):
+    for stream_it, parallel in ((False, True), (True, False)):
+        kwargs = dict(model="tiny-qwen3_5", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=300,
+                      seed=2, parallel_tool_calls=parallel, extra_body=NO_THINKING)
+        if stream_it:
+            deltas, reasons = sse_deltas(plain_client.chat.completions.create(stream=True, **kwargs))
+            message, reason = add_up(deltas), reasons[-1]
+            calls = message["calls"]
+            assert len(calls) == 1 and len(set(message["ids"])) == 1
+        else:
+            choice = plain_client.chat.completions.create(**kwargs).choices[0]
+            reason = choice.finish_reason
+            calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+            assert len({c.id for c in choice.message.tool_calls}) == len(calls) >= 1
+        assert reason == "tool_calls"
+        for name, arguments in calls:
+            parsed = json.loads(arguments)
+            if name == "get_weather":
+                check_weather_arguments(parsed)
+            else:
+                assert name == "get_time" and parsed in ({"zone": "UTC"}, {"zone": "CET"})

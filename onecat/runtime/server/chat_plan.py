@@ -6,10 +6,12 @@ vLLM's semantics: tools are rendered by the chat template (passed to
 ``apply_chat_template``) whatever the ``tool_choice``; ``auto`` (the default when tools are
 given) needs ``--enable-auto-tool-choice`` and a tool-call parser, which then reads the calls
 out of the answer; ``none`` leaves the answer as text; ``required`` and a named function
-constrain generation (structured output) so that the answer is a call. onecat constrains it
-to the model's own call format (xgrammar's structural tags), so the parser reads it back and
-the model writes what its template taught it; this needs ``--tool-call-parser`` too, where
-vLLM, which forces a JSON object instead, does not. ``response_format`` ``json_object`` /
+constrain generation (structured output) so that the answer is a call. With a
+``--tool-call-parser`` onecat constrains it to the model's own call format (xgrammar's
+structural tags), so the parser reads it back and the model writes what its template taught
+it; without one, as vLLM does, the answer is JSON: a named function's arguments under its
+parameters schema, or for ``required`` an array of ``{"name", "parameters"}`` objects,
+returned as ``tool_calls`` all the same. ``response_format`` ``json_object`` /
 ``json_schema`` constrain the answer to JSON. A reasoning parser splits the think block off;
 constrained answers then start after the reasoning. Combinations that cannot be honoured
 are 400s naming the field.
@@ -29,10 +31,12 @@ from onecat.runtime.server.reasoning import REASONING_PARSERS, ReasoningState, i
 from onecat.runtime.server.structured_output import (
     JSON_OBJECT_SCHEMA,
     XGRAMMAR_TOOL_FORMATS,
+    Constraint,
     JsonConstraint,
     ToolCallConstraint,
+    ToolJsonConstraint,
 )
-from onecat.runtime.server.tool_parsers import TOOL_PARSERS
+from onecat.runtime.server.tool_parsers import TOOL_PARSERS, JsonToolCallParser, ToolParser
 
 
 @dataclass(frozen=True)
@@ -100,12 +104,6 @@ class ChatPlan:
                 'set on the server; send tool_choice "none", "required" or a named function instead',
                 param="tool_choice",
             )
-        if forced and self.options.tool_call_parser is None:
-            raise bad_request(
-                "tool_choice \"required\" or a named function needs the server's --tool-call-parser "
-                "(the calls are generated in the model's own format and parsed back)",
-                param="tool_choice",
-            )
         if forced and self.json_schema is not None:
             raise bad_request("response_format cannot be combined with tool_choice \"required\" or a "
                               "named function (both constrain the answer)", param="response_format")
@@ -144,14 +142,16 @@ class ChatPlan:
         constraint then applies after ``</think>`` only."""
         return self.options.reasoning_parser is not None and self.state is ReasoningState.IN_REASONING
 
-    def constraint(self) -> JsonConstraint | ToolCallConstraint | None:
+    def constraint(self) -> Constraint | None:
         """What generation must match, or None."""
         if self.forces_tool_call:
             parser = self.options.tool_call_parser
-            assert parser is not None and parser in XGRAMMAR_TOOL_FORMATS
             choice: Any = self.tool_choice
             if isinstance(choice, NamedToolChoice):
                 choice = choice.model_dump()
+            if parser is None:  # vLLM's way: JSON
+                return ToolJsonConstraint(self.tools, choice, self.after_reasoning, self.parallel_tool_calls)
+            assert parser in XGRAMMAR_TOOL_FORMATS
             return ToolCallConstraint(parser, self.tools, choice, self.after_reasoning, self.parallel_tool_calls)
         schema = self.json_schema
         if schema is not None:
@@ -163,9 +163,12 @@ class ChatPlan:
         reasoning = None
         if self.options.reasoning_parser is not None:
             reasoning = REASONING_PARSERS[self.options.reasoning_parser](self.state)
-        tools = None
+        tools: ToolParser | None = None
         if self.tools and self.tool_choice != "none" and self.options.tool_call_parser is not None:
             tools = TOOL_PARSERS[self.options.tool_call_parser](self.tools)
+        elif self.forces_tool_call:
+            choice = self.tool_choice
+            tools = JsonToolCallParser(self.tools, choice.function.name if isinstance(choice, NamedToolChoice) else None)
         if reasoning is None and tools is None:
             return None
         return ChatOutputParser(reasoning, tools, single_call=not self.parallel_tool_calls)

@@ -61,10 +61,9 @@ from onecat.runtime.server.protocol import (
     TokenizeRequest,
 )
 from onecat.runtime.server.structured_output import (
+    Constraint,
     GrammarBackend,
-    JsonConstraint,
     StructuredOutputUnavailable,
-    ToolCallConstraint,
     check_constraint,
     constraint_key,
     constraint_param,
@@ -325,7 +324,7 @@ class OpenAIServing:
             raise APIError(499, "the client closed the request", type="client_closed") from exc
         return lambda: [backend.logits_processor(compiled)]
 
-    def _grammar_key(self, constraint: JsonConstraint | ToolCallConstraint) -> tuple[GrammarBackend, GrammarCompilePool, str]:
+    def _grammar_key(self, constraint: Constraint) -> tuple[GrammarBackend, GrammarCompilePool, str]:
         """The grammar backend and compile pool (made at the first constrained request: the
         tokenizer table takes a second for a large vocabulary); the constraint's schemas
         checked; its cache key. Runs in the prompt pool (tens of milliseconds for a

@@ -2,8 +2,11 @@
 
 ``response_format`` ``json_object`` (any JSON object) and ``json_schema`` (the schema, strictly:
 no properties or items it does not name), and tool calls forced by ``tool_choice``
-``required`` or a named function (the calls in the model's own format, so that the
-``--tool-call-parser`` reads them back; xgrammar's structural tags for Qwen3.5 / Qwen3). When
+``required`` or a named function: with a ``--tool-call-parser``, the calls in the model's own
+format, so that the parser reads them back (xgrammar's structural tags for Qwen3.5 / Qwen3);
+without one, as vLLM does, JSON (``ToolJsonConstraint``: a named function's arguments object
+under its parameters schema, or for ``required`` an array of ``{"name", "parameters"}``
+objects, ``tool_parsers.JsonToolCallParser`` reading them back). When
 the output opens inside a think block (a reasoning parser is on and the chat template opened
 it), the reasoning is left free and the grammar applies after ``</think>``, as in vLLM.
 
@@ -77,6 +80,48 @@ class ToolCallConstraint:
     parallel_tool_calls: bool = True
 
 
+@dataclass(frozen=True)
+class ToolJsonConstraint:
+    """Tool calls forced without a tool-call parser, as vLLM forces them: the answer is the
+    named function's arguments (a JSON object under its parameters schema) or, for
+    ``"required"``, a JSON array of ``{"name", "parameters"}`` objects (at most one with
+    ``parallel_tool_calls`` false). ``schema`` is the JSON schema of the answer."""
+
+    tools: list[dict[str, Any]] = field(hash=False)
+    tool_choice: str | dict[str, Any] = field(hash=False, default="required")
+    after_reasoning: bool = False
+    parallel_tool_calls: bool = True
+
+    @property
+    def schema(self) -> dict[str, Any]:
+        """The answer's JSON schema (RequestError naming ``tools`` when two tools define one
+        ``$defs`` name differently)."""
+        if isinstance(self.tool_choice, dict):
+            name = self.tool_choice["function"]["name"]
+            return next(_parameters(t) for t in self.tools if t.get("function", {}).get("name") == name)
+        items, defs = [], {}
+        for tool in self.tools:
+            parameters = dict(_parameters(tool))
+            for key in ("$defs", "definitions"):  # a local $ref resolves from the root: hoist them
+                for def_name, definition in (parameters.pop(key, None) or {}).items():
+                    if defs.setdefault(key, {}).setdefault(def_name, definition) != definition:
+                        raise RequestError(f"tools define {key}/{def_name} twice, differently; give the "
+                                           "definitions distinct names", param="tools")
+            items.append({"properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]},
+                                         "parameters": parameters},
+                          "required": ["name", "parameters"]})
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
+        if not self.parallel_tool_calls:
+            schema["maxItems"] = 1
+        return {**schema, **defs}
+
+
+def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool's parameters schema (an object with no properties when it has none)."""
+    parameters = tool.get("function", {}).get("parameters")
+    return parameters if parameters is not None else {"type": "object", "properties": {}}
+
+
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object", "additionalProperties": True}
 MAX_WHITESPACE = 16
 """Longest run of whitespace a grammar allows between JSON tokens (and around a tool call's
@@ -84,7 +129,10 @@ parameter values): enough for an indented nested object, and a sampled model can
 its whole budget on blank space."""
 
 
-def check_constraint(constraint: JsonConstraint | ToolCallConstraint) -> None:
+Constraint = JsonConstraint | ToolCallConstraint | ToolJsonConstraint
+
+
+def check_constraint(constraint: Constraint) -> None:
     """RequestError naming the request field, the keyword and where it is when a schema of
     ``constraint`` uses a keyword the grammar would not enforce or cannot be satisfied
     (``schema_check``)."""
@@ -95,20 +143,22 @@ def check_constraint(constraint: JsonConstraint | ToolCallConstraint) -> None:
         parameters = tool.get("function", {}).get("parameters")
         if parameters is not None:
             check_schema(parameters, f"tools[{i}].function.parameters", "tools")
+    if isinstance(constraint, ToolJsonConstraint):
+        check_schema(constraint.schema, "tools", "tools")  # the array around them
 
 
-def constraint_key(constraint: JsonConstraint | ToolCallConstraint) -> str:
+def constraint_key(constraint: Constraint) -> str:
     """The constraint as JSON, in its schemas' key order (the grammar cache's key)."""
     return json.dumps([type(constraint).__name__, dataclasses.asdict(constraint)], separators=(",", ":"))
 
 
-def structural_tag(constraint: JsonConstraint | ToolCallConstraint) -> Any:
+def structural_tag(constraint: Constraint) -> Any:
     """xgrammar's structural tag for ``constraint``, its schemas checked first."""
     xgr = import_xgrammar()
     from xgrammar import structural_tag as st
 
     check_constraint(constraint)
-    if isinstance(constraint, JsonConstraint):
+    if isinstance(constraint, JsonConstraint | ToolJsonConstraint):
         body: Any = st.JSONSchemaFormat(json_schema=constraint.schema, max_whitespace_cnt=MAX_WHITESPACE)
         if constraint.after_reasoning:
             body = st.SequenceFormat(elements=[_reasoning_prefix(st), body])
@@ -126,7 +176,7 @@ def structural_tag(constraint: JsonConstraint | ToolCallConstraint) -> Any:
         raise RequestError(f"tools cannot be compiled into a grammar: {exc}", param="tools") from exc
 
 
-def constraint_param(constraint: JsonConstraint | ToolCallConstraint) -> str:
+def constraint_param(constraint: Constraint) -> str:
     """The request field a constraint comes from (for error bodies)."""
     return "response_format" if isinstance(constraint, JsonConstraint) else "tools"
 
@@ -155,7 +205,7 @@ class GrammarBackend:
                 )
         return self._info
 
-    def compile(self, constraint: JsonConstraint | ToolCallConstraint) -> Any:
+    def compile(self, constraint: Constraint) -> Any:
         """The compiled grammar of ``constraint``, in this process and without a time limit;
         RequestError (naming the request field) when the schema or the tools are refused or
         cannot be compiled."""

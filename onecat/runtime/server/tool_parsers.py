@@ -24,6 +24,10 @@ call; a finished answer in which no call parses is all content (the raw text, as
 falls back to). Whatever the model writes (nesting too deep for ``json``, numbers beyond
 float range, cut tags), ``parse`` never raises: a parse that fails is logged and the text
 becomes content. Arguments are always valid JSON (no ``Infinity`` / ``NaN``).
+Without a ``--tool-call-parser``, calls forced by ``tool_choice`` are JSON (vLLM's way,
+``structured_output.ToolJsonConstraint``) and ``JsonToolCallParser`` reads them: a named
+function's whole answer is its arguments; for ``"required"`` the answer is an array of
+``{"name", "parameters"}`` objects, each object's ``parameters`` text its arguments.
 ``parse(text, final)`` is a pure function of the text so far; with ``final`` False it
 returns only what later text cannot change (a ``qwen3_coder`` call's name once its
 ``<function=...>`` tag is complete, then its arguments parameter by parameter; a ``hermes``
@@ -253,3 +257,127 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "qwen3_xml": Qwen3CoderToolParser,
     "hermes": HermesToolParser,
 }
+
+
+def _json_value_end(text: str, start: int) -> int | None:
+    """The index just after the JSON value that starts at ``text[start]`` (a string, an
+    object, an array or a scalar), or None when the text ends before the value does."""
+    first = text[start] if start < len(text) else ""
+    if not first:
+        return None
+    if first == '"':
+        i = start + 1
+        while i < len(text):
+            if text[i] == "\\":
+                i += 2
+                continue
+            if text[i] == '"':
+                return i + 1
+            i += 1
+        return None
+    if first in "[{":
+        depth, i, in_string = 0, start, False
+        while i < len(text):
+            c = text[i]
+            if in_string:
+                if c == "\\":
+                    i += 1
+                elif c == '"':
+                    in_string = False
+            elif c == '"':
+                in_string = True
+            elif c in "[{":
+                depth += 1
+            elif c in "]}":
+                depth -= 1
+                if depth == 0:
+                    return i + 1
+            i += 1
+        return None
+    i = start
+    while i < len(text) and text[i] not in ",]} \t\r\n":
+        i += 1
+    return i if i < len(text) else None  # a number at the end may go on
+
+
+def _skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i] in " \t\r\n":
+        i += 1
+    return i
+
+
+class JsonToolCallParser(ToolParser):
+    """Calls forced as JSON without a tool-call parser (module docstring): ``function`` set,
+    the whole answer is that function's arguments; else the answer is an array of
+    ``{"name", "parameters"}`` objects. The arguments are the answer's own text of the
+    object, so a streamed prefix is always a prefix of the final arguments."""
+
+    name = "json"
+
+    def __init__(self, tools: list[dict[str, Any]], function: str | None = None) -> None:
+        super().__init__(tools)
+        self.function = function
+
+    def parse(self, text: str, final: bool) -> ToolSplit:
+        """The calls in ``text`` (the answer so far); never raises: a finished answer in which
+        no call parses is content."""
+        if self.function is not None:
+            return ToolSplit("", [ToolCallDraft(self.function, text.lstrip())])
+        try:
+            calls = self._array_calls(text)
+        except Exception:  # noqa: BLE001 - model output must never fail the request
+            logger.warning("the forced JSON tool calls did not parse; the answer is sent as content", exc_info=True)
+            calls = []
+        if final and not any(call.name is not None for call in calls):
+            return ToolSplit(text)
+        return ToolSplit("", calls)
+
+    def _array_calls(self, text: str) -> list[ToolCallDraft]:
+        i = _skip_space(text, 0)
+        if i >= len(text) or text[i] != "[":
+            return []
+        calls: list[ToolCallDraft] = []
+        i += 1
+        while True:
+            i = _skip_space(text, i)
+            if i < len(text) and text[i] == ",":
+                i = _skip_space(text, i + 1)
+            if i >= len(text) or text[i] != "{":
+                return calls
+            call = ToolCallDraft(None)
+            calls.append(call)
+            i = self._object(text, i + 1, call)
+            if i is None:
+                return calls
+
+    @staticmethod
+    def _object(text: str, i: int, call: ToolCallDraft) -> int | None:
+        """Fill ``call`` from the members of the object whose body starts at ``i``; the index
+        after its closing brace, or None when the text ends first."""
+        name = None
+        while True:
+            i = _skip_space(text, i)
+            if i < len(text) and text[i] == ",":
+                i = _skip_space(text, i + 1)
+            if i >= len(text):
+                return None
+            if text[i] == "}":
+                call.name = name
+                return i + 1
+            key_end = _json_value_end(text, i)
+            if key_end is None:
+                return None
+            key = json.loads(text[i:key_end])
+            i = _skip_space(text, key_end)
+            if i >= len(text) or text[i] != ":":
+                return None
+            start = _skip_space(text, i + 1)
+            end = _json_value_end(text, start)
+            if key == "parameters":
+                call.arguments = text[start:len(text) if end is None else end]
+            elif key == "name" and end is not None:
+                name = json.loads(text[start:end])
+                call.name = name
+            if end is None:
+                return None
+            i = end
