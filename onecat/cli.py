@@ -501,8 +501,9 @@ def batch(input_path: str, output_path: str, artifact: str, resume: bool, max_co
     if summary.stopped:
         raise OnecatError(f"the job stopped early: {summary.stopped}; {summary.written} lines written "
                           f"to {output_path}; rerun with --resume to run the rest")
-    click.secho(f"wrote {summary.written} lines to {output_path} ({summary.failed} errors)",
-                fg="green" if not summary.failed else "yellow", err=True)
+    click.secho(f"wrote {summary.written} lines to {output_path} ({summary.failed} errors): "
+                f"{summary.completion_tokens} tokens generated in {summary.wall_time:.2f} s, "
+                f"{summary.tokens_per_second:.2f} tok/s", fg="green" if not summary.failed else "yellow", err=True)
 
 
 # --- bench (onecat.benchmarks: a client, it imports no engine) ---------------------------
