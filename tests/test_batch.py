@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+from io import StringIO
 
 import pytest
 from click.testing import CliRunner
+from rich.console import Console
+from server_helpers import LaunchStopped, capture_launches
 
 from onecat.cli import main
 from onecat.errors import OnecatError
@@ -254,3 +257,28 @@ def test_the_cli_runs_a_batch(tmp_path):
     records = by_id(read_output(out))
     assert {k: r["response"]["status_code"] for k, r in records.items()} == {"a": 200, "b": 200}
     os.remove(out)
+
+
+def test_the_cli_passes_the_engine_flags(tmp_path, monkeypatch):
+    configs, _ = capture_launches(monkeypatch)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text(completion("a") + "\n")
+    result = CliRunner().invoke(main, [
+        "batch", str(source), "-o", str(out), str(tmp_path), "--device", "cpu", "--max-num-seqs", "3",
+        "--served-model-name", "m", "--no-enable-prefix-caching",
+    ])
+    assert isinstance(result.exception, LaunchStopped)
+    (config,) = configs
+    assert (config.model, config.device, config.max_num_seqs) == (str(tmp_path), "cpu", 3)
+    assert config.served_model_name == "m" and not config.enable_prefix_caching
+    open_output(out, resume=False)[0].close()  # the job released its output (and lock)
+
+
+def test_the_progress_bar_shows_lines_errors_and_tokens(engine, tmp_path):
+    screen = StringIO()
+    source = tmp_path / "in.jsonl"
+    source.write_text(completion("a") + "\nnot json\n")
+    job = prepare_batch(source, tmp_path / "out.jsonl")
+    job.run(engine, console=Console(file=screen, width=120))
+    shown = screen.getvalue()
+    assert "2/2" in shown and "1 failed" in shown and "tok/s" in shown, shown
