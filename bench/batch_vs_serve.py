@@ -8,7 +8,8 @@ server side is `onecat serve` in a subprocess and `onecat bench serve --dataset-
 (streamed /v1/completions, its output token throughput); the batch side is `onecat batch` on
 a JSONL of the same /v1/completions bodies (its generated tokens over its wall time; neither
 figure includes loading the model). The runs alternate, --rounds times each, so a noisy
-machine hits both; the ratio is of the summed tokens over the summed seconds.
+machine hits both; the ratio is of the summed tokens over the summed seconds (each
+round's own ratio and their median are printed too).
 
     python bench/batch_vs_serve.py --num-prompts 400 --concurrency 32 --output-len 16
 """
@@ -20,6 +21,7 @@ import json
 import re
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -125,7 +127,9 @@ def main() -> None:
             json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
                         "body": {**body, "prompt": p}}) + "\n" for i, p in enumerate(texts)))
         totals = {"serve": [0, 0.0], "batch": [0, 0.0]}
+        ratios = []
         for round_ in range(args.rounds):
+            rates = {}
             for side in ("serve", "batch"):
                 if side == "serve":
                     tokens, seconds = run_serve(args, dataset, work)
@@ -133,12 +137,15 @@ def main() -> None:
                     tokens, seconds = run_batch(args, requests, work, round_)
                 totals[side][0] += tokens
                 totals[side][1] += seconds
+                rates[side] = tokens / seconds
                 print(f"round {round_ + 1} {side:5s}: {tokens} tokens in {seconds:.2f} s, "
                       f"{tokens / seconds:.1f} tok/s", flush=True)
+            ratios.append(rates["batch"] / rates["serve"])
     rate = {side: tokens / seconds for side, (tokens, seconds) in totals.items()}
     print(f"{args.num_prompts} prompts x {args.output_len} tokens, concurrency {args.concurrency}: "
           f"serve {rate['serve']:.1f} tok/s, batch {rate['batch']:.1f} tok/s, "
-          f"batch / serve = {rate['batch'] / rate['serve']:.3f}")
+          f"batch / serve = {rate['batch'] / rate['serve']:.3f} (rounds: "
+          f"{', '.join(f'{r:.3f}' for r in ratios)}; median {statistics.median(ratios):.3f})")
 
 
 if __name__ == "__main__":
