@@ -282,3 +282,22 @@ def test_the_progress_bar_shows_lines_errors_and_tokens(engine, tmp_path):
     job.run(engine, console=Console(file=screen, width=120))
     shown = screen.getvalue()
     assert "2/2" in shown and "1 failed" in shown and "tok/s" in shown, shown
+
+
+def test_a_failed_output_write_ends_the_job_with_its_error(engine, tmp_path):
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(completion(f"w{i}", prompt=f"w{i} is") + "\n" for i in range(8)))
+    job = prepare_batch(source, tmp_path / "out.jsonl")
+    real, calls = job.output.append, []
+
+    def full_disk(line: bytes) -> None:
+        calls.append(line)
+        if len(calls) > 2:
+            raise OnecatError("disk full")
+        real(line)
+
+    job.output.append = full_disk
+    with pytest.raises(OnecatError, match="disk full"):
+        job.run(engine, show_progress=False, max_concurrency=2)
+    assert len(calls) < 8  # no more lines were sent once a write failed
+    assert len(read_output(tmp_path / "out.jsonl")) == 2

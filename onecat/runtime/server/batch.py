@@ -103,12 +103,16 @@ class BatchJob:
         from onecat.runtime.server.app import create_app
         from onecat.runtime.server.async_engine import AsyncEngine
 
-        limit = max_concurrency or engine.config.max_num_seqs
-        if limit < 1:
-            raise OnecatError(f"--max-concurrency must be >= 1; got {limit}")
-        summary = BatchSummary(lines=self.lines, max_concurrency=limit)
-        async_engine = AsyncEngine(engine, max_queue_len=UNBOUNDED_QUEUE)
-        app = create_app(async_engine, **app_options)
+        try:
+            limit = max_concurrency or engine.config.max_num_seqs
+            if limit < 1:
+                raise OnecatError(f"--max-concurrency must be >= 1; got {limit}")
+            summary = BatchSummary(lines=self.lines, max_concurrency=limit)
+            async_engine = AsyncEngine(engine, max_queue_len=UNBOUNDED_QUEUE)
+            app = create_app(async_engine, **app_options)
+        except BaseException:
+            self.output.close()
+            raise
         progress = _progress(show_progress, console)
         async_engine.start()
         start = time.perf_counter()
@@ -120,9 +124,11 @@ class BatchJob:
             summary.stopped = "interrupted (Ctrl-C)"
         finally:
             summary.wall_time = time.perf_counter() - start
-            app.state.serving.close()
-            async_engine.shutdown()
-            self.output.close()
+            try:
+                app.state.serving.close()
+                async_engine.shutdown()
+            finally:
+                self.output.close()
         return summary
 
     def close(self) -> None:
@@ -186,22 +192,32 @@ class _Runner:
         self.advance()
 
     async def run(self, lines: Iterator[BatchLine], limit: int) -> None:
-        """Send ``lines`` with at most ``limit`` in flight; stop sending once one is answered 503."""
+        """Send ``lines`` with at most ``limit`` in flight; stop sending once one is answered
+        503, or once one failed (an output write: its exception is raised here)."""
         slots = asyncio.Semaphore(limit)
         tasks: set[asyncio.Task] = set()
+        failures: list[BaseException] = []
+
+        def finished(task: asyncio.Task) -> None:
+            tasks.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                failures.append(task.exception())
+
         try:
             for line in lines:
                 await slots.acquire()
-                if self.summary.stopped:
+                if self.summary.stopped or failures:
                     break
                 task = asyncio.ensure_future(self._one(line, slots))
                 tasks.add(task)
-                task.add_done_callback(tasks.discard)
+                task.add_done_callback(finished)
             if tasks:
-                await asyncio.gather(*tasks)
+                await asyncio.wait(set(tasks))
         finally:
             for task in tasks:
                 task.cancel()
+        if failures:
+            raise failures[0]
 
     async def _one(self, line: BatchLine, slots: asyncio.Semaphore) -> None:
         """Run one line and write its output line (none for a 503: the engine stopped)."""
