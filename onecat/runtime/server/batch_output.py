@@ -2,7 +2,8 @@
 
 ``open_output`` opens OUTPUT for appending under an exclusive lock (a second job writing the
 same file is refused). Without ``resume`` an existing non-empty OUTPUT is refused. With
-``resume`` the lines already there say which input lines are done (``Done``); a trailing
+``resume`` the lines already there say which input lines are done (``Done``: custom_ids,
+and line numbers for refused lines, so resume with the same INPUT); a trailing
 partial line (a job killed in the middle of a write) is cut off first: the bytes after the
 last newline were never a whole line, so nothing complete is lost. Any whole line that is not
 a batch output line is refused: the file was not written by ``onecat batch``.
