@@ -448,6 +448,64 @@ def generate(artifact: str, prompt: str, chat: bool, max_tokens: int, temperatur
     click.secho(f"[{time.perf_counter() - start:.2f} s, {engine.model_name}]", fg="cyan", err=True)
 
 
+@main.command()
+@click.argument("input_path", metavar="INPUT.jsonl", type=click.Path(exists=True, dir_okay=False))
+@click.option("-o", "--output", "output_path", required=True, type=click.Path(dir_okay=False),
+              help="Output JSONL (OpenAI's batch output lines), only ever appended with whole lines.")
+@_engine_options
+@click.option("--resume", is_flag=True,
+              help="Skip the requests OUTPUT already answers and append the rest (after a killed "
+                   "or interrupted run).")
+@click.option("--max-concurrency", type=click.IntRange(min=1), default=None,
+              help="Most requests in flight at once (default: --max-num-seqs, a full engine batch).")
+@click.option("--served-model-name", default=None,
+              help="Model name the lines' \"model\" fields must match (default: the path).")
+@click.option("--trust-request-chat-template", is_flag=True,
+              help="Let lines bring their own chat template (arbitrary Jinja).")
+@click.option("--enable-auto-tool-choice", is_flag=True,
+              help="Let the model decide when to call tools; needs --tool-call-parser.")
+@click.option("--tool-call-parser", default=None, metavar="NAME",
+              help="The model's tool-call format: qwen3_coder (alias qwen3_xml) or hermes.")
+@click.option("--reasoning-parser", default=None, metavar="NAME",
+              help="Split <think>...</think> off into reasoning_content: qwen3.")
+@click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
+@_friendly
+def batch(input_path: str, output_path: str, artifact: str, resume: bool, max_concurrency: int | None,
+          served_model_name: str | None, trust_request_chat_template: bool,
+          enable_auto_tool_choice: bool, tool_call_parser: str | None, reasoning_parser: str | None,
+          no_progress: bool, **engine_flags: Any) -> None:
+    """Run the requests of INPUT.jsonl (OpenAI's Batch format: custom_id, method, url of
+    /v1/chat/completions or /v1/completions, body) on ARTIFACT, as `onecat serve` would answer
+    them, and write one output line per request to OUTPUT."""
+    from rich.console import Console
+
+    from onecat.runtime.engine import LLMEngine
+    from onecat.runtime.server.batch import prepare_batch, summary_table
+    from onecat.runtime.server.chat_plan import ChatOptions
+
+    chat_options = ChatOptions(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
+    chat_options.check()  # before the model loads
+    job = prepare_batch(input_path, output_path, resume=resume)  # refusals before the model loads
+    try:
+        engine = LLMEngine(_engine_config(artifact, served_model_name, **engine_flags))
+    except BaseException:
+        job.close()
+        raise
+    try:
+        summary = job.run(engine, max_concurrency=max_concurrency, show_progress=not no_progress,
+                          chat_options=chat_options,
+                          trust_request_chat_template=trust_request_chat_template)
+    finally:
+        engine.close()
+    Console(stderr=True).print(summary_table(summary))
+    if summary.stopped:
+        raise OnecatError(f"the job stopped early: {summary.stopped}; {summary.written} lines written "
+                          f"to {output_path}; rerun with --resume to run the rest")
+    click.secho(f"wrote {summary.written} lines to {output_path} ({summary.failed} errors): "
+                f"{summary.completion_tokens} tokens generated in {summary.wall_time:.2f} s, "
+                f"{summary.tokens_per_second:.2f} tok/s", fg="green" if not summary.failed else "yellow", err=True)
+
+
 # --- bench (onecat.benchmarks: a client, it imports no engine) ---------------------------
 
 
