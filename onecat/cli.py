@@ -326,7 +326,7 @@ def _parser_flags_for_vllm(enable_auto_tool_choice: bool, tool_call_parser: str 
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--api-key", envvar="ONECAT_API_KEY", default=None,
-              help="Require 'Authorization: Bearer KEY' on /v1 routes (env ONECAT_API_KEY).")
+              help="Require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize (env ONECAT_API_KEY).")
 @click.option("--served-model-name", default=None, help="Model name in the API (default: the path).")
 @click.option("--max-queue-len", type=int, default=512, show_default=True,
               help="Requests allowed to wait; beyond it the server answers 429.")
@@ -372,7 +372,7 @@ def serve(artifact: str, host: str, port: int, api_key: str | None, served_model
           tensor_parallel_size: int, pipeline_parallel_size: int, vllm_args: tuple[str, ...],
           **engine_flags: Any) -> None:
     """Serve ARTIFACT (packed, AWQ or fp16/bf16 checkpoint) with an OpenAI-compatible API:
-    /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics, /version."""
+    /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health, /metrics, /version."""
     if engine_name == "vllm":
         from onecat.vllm_plugin.launcher import serve_from_onecat_flags
 
