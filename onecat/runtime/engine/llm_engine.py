@@ -316,8 +316,7 @@ class LLMEngine:
         outputs = []
         for seq, pick in zip(sampled, picks, strict=True):
             try:  # free while nothing raises (Python 3.11+): no per-token cost
-                outputs.append(self._fail(seq, pick, log=not isinstance(pick, NonFiniteLogits))
-                               if isinstance(pick, Exception) else self._append(seq, *pick))
+                outputs.append(self._fail(seq, pick) if isinstance(pick, Exception) else self._append(seq, *pick))
             except Exception as exc:
                 outputs.append(self._fail(seq, exc))
         return outputs
@@ -404,7 +403,7 @@ class LLMEngine:
                 outputs.append(self._fail(seq, step.failures[row]))
                 continue
             if token < 0:
-                outputs.append(self._fail(seq, self._nonfinite(seq, step.pass_name, position), log=False))
+                outputs.append(self._fail(seq, self._nonfinite(seq, step.pass_name, position)))
                 continue
             if position < seq.num_tokens:
                 seq.token_ids[position] = token
@@ -505,7 +504,7 @@ class LLMEngine:
                 committed = seq.num_tokens
                 out = self._append_tokens(seq, tokens, logprobs)
             except Exception as exc:
-                outputs.append(self._fail(seq, exc, log=not isinstance(exc, NonFiniteLogits)))
+                outputs.append(self._fail(seq, exc))
                 continue
             outputs.append(out)
             if not out.finished and self._drafts_for(seq):
@@ -599,7 +598,7 @@ class LLMEngine:
 
     def _fail(self, seq: Sequence, exc: Exception, log: bool = True) -> RequestOutput:
         """Finish ``seq`` with ``finish_reason`` "error" after ``exc``; free its blocks and slot."""
-        if log:
+        if log and not isinstance(exc, NonFiniteLogits):  # that one was logged where it was found
             logger.error("request %s failed in the engine step; the others carry on", seq.request_id,
                          exc_info=exc)
         if seq.status != SequenceStatus.FINISHED:

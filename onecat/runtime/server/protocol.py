@@ -84,13 +84,23 @@ def refuse_invalid_unicode(data: Any) -> None:
             stack.extend((item, f"{path}.{i}") for i, item in enumerate(value) if isinstance(item, str | dict | list))
 
 
+class UnicodeChecked(BaseModel):
+    """A request body whose raw strings are checked by :func:`refuse_invalid_unicode` first."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        refuse_invalid_unicode(data)
+        return data
+
+
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a final chunk with the token counts."""
 
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(UnicodeChecked):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
@@ -114,12 +124,6 @@ class SamplingFields(BaseModel):
     min_tokens: Int = Field(default=0, ge=0, le=MAX_INT32)
     logit_bias: Annotated[dict[str, Float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     user: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        refuse_invalid_unicode(data)
-        return data
 
     def stop_strings(self) -> list[str]:
         """``stop`` as a list (OpenAI accepts one string or a list)."""
@@ -349,7 +353,7 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(UnicodeChecked):
     """A /tokenize request, vLLM's two bodies in one: ``prompt`` (text, tokenised with the
     tokenizer's special tokens unless ``add_special_tokens`` is false) or ``messages``
     (rendered by the chat template with ``add_generation_prompt`` / ``continue_final_message``,
@@ -368,12 +372,6 @@ class TokenizeRequest(BaseModel):
     tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        refuse_invalid_unicode(data)
-        return data
 
     def refuse_unsupported(self) -> None:
         """400 naming the field: neither or both of ``prompt`` and ``messages``, or both
