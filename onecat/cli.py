@@ -327,6 +327,10 @@ def _parser_flags_for_vllm(enable_auto_tool_choice: bool, tool_call_parser: str 
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--api-key", envvar="ONECAT_API_KEY", default=None,
               help="Require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize (env ONECAT_API_KEY).")
+@click.option("--data-parallel-size", "-dp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Engine replicas, each in its own process on its own -tp GPUs (fewer GPUs: "
+                   "replicas share them, each with its share of --gpu-memory-utilization); "
+                   "one endpoint routes to the least-loaded live replica, with prefix affinity.")
 @click.option("--served-model-name", default=None, help="Model name in the API (default: the path).")
 @click.option("--max-queue-len", type=int, default=512, show_default=True,
               help="Requests allowed to wait; beyond it the server answers 429.")
@@ -370,11 +374,14 @@ def serve(artifact: str, host: str, port: int, api_key: str | None, served_model
           structured_outputs_compile_timeout: float, enable_auto_tool_choice: bool,
           tool_call_parser: str | None, reasoning_parser: str | None, engine_name: str,
           tensor_parallel_size: int, pipeline_parallel_size: int, vllm_args: tuple[str, ...],
-          **engine_flags: Any) -> None:
+          data_parallel_size: int, **engine_flags: Any) -> None:
     """Serve ARTIFACT (packed, AWQ or fp16/bf16 checkpoint) with an OpenAI-compatible API:
     /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health, /metrics, /version."""
     if engine_name == "vllm":
         from onecat.vllm_plugin.launcher import serve_from_onecat_flags
+
+        if data_parallel_size != 1:
+            vllm_args = ("--data-parallel-size", str(data_parallel_size), *vllm_args)
 
         server_args = _server_flags_for_vllm(trust_request_chat_template, max_request_body_bytes,
                                              shutdown_timeout)
@@ -395,16 +402,21 @@ def serve(artifact: str, host: str, port: int, api_key: str | None, served_model
     if pipeline_parallel_size != 1 or vllm_args:
         raise OnecatError("--pipeline-parallel-size and --vllm-arg need --engine vllm (the "
                           "embedded engine splits a model over the GPUs of one host only)")
-    from onecat.runtime.engine import LLMEngine
+    from onecat.runtime.core.replicas import ReplicaSet
     from onecat.runtime.server.chat_plan import ChatOptions
+    from onecat.runtime.server.launcher import log_to_stderr
     from onecat.runtime.server.launcher import serve as serve_http
 
     chat_options = ChatOptions(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
     chat_options.check()  # before the model loads
-    engine = LLMEngine(_engine_config(artifact, served_model_name,
-                                      tensor_parallel_size=tensor_parallel_size, **engine_flags))
+    log_to_stderr(log_level)
+    engine = ReplicaSet(_engine_config(artifact, served_model_name, tensor_parallel_size=tensor_parallel_size,
+                                       **engine_flags),
+                        data_parallel_size, max_queue_len=max_queue_len, log_level=log_level)
+    engine.start()
+    replicas = f", {data_parallel_size} replicas" if data_parallel_size > 1 else ""
     click.secho(f"serving {engine.model_name} on http://{host}:{port}/v1 "
-                f"(max_model_len {engine.max_model_len})", fg="green", err=True)
+                f"(max_model_len {engine.max_model_len}{replicas})", fg="green", err=True)
     serve_http(engine, host=host, port=port, api_key=api_key, max_queue_len=max_queue_len,
                log_level=log_level, trust_request_chat_template=trust_request_chat_template,
                max_request_body_bytes=max_request_body_bytes, shutdown_timeout=shutdown_timeout,
@@ -456,8 +468,13 @@ def generate(artifact: str, prompt: str, chat: bool, max_tokens: int, temperatur
 @click.option("--resume", is_flag=True,
               help="Skip the requests OUTPUT already answers and append the rest (after a killed "
                    "or interrupted run).")
+@click.option("--data-parallel-size", "-dp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Engine replicas, each in its own process on its own -tp GPUs (fewer GPUs: "
+                   "replicas share them, each with its share of --gpu-memory-utilization); "
+                   "one endpoint routes to the least-loaded live replica, with prefix affinity.")
 @click.option("--max-concurrency", type=click.IntRange(min=1), default=None,
-              help="Most requests in flight at once (default: --max-num-seqs, a full engine batch).")
+              help="Most requests in flight at once (default: --max-num-seqs per replica, full "
+                   "engine batches).")
 @click.option("--served-model-name", default=None,
               help="Model name the lines' \"model\" fields must match (default: the path).")
 @click.option("--trust-request-chat-template", is_flag=True,
@@ -471,7 +488,7 @@ def generate(artifact: str, prompt: str, chat: bool, max_tokens: int, temperatur
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 @_friendly
 def batch(input_path: str, output_path: str, artifact: str, resume: bool, max_concurrency: int | None,
-          served_model_name: str | None, trust_request_chat_template: bool,
+          data_parallel_size: int, served_model_name: str | None, trust_request_chat_template: bool,
           enable_auto_tool_choice: bool, tool_call_parser: str | None, reasoning_parser: str | None,
           no_progress: bool, **engine_flags: Any) -> None:
     """Run the requests of INPUT.jsonl (OpenAI's Batch format: custom_id, method, url of
@@ -479,15 +496,19 @@ def batch(input_path: str, output_path: str, artifact: str, resume: bool, max_co
     them, and write one output line per request to OUTPUT."""
     from rich.console import Console
 
-    from onecat.runtime.engine import LLMEngine
-    from onecat.runtime.server.batch import prepare_batch, summary_table
+    from onecat.runtime.core.replicas import ReplicaSet
+    from onecat.runtime.server.batch import UNBOUNDED_QUEUE, prepare_batch, summary_table
     from onecat.runtime.server.chat_plan import ChatOptions
+    from onecat.runtime.server.launcher import log_to_stderr
 
     chat_options = ChatOptions(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
     chat_options.check()  # before the model loads
     job = prepare_batch(input_path, output_path, resume=resume)  # refusals before the model loads
+    log_to_stderr("warning")
     try:
-        engine = LLMEngine(_engine_config(artifact, served_model_name, **engine_flags))
+        engine = ReplicaSet(_engine_config(artifact, served_model_name, **engine_flags), data_parallel_size,
+                            max_queue_len=UNBOUNDED_QUEUE, log_level="warning")
+        engine.start()
     except BaseException:
         job.close()
         raise
