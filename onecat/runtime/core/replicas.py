@@ -41,7 +41,7 @@ import zmq
 
 from onecat.errors import OnecatError
 from onecat.runtime.config import EngineConfig
-from onecat.runtime.core.client import EngineCoreClient, EngineStartError
+from onecat.runtime.core.client import EngineCoreClient
 from onecat.runtime.core.messages import (
     AbortRequests,
     AddRequests,
@@ -289,7 +289,7 @@ class ReplicaSet:
                 return
             try:
                 self._start_replica(replica)
-            except EngineStartError as exc:
+            except Exception as exc:  # EngineStartError, or the sockets could not be made
                 replica.reason = str(exc)
                 replica.died.set()
                 continue
