@@ -66,14 +66,22 @@ def kv_element_bytes(kv_cache_dtype: str, activation_bytes: int) -> int:
     return activation_bytes if size is None else size
 
 
-def kv_block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, element_bytes: int) -> int:
+def kv_block_bytes(
+    num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, element_bytes: int
+) -> int:
     """Bytes of one KV block (keys and values of ``block_size`` tokens) over ``num_layers``
     full-attention layers of one GPU."""
     return num_layers * block_size * 2 * num_kv_heads * head_dim * element_bytes
 
 
-def gdn_state_bytes(conv_dim: int, conv_kernel: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
-                    element_bytes: int) -> int:
+def gdn_state_bytes(
+    conv_dim: int,
+    conv_kernel: int,
+    num_v_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    element_bytes: int,
+) -> int:
     """Bytes of one sequence's states in one GDN layer: the last ``conv_kernel - 1`` conv
     inputs (activation dtype) and the fp32 recurrent state ``[H_v, d_k, d_v]``."""
     conv = conv_dim * (conv_kernel - 1) * element_bytes
@@ -132,8 +140,15 @@ class CachePlan:
         return min(self.num_slots, self.num_blocks // self.shape.blocks_for(tokens))
 
 
-def plan_caches(budget: int, shape: CacheShape, *, max_num_seqs: int, max_len: int, prefix_caching: bool,
-                num_kv_blocks: int | None = None) -> CachePlan:
+def plan_caches(
+    budget: int,
+    shape: CacheShape,
+    *,
+    max_num_seqs: int,
+    max_len: int,
+    prefix_caching: bool,
+    num_kv_blocks: int | None = None,
+) -> CachePlan:
     """Split ``budget`` bytes (one GPU's KV cache + GDN state pool) into KV blocks, state slots
     and state checkpoints as the module docstring says. ``max_len``: the longest sequence
     (only used without full-attention layers, where blocks cost nothing); ``num_kv_blocks``
@@ -144,7 +159,9 @@ def plan_caches(budget: int, shape: CacheShape, *, max_num_seqs: int, max_len: i
     per_slot = shape.per_slot_bytes
     if per_slot and slots * per_slot > available // SLOT_SHARE:
         slots = max(1, available // SLOT_SHARE // per_slot)
-    checkpoints = min(max_num_seqs, MAX_STATE_CHECKPOINTS) if prefix_caching and shape.slot_bytes else 0
+    checkpoints = (
+        min(max_num_seqs, MAX_STATE_CHECKPOINTS) if prefix_caching and shape.slot_bytes else 0
+    )
     if checkpoints:
         checkpoints = max(0, min(checkpoints, available // CHECKPOINT_SHARE // shape.slot_bytes))
         available -= checkpoints * shape.slot_bytes
@@ -158,8 +175,11 @@ def plan_caches(budget: int, shape: CacheShape, *, max_num_seqs: int, max_len: i
 
 
 def gib(n: float) -> str:
-    """``n`` bytes as GiB with two decimals."""
-    return f"{n / 2**30:.2f} GiB"
+    """``n`` bytes for people: GiB with two decimals, MiB or KiB below 1 GiB / 1 MiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
 
 
 def fit_hints(tensor_parallel_size: int, kv_cache_dtype: str = "auto") -> str:
@@ -167,15 +187,25 @@ def fit_hints(tensor_parallel_size: int, kv_cache_dtype: str = "auto") -> str:
     (those of :data:`KV_CACHE_DTYPES` smaller than the current one), a larger budget, fewer
     sequences or a shorter context."""
     current = KV_CACHE_DTYPES.get(kv_cache_dtype) or 2
-    smaller = [name for name, size in KV_CACHE_DTYPES.items() if size is not None and size < current]
+    smaller = [
+        name for name, size in KV_CACHE_DTYPES.items() if size is not None and size < current
+    ]
     hints = [f"-tp {2 * tensor_parallel_size} (more GPUs)"]
     hints += [f"--kv-cache-dtype {name}" for name in smaller]
-    hints += ["a larger --kv-cache-memory-bytes or --gpu-memory-utilization", "a lower --max-num-seqs"]
+    hints += [
+        "a larger --kv-cache-memory-bytes or --gpu-memory-utilization",
+        "a lower --max-num-seqs",
+    ]
     return ", ".join(hints)
 
 
-def check_fits(plan: CachePlan, max_model_len: int | None, *, tensor_parallel_size: int = 1,
-               kv_cache_dtype: str = "auto") -> None:
+def check_fits(
+    plan: CachePlan,
+    max_model_len: int | None,
+    *,
+    tensor_parallel_size: int = 1,
+    kv_cache_dtype: str = "auto",
+) -> None:
     """Raise OnecatError ("does not fit: ...", naming the flags) unless ``plan`` holds one
     sequence of ``max_model_len`` tokens (None: at least one KV block)."""
     shape = plan.shape
@@ -186,8 +216,11 @@ def check_fits(plan: CachePlan, max_model_len: int | None, *, tensor_parallel_si
         return
     need = shape.blocks_for(tokens)
     wanted = f"one --max-model-len {max_model_len} sequence" if max_model_len else "one sequence"
-    shorter = (f"a lower --max-model-len (at most {plan.capacity_tokens} fits)" if plan.capacity_tokens
-               else "a lower --max-model-len")
+    shorter = (
+        f"a lower --max-model-len (at most {plan.capacity_tokens} fits)"
+        if plan.capacity_tokens
+        else "a lower --max-model-len"
+    )
     raise OnecatError(
         f"does not fit: {wanted} needs {need} KV blocks of {shape.block_size} tokens "
         f"({gib(need * shape.block_bytes)}) and a GDN state slot ({gib(shape.per_slot_bytes)}) per GPU, "
@@ -198,8 +231,14 @@ def check_fits(plan: CachePlan, max_model_len: int | None, *, tensor_parallel_si
     )
 
 
-def no_room_message(used: int, usable: int, what: str, *, tensor_parallel_size: int = 1,
-                    kv_cache_dtype: str = "auto") -> str:
+def no_room_message(
+    used: int,
+    usable: int,
+    what: str,
+    *,
+    tensor_parallel_size: int = 1,
+    kv_cache_dtype: str = "auto",
+) -> str:
     """The "does not fit" message when ``what`` (weights and runtime reserves, ``used`` bytes)
     leave nothing of the ``usable`` bytes for the caches."""
     return (
@@ -210,10 +249,22 @@ def no_room_message(used: int, usable: int, what: str, *, tensor_parallel_size: 
 
 
 _SUFFIXES = {
-    "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,  # vLLM's decimal suffixes
-    "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40,  # vLLM's binary suffixes
-    "kB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-    "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,  # vLLM's decimal suffixes
+    "K": 2**10,
+    "M": 2**20,
+    "G": 2**30,
+    "T": 2**40,  # vLLM's binary suffixes
+    "kB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KiB": 2**10,
+    "MiB": 2**20,
+    "GiB": 2**30,
+    "TiB": 2**40,
 }
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([A-Za-z]*)")
 
@@ -235,16 +286,19 @@ def parse_bytes(text: str | int, flag: str) -> int:
         number = match.group(1)
         binary = unit in ("K", "M", "G", "T") or unit.endswith("iB")
         if "." in number and (binary or not unit):
-            raise OnecatError(f"{flag} {text!r}: a fraction needs a decimal unit (k m g t, kB MB GB TB), "
-                              "e.g. 8.5GB, or whole binary units, e.g. 8704M")
+            raise OnecatError(
+                f"{flag} {text!r}: a fraction needs a decimal unit (k m g t, kB MB GB TB), "
+                "e.g. 8.5GB, or whole binary units, e.g. 8704M"
+            )
         value = int(float(number) * _SUFFIXES[unit]) if unit else int(number)
     if value <= 0:
         raise OnecatError(f"{flag} must be a positive number of bytes, got {text!r}")
     return value
 
 
-
-def model_cache_shape(model: Any, block_size: int, kv_cache_dtype: str = "auto", num_drafts: int = 0) -> CacheShape:
+def model_cache_shape(
+    model: Any, block_size: int, kv_cache_dtype: str = "auto", num_drafts: int = 0
+) -> CacheShape:
     """The :class:`CacheShape` of a built model (a rank's shard; real or meta tensors): its
     full-attention layers (the MTP head's included) and GDN layers, as the engine allocates
     them (KV in ``kv_cache_dtype``, conv states in the model's dtype)."""
@@ -257,7 +311,15 @@ def model_cache_shape(model: Any, block_size: int, kv_cache_dtype: str = "auto",
     element = kv_element_bytes(kv_cache_dtype, dtype_bytes)
     block = kv_block_bytes(attention, cfg.num_key_value_heads, cfg.head_dim, block_size, element)
     slot = sum(
-        gdn_state_bytes(m.conv_dim, m.conv1d.weight.shape[1], m.num_v_heads, m.head_k_dim, m.head_v_dim, dtype_bytes)
-        for m in model.modules() if isinstance(m, GatedDeltaNet)
+        gdn_state_bytes(
+            m.conv_dim,
+            m.conv1d.weight.shape[1],
+            m.num_v_heads,
+            m.head_k_dim,
+            m.head_v_dim,
+            dtype_bytes,
+        )
+        for m in model.modules()
+        if isinstance(m, GatedDeltaNet)
     )
     return CacheShape(block_size, block, slot, num_drafts)

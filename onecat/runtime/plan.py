@@ -69,7 +69,9 @@ def activation_bytes(cfg: ModelConfig, tokens: int, max_num_seqs: int, dtype_byt
     key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
     value_dim = cfg.linear_num_value_heads * cfg.linear_value_head_dim
     gdn = 2 * (2 * key_dim + value_dim) + 3 * value_dim + 2 * cfg.linear_num_value_heads
-    attention = 4 * cfg.num_attention_heads * cfg.head_dim + 2 * cfg.num_key_value_heads * cfg.head_dim
+    attention = (
+        4 * cfg.num_attention_heads * cfg.head_dim + 2 * cfg.num_key_value_heads * cfg.head_dim
+    )
     per_token = 4 * cfg.hidden_size + max(mlp, gdn, attention)
     rows = min(max_num_seqs, tokens)
     logits = rows * cfg.lm_head_rows * dtype_bytes
@@ -78,8 +80,15 @@ def activation_bytes(cfg: ModelConfig, tokens: int, max_num_seqs: int, dtype_byt
     return tokens * per_token * dtype_bytes * ACTIVATION_SLACK + logits
 
 
-def shard_model(cfg: ModelConfig, quant: QuantPlan, tensor_parallel_size: int, dtype: torch.dtype, *,
-                mtp: bool = False, source: str = "config.json") -> torch.nn.Module:
+def shard_model(
+    cfg: ModelConfig,
+    quant: QuantPlan,
+    tensor_parallel_size: int,
+    dtype: torch.dtype,
+    *,
+    mtp: bool = False,
+    source: str = "config.json",
+) -> torch.nn.Module:
     """Rank 0's model on the meta device, as the engine builds it (shared experts folded)."""
     from onecat.runtime.models.qwen3_5 import Qwen3_5ForCausalLM, fold_shared_experts
 
@@ -169,12 +178,25 @@ class CapacityReport:
 
 
 def plan_capacity(
-    cfg: ModelConfig, quant: QuantPlan, *, gpu_memory: int | None, tensor_parallel_size: int = 1,
-    kv_cache_dtype: str = "auto", max_model_len: int | None = None, kv_cache_memory_bytes: int | None = None,
-    max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, gpu_memory_utilization: float = 0.92,
-    enable_prefix_caching: bool = True, enforce_eager: bool = False, kv_block_size: int = 16,
-    num_kv_blocks: int | None = None, dtype: torch.dtype = torch.float16, num_drafts: int = 0,
-    model_name: str = "model", source: str = "config.json",
+    cfg: ModelConfig,
+    quant: QuantPlan,
+    *,
+    gpu_memory: int | None,
+    tensor_parallel_size: int = 1,
+    kv_cache_dtype: str = "auto",
+    max_model_len: int | None = None,
+    kv_cache_memory_bytes: int | None = None,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 2048,
+    gpu_memory_utilization: float = 0.92,
+    enable_prefix_caching: bool = True,
+    enforce_eager: bool = False,
+    kv_block_size: int = 16,
+    num_kv_blocks: int | None = None,
+    dtype: torch.dtype = torch.float16,
+    num_drafts: int = 0,
+    model_name: str = "model",
+    source: str = "config.json",
 ) -> CapacityReport:
     """The capacity of model ``cfg`` (``quant``: its packed linears) per GPU under the engine's
     flags (vLLM's names). ``gpu_memory`` None: no GPU check, ``kv_cache_memory_bytes`` required.
@@ -183,7 +205,9 @@ def plan_capacity(
     capacity.check_kv_cache_dtype(kv_cache_dtype)
     if gpu_memory is None and kv_cache_memory_bytes is None:
         raise OnecatError("give --gpu-memory (the memory of one GPU) or --kv-cache-memory-bytes")
-    model = shard_model(cfg, quant, tensor_parallel_size, dtype, mtp=bool(num_drafts), source=source)
+    model = shard_model(
+        cfg, quant, tensor_parallel_size, dtype, mtp=bool(num_drafts), source=source
+    )
     local: ModelConfig = model.config
     weights = weight_bytes(model)
     shape = capacity.model_cache_shape(model, kv_block_size, kv_cache_dtype, num_drafts)
@@ -206,35 +230,60 @@ def plan_capacity(
             usable = gpu_memory
             left = gpu_memory - weights - sum(overheads.values())
             if kv_cache_memory_bytes > left:
-                problem = (f"does not fit: --kv-cache-memory-bytes {kv_cache_memory_bytes} "
-                           f"({gib(kv_cache_memory_bytes)}) exceeds the {gib(max(0, left))} the weights "
-                           f"({gib(weights)}) and runtime reserves ({gib(sum(overheads.values()))}) leave of "
-                           f"--gpu-memory {gib(gpu_memory)}; lower it, or use "
-                           f"{capacity.fit_hints(tensor_parallel_size, kv_cache_dtype)}")
+                problem = (
+                    f"does not fit: --kv-cache-memory-bytes {kv_cache_memory_bytes} "
+                    f"({gib(kv_cache_memory_bytes)}) exceeds the {gib(max(0, left))} the weights "
+                    f"({gib(weights)}) and runtime reserves ({gib(sum(overheads.values()))}) leave of "
+                    f"--gpu-memory {gib(gpu_memory)}; lower it, or use "
+                    f"{capacity.fit_hints(tensor_parallel_size, kv_cache_dtype)}"
+                )
     else:
         usable = int(gpu_memory * gpu_memory_utilization)
         budget, budget_from = usable - weights - sum(overheads.values()), "--gpu-memory-utilization"
         if budget <= 0:
             problem = capacity.no_room_message(
-                weights + sum(overheads.values()), usable, "the weights and runtime reserves (estimated)",
-                tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype)
-    cache = capacity.plan_caches(max(budget, 0), shape, max_num_seqs=max_num_seqs, max_len=wanted_len,
-                                 prefix_caching=enable_prefix_caching and shape.slot_bytes > 0,
-                                 num_kv_blocks=num_kv_blocks)
+                weights + sum(overheads.values()),
+                usable,
+                "the weights and runtime reserves (estimated)",
+                tensor_parallel_size=tensor_parallel_size,
+                kv_cache_dtype=kv_cache_dtype,
+            )
+    cache = capacity.plan_caches(
+        max(budget, 0),
+        shape,
+        max_num_seqs=max_num_seqs,
+        max_len=wanted_len,
+        prefix_caching=enable_prefix_caching and shape.slot_bytes > 0,
+        num_kv_blocks=num_kv_blocks,
+    )
     if problem is None:
         try:
-            capacity.check_fits(cache, max_model_len, tensor_parallel_size=tensor_parallel_size,
-                                kv_cache_dtype=kv_cache_dtype)
+            capacity.check_fits(
+                cache,
+                max_model_len,
+                tensor_parallel_size=tensor_parallel_size,
+                kv_cache_dtype=kv_cache_dtype,
+            )
         except OnecatError as exc:
             problem = str(exc)
     report = CapacityReport(
-        model=model_name, tensor_parallel_size=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype,
-        gpu_memory=gpu_memory, usable_bytes=usable, budget_from=budget_from, weight_bytes=weights,
-        overheads=overheads, cache=cache, max_model_len=max_model_len, model_max_len=cfg.max_position_embeddings,
+        model=model_name,
+        tensor_parallel_size=tensor_parallel_size,
+        kv_cache_dtype=kv_cache_dtype,
+        gpu_memory=gpu_memory,
+        usable_bytes=usable,
+        budget_from=budget_from,
+        weight_bytes=weights,
+        overheads=overheads,
+        cache=cache,
+        max_model_len=max_model_len,
+        model_max_len=cfg.max_position_embeddings,
         problem=problem,
     )
     for length in CONCURRENCY_LENGTHS:
-        report.concurrency[length] = 0 if problem or length > report.serving_len else cache.concurrency(length)
+        report.concurrency[length] = (
+            0 if problem or length > report.serving_len else cache.concurrency(length)
+        )
     return report
 
 
@@ -252,7 +301,9 @@ def plan_artifact(path: str | Path, **flags: Any) -> CapacityReport:
     """:func:`plan_capacity` of the checkpoint or packed artifact at ``path``."""
     path = Path(path)
     cfg, quant = read_artifact(path)
-    return plan_capacity(cfg, quant, model_name=path.name, source=str(path / "config.json"), **flags)
+    return plan_capacity(
+        cfg, quant, model_name=path.name, source=str(path / "config.json"), **flags
+    )
 
 
 def check_engine_config(config: EngineConfig, dtype: torch.dtype) -> None:
@@ -267,11 +318,18 @@ def check_engine_config(config: EngineConfig, dtype: torch.dtype) -> None:
         return
     speculation = SpeculativeConfig.parse(config.speculative_config)
     report = plan_artifact(
-        config.model, gpu_memory=None, tensor_parallel_size=config.tensor_parallel_size,
-        kv_cache_dtype=config.kv_cache_dtype, max_model_len=config.max_model_len,
-        kv_cache_memory_bytes=config.kv_cache_memory_bytes, max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens, enable_prefix_caching=config.enable_prefix_caching,
-        kv_block_size=config.kv_block_size, num_kv_blocks=config.num_kv_blocks, dtype=dtype,
+        config.model,
+        gpu_memory=None,
+        tensor_parallel_size=config.tensor_parallel_size,
+        kv_cache_dtype=config.kv_cache_dtype,
+        max_model_len=config.max_model_len,
+        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        enable_prefix_caching=config.enable_prefix_caching,
+        kv_block_size=config.kv_block_size,
+        num_kv_blocks=config.num_kv_blocks,
+        dtype=dtype,
         num_drafts=speculation.num_speculative_tokens if speculation else 0,
     )
     if report.problem:
@@ -282,20 +340,27 @@ def report_table(report: CapacityReport) -> Any:
     """The report as a rich table (``onecat plan``)."""
     from rich.table import Table
 
-    table = Table(title=f"{report.model}: per GPU, -tp {report.tensor_parallel_size}, "
-                        f"--kv-cache-dtype {report.kv_cache_dtype}", show_header=False)
+    table = Table(
+        title=f"{report.model}: per GPU, -tp {report.tensor_parallel_size}, "
+        f"--kv-cache-dtype {report.kv_cache_dtype}",
+        show_header=False,
+    )
     table.add_column("item")
     table.add_column("value", justify="right")
     table.add_column("note")
     cache, shape = report.cache, report.cache.shape
     if report.gpu_memory is not None:
-        table.add_row("GPU memory", gib(report.gpu_memory),
-                      "usable (x --gpu-memory-utilization): " + gib(report.usable_bytes or 0)
-                      if report.budget_from == "--gpu-memory-utilization" else "--kv-cache-memory-bytes given")
+        table.add_row(
+            "GPU memory",
+            gib(report.gpu_memory),
+            "usable (x --gpu-memory-utilization): " + gib(report.usable_bytes or 0)
+            if report.budget_from == "--gpu-memory-utilization"
+            else "--kv-cache-memory-bytes given",
+        )
     table.add_row("weights", gib(report.weight_bytes), "exact: the tensors the engine allocates")
     notes = {
-        "non_torch": "CUDA context, kernels (NON_TORCH_BYTES" + (" + TP_COMMUNICATION_BYTES)" if
-                                                                  report.tensor_parallel_size > 1 else ")"),
+        "non_torch": "CUDA context, kernels (NON_TORCH_BYTES"
+        + (" + TP_COMMUNICATION_BYTES)" if report.tensor_parallel_size > 1 else ")"),
         "activations": "one --max-num-batched-tokens prefill (estimated)",
         "prompt_graphs": "piecewise CUDA graphs' pool (estimated; 0 with --enforce-eager)",
         "sampling": "--max-num-seqs x vocab x SAMPLING_BYTES_PER_LOGIT",
@@ -304,13 +369,24 @@ def report_table(report: CapacityReport) -> Any:
     for name, size in report.overheads.items():
         table.add_row(f"  {name.replace('_', ' ')}", gib(size), notes[name])
     table.add_row("KV cache + GDN states", gib(cache.budget), f"from {report.budget_from}")
-    table.add_row("  KV blocks", str(cache.num_blocks),
-                  f"{shape.block_size} tokens, {shape.block_bytes / 2**20:.2f} MiB each")
-    table.add_row("  state slots", str(cache.num_slots),
-                  f"{shape.per_slot_bytes / 2**20:.1f} MiB each (of --max-num-seqs {cache.wanted_slots})")
+    table.add_row(
+        "  KV blocks",
+        str(cache.num_blocks),
+        f"{shape.block_size} tokens, {gib(shape.block_bytes)} each",
+    )
+    table.add_row(
+        "  state slots",
+        str(cache.num_slots),
+        f"{gib(shape.per_slot_bytes)} each (of --max-num-seqs {cache.wanted_slots})",
+    )
     table.add_row("  state checkpoints", str(cache.num_checkpoints), "prefix caching")
-    table.add_row("longest context", str(cache.capacity_tokens if shape.block_bytes else report.model_max_len),
-                  f"tokens the KV cache holds; max_model_len {report.serving_len}")
+    table.add_row(
+        "longest context",
+        str(cache.capacity_tokens if shape.block_bytes else report.model_max_len),
+        f"tokens the KV cache holds; max_model_len {report.serving_len}",
+    )
     for length, n in report.concurrency.items():
-        table.add_row(f"sequences of {length // 1024}k", str(n), "at once (KV blocks and a state slot each)")
+        table.add_row(
+            f"sequences of {length // 1024}k", str(n), "at once (KV blocks and a state slot each)"
+        )
     return table
