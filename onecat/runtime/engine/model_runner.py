@@ -154,10 +154,8 @@ class ModelRunner:
                 blocks = config.num_kv_blocks or max(
                     per_seq_blocks, min(CPU_KV_CACHE_BYTES // shape.block_bytes, slots * per_seq_blocks)
                 )
-            self.cache_plan = capacity.CachePlan(
-                blocks * shape.block_bytes + (slots * (1 + self.num_drafts) + self.num_checkpoints) * shape.slot_bytes,
-                blocks, slots, self.num_checkpoints, slots, shape,
-            )
+            plan = capacity.CachePlan(0, blocks, slots, self.num_checkpoints, slots, shape)
+            self.cache_plan = dataclasses.replace(plan, budget=plan.allocated_bytes)  # no budget: what it takes
             return blocks, slots
         if self.device.type == "cuda":
             budget = self._gpu_cache_budget(config, max_len)
