@@ -30,6 +30,34 @@ def _friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _size_option(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    """A click callback: a byte count as vLLM reads it (8589934592, 8G, 8GiB, ...)."""
+    if value is None:
+        return None
+    from onecat.runtime.capacity import parse_bytes
+
+    try:
+        return parse_bytes(value, f"--{param.name.replace('_', '-')}")
+    except OnecatError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _kv_cache_dtype_option(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """A click callback: a ``--kv-cache-dtype`` of ``onecat.runtime.capacity.KV_CACHE_DTYPES``."""
+    from onecat.runtime.capacity import check_kv_cache_dtype
+
+    try:
+        return check_kv_cache_dtype(value)
+    except OnecatError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+KV_CACHE_MEMORY_HELP = ("Exact bytes of each GPU's KV cache + GDN state pool (vLLM's flag: "
+                        "--gpu-memory-utilization then does not size it): bytes, or 8G / 8GiB "
+                        "(2^30), 8g / 8GB (10^9).")
+KV_CACHE_DTYPE_HELP = "KV cache element type (auto: the activations' dtype, fp16 on a GPU)."
+
+
 @click.group()
 @click.version_option(package_name="onecat")
 def main() -> None:
@@ -280,6 +308,10 @@ def _engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True,
                      help="Queue the next decode step on the GPU before reading the tokens of the "
                           "one in flight (overlapped steps; also under tensor parallelism)."),
+        click.option("--kv-cache-memory-bytes", default=None, metavar="SIZE", callback=_size_option,
+                     help=KV_CACHE_MEMORY_HELP),
+        click.option("--kv-cache-dtype", default="auto", show_default=True, callback=_kv_cache_dtype_option,
+                     help=KV_CACHE_DTYPE_HELP),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -287,9 +319,19 @@ def _engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _engine_config(artifact: str, served_model_name: str | None = None, **flags: Any) -> Any:
-    from onecat.runtime.config import EngineConfig
+    """The EngineConfig of the engine flags, refused (as `onecat plan` would) before any weight
+    loads when its exact cache budget (--kv-cache-memory-bytes) cannot hold one --max-model-len
+    sequence."""
+    import torch
 
-    return EngineConfig(model=artifact, served_model_name=served_model_name, **flags)
+    from onecat.runtime.config import EngineConfig
+    from onecat.runtime.engine.llm_engine import resolve_device
+    from onecat.runtime.plan import check_engine_config
+
+    config = EngineConfig(model=artifact, served_model_name=served_model_name, **flags)
+    dtype = torch.float16 if resolve_device(config.device).type == "cuda" else torch.float32
+    check_engine_config(config, dtype)
+    return config
 
 
 def _server_flags_for_vllm(trust_request_chat_template: bool, max_request_body_bytes: int,
@@ -391,6 +433,12 @@ def serve(artifact: str, host: str, port: int, api_key: str | None, served_model
             server_args += ("--disable-custom-all-reduce",)
         if not engine_flags.pop("async_scheduling"):  # on: vLLM's own default decides
             server_args += ("--no-async-scheduling",)
+        kv_cache_memory_bytes = engine_flags.pop("kv_cache_memory_bytes")
+        if kv_cache_memory_bytes is not None:
+            server_args += ("--kv-cache-memory-bytes", str(kv_cache_memory_bytes))
+        kv_cache_dtype = engine_flags.pop("kv_cache_dtype")
+        if kv_cache_dtype != "auto":
+            server_args += ("--kv-cache-dtype", kv_cache_dtype)
         speculative_config = engine_flags.pop("speculative_config")
         if speculative_config is not None:
             server_args += ("--speculative-config", speculative_config)
@@ -525,6 +573,50 @@ def batch(input_path: str, output_path: str, artifact: str, resume: bool, max_co
     click.secho(f"wrote {summary.written} lines to {output_path} ({summary.failed} errors): "
                 f"{summary.completion_tokens} tokens generated in {summary.wall_time:.2f} s, "
                 f"{summary.tokens_per_second:.2f} tok/s", fg="green" if not summary.failed else "yellow", err=True)
+
+
+@main.command("plan")
+@click.argument("artifact", type=click.Path(exists=True, file_okay=False))
+@click.option("--gpu-memory", default=None, metavar="SIZE", callback=_size_option,
+              help="Memory of one GPU, e.g. 32GiB or 16G (needed unless --kv-cache-memory-bytes "
+                   "is given).")
+@click.option("--tensor-parallel-size", "-tp", type=int, default=1, show_default=True,
+              help="GPUs the model is split over.")
+@click.option("--kv-cache-dtype", default="auto", show_default=True, callback=_kv_cache_dtype_option,
+              help=KV_CACHE_DTYPE_HELP)
+@click.option("--max-model-len", type=int, default=None,
+              help="Context length to check (default: the model's, capped by memory, as serve).")
+@click.option("--kv-cache-memory-bytes", default=None, metavar="SIZE", callback=_size_option,
+              help=KV_CACHE_MEMORY_HELP)
+@click.option("--gpu-memory-utilization", type=float, default=0.92, show_default=True,
+              help="Fraction of GPU memory for weights, activations and caches.")
+@click.option("--max-num-seqs", type=int, default=256, show_default=True)
+@click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True)
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True)
+@click.option("--enforce-eager", is_flag=True, help="No CUDA graphs (their memory pool is not reserved).")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@_friendly
+def plan_command(artifact: str, as_json: bool, **flags: Any) -> None:
+    """What ARTIFACT needs per GPU under `onecat serve`'s flags, from config.json and the
+    safetensors headers alone (no GPU, no weights read): weights, runtime reserves, the KV
+    cache + GDN state budget, the longest context and how many 4k / 32k sequences fit. Exits 1
+    with the engine's own message when the configuration does not fit."""
+    import json
+
+    from onecat.runtime.plan import plan_artifact, report_table
+
+    if flags["gpu_memory"] is None and flags["kv_cache_memory_bytes"] is None:
+        raise OnecatError("give --gpu-memory (the memory of one GPU, e.g. 32GiB), or "
+                          "--kv-cache-memory-bytes to size the caches alone")
+    report = plan_artifact(artifact, **flags)
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=2))
+    else:
+        from rich.console import Console
+
+        Console(width=None if sys.stdout.isatty() else 120).print(report_table(report))
+    if not report.fits:
+        raise OnecatError(report.problem)
 
 
 # --- bench (onecat.benchmarks: a client, it imports no engine) ---------------------------
