@@ -1,11 +1,17 @@
 """onecat's HTTP server under `onecat bench serve` on Qwen3.5-27B- and 35B-A3B-shaped random
-packed models (GPU), next to the engine's own decode speed in the same server process.
+packed models (GPU), next to the engine's own speed in the engine-core process.
 
-For each model a server process builds the model at full depth with random packed 4-bit
-weights directly on the GPU (``bench/e2e.py``'s shapes and weights, the real 248,320-token
-vocabulary), times the engine's decode with each benchmarked concurrency as the batch size
-(``e2e.timed_decode``: 128-token prompts, greedy), then serves that engine with onecat's
-OpenAI server (the code path of ``onecat serve`` after loading). The driver runs
+For each model a server process (the API process) starts ``--data-parallel-size``
+engine-core processes (``ReplicaSet``, as ``onecat serve`` does) whose ``engine_factory``
+(``random_engine``) builds the model at full depth with random packed 4-bit weights
+directly on the GPU (``bench/e2e.py``'s shapes and weights, the real 248,320-token
+vocabulary). Replica 0 first times the engine alone: decode with each benchmarked
+concurrency as the batch size (``e2e.timed_decode``: 128-token prompts, greedy), the
+driver's closed-loop workload, and the time to first token of a 128-token prompt. Then the
+server serves the replicas (the code path of ``onecat serve`` after loading).
+``--ttft-run`` adds a run of 128-token prompts one at a time (the API process's added time
+to first token); ``--kill-replica-at S`` SIGKILLs replica 0 S seconds into the last run and
+reports what completed, what failed and the replicas' states after the restart. The driver runs
 ``onecat bench serve`` against it at each concurrency (random prompts of 128-512 tokens and
 25-103 output tokens with ``ignore_eos``: the range ratio applies to both lengths, as in vLLM's
 random dataset; greedy like the engine figures, ``max(8, PROMPTS_PER_SLOT * concurrency)``
@@ -34,6 +40,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -64,45 +71,90 @@ def build_word_tokenizer(out_dir: Path, vocab_size: int = VOCAB) -> Path:
 # ----- the server process ------------------------------------------------------------------
 
 
-def serve_random_model(args: argparse.Namespace) -> None:
-    """Build the random model, time the engine, write its figures, then serve until killed."""
+def random_engine(config, replica: int, model: str, layers: int | None, tokenizer: str, engine_json: str,
+                  engine_batches: list[int], input_len: int, output_len: int, range_ratio: float) -> object:
+    """The engine of one engine-core process (``ReplicaSet``'s ``engine_factory``): the random
+    model built on the GPU, and, in replica 0, the engine's own figures written to
+    ``engine_json`` before it serves (decode at each batch size, the closed-loop workload the
+    driver sends over HTTP, and the time to first token of a 128-token prompt alone)."""
     import e2e  # bench/e2e.py: model shapes, random packed weights, decode timing
     import torch
     from transformers import AutoTokenizer
 
-    from onecat.runtime.config import EngineConfig
     from onecat.runtime.engine import LLMEngine
     from onecat.runtime.models.config import ModelConfig
     from onecat.runtime.models.qwen3_5 import Qwen3_5ForCausalLM
     from onecat.runtime.quant_plan import QuantPlan
-    from onecat.runtime.server.launcher import serve
 
-    raw = e2e.text_config(args.serve_model, args.layers)
+    raw = e2e.text_config(model, layers)
     raw["vocab_size"] = VOCAB
     t0 = time.perf_counter()
     with torch.device("cuda"):
-        model = Qwen3_5ForCausalLM(ModelConfig.from_dict(raw), QuantPlan(default=e2e.GROUP), torch.float16)
-    e2e.fill_random(model)
-    name = f"random-{args.serve_model}"
-    engine = LLMEngine.from_model(
-        EngineConfig(model=name, served_model_name=name, device="cuda", max_num_seqs=args.max_num_seqs,
-                     max_model_len=args.max_model_len),
-        model, AutoTokenizer.from_pretrained(args.tokenizer),
-    )
-    figures = {"model": args.serve_model, "layers": raw["num_hidden_layers"],
-               "setup_s": time.perf_counter() - t0, "engine_decode_tok_s": {}, "engine_workload_tok_s": {}}
-    for batch in args.engine_batches:
+        net = Qwen3_5ForCausalLM(ModelConfig.from_dict(raw), QuantPlan(default=e2e.GROUP), torch.float16)
+    e2e.fill_random(net)
+    engine = LLMEngine.from_model(config, net, AutoTokenizer.from_pretrained(tokenizer))
+    if replica != 0:
+        return engine
+    figures = {"model": model, "layers": raw["num_hidden_layers"], "setup_s": time.perf_counter() - t0,
+               "engine_decode_tok_s": {}, "engine_workload_tok_s": {},
+               "engine_ttft_128_ms": engine_ttft_ms(engine, 128)}
+    print(f"  engine TTFT, 128-token prompt alone: {figures['engine_ttft_128_ms']:.2f} ms", flush=True)
+    for batch in engine_batches:
         figures["engine_decode_tok_s"][batch] = e2e.timed_decode(engine, batch, 128, 24, 1000 * batch)
         print(f"  engine batch {batch}: {figures['engine_decode_tok_s'][batch]:.1f} tok/s", flush=True)
         # the same closed-loop workload the driver sends over HTTP, on the engine alone
-        requests = e2e.workload_requests(max(8, PROMPTS_PER_SLOT * batch), args.input_len, args.output_len, args.range_ratio,
+        requests = e2e.workload_requests(max(8, PROMPTS_PER_SLOT * batch), input_len, output_len, range_ratio,
                                          VOCAB, 7 * batch)
         workload = e2e.timed_workload(engine, requests, batch)
         figures["engine_workload_tok_s"][batch] = workload["output_tok_s"]
         figures.setdefault("engine_workload", {})[batch] = workload
-        print(f"  engine workload at concurrency {batch}: {figures['engine_workload_tok_s'][batch]:.1f} tok/s", flush=True)
-    Path(args.engine_json).write_text(json.dumps(figures))
-    serve(engine, host="127.0.0.1", port=args.port, log_level="warning")
+        print(f"  engine workload at concurrency {batch}: {figures['engine_workload_tok_s'][batch]:.1f} tok/s",
+              flush=True)
+    Path(engine_json).write_text(json.dumps(figures))
+    return engine
+
+
+def engine_ttft_ms(engine, prompt_len: int, runs: int = 9) -> float:
+    """Median time from ``add_request`` to the first token of one ``prompt_len``-token prompt,
+    the engine alone (the baseline of the server's added time to first token)."""
+    import statistics
+
+    from onecat.runtime.sampling_params import SamplingParams
+
+    times = []
+    for run in range(runs + 1):
+        prompt = [(7919 * (run * prompt_len + i)) % (VOCAB - 8) + 4 for i in range(prompt_len)]
+        start = time.perf_counter()
+        engine.add_request(f"ttft-{run}", prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        while not any(out.new_token_ids for out in engine.step()):
+            pass
+        elapsed = time.perf_counter() - start
+        while engine.has_unfinished_requests():
+            engine.step()
+        if run:  # the first one warms up
+            times.append(elapsed)
+    return 1000 * statistics.median(times)
+
+
+def serve_random_model(args: argparse.Namespace) -> None:
+    """The API process: ``data_parallel_size`` engine-core processes build the random model
+    (``random_engine``), then onecat's OpenAI server serves them until killed (the code path
+    of ``onecat serve`` after loading)."""
+    from onecat.runtime.config import EngineConfig
+    from onecat.runtime.core.replicas import ReplicaSet
+    from onecat.runtime.server.launcher import log_to_stderr, serve
+
+    name = f"random-{args.serve_model}"
+    config = EngineConfig(model=args.tokenizer, served_model_name=name, device="cuda",
+                          max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+    factory = {"model": args.serve_model, "layers": args.layers, "tokenizer": args.tokenizer,
+               "engine_json": args.engine_json, "engine_batches": args.engine_batches,
+               "input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio}
+    log_to_stderr("warning")
+    replicas = ReplicaSet(config, args.data_parallel_size, log_level="warning",
+                          engine_factory=("serve_h200:random_engine", factory))
+    replicas.start()
+    serve(replicas, host="127.0.0.1", port=args.port, log_level="warning")
 
 
 # ----- the driver --------------------------------------------------------------------------
@@ -163,6 +215,75 @@ def step_mix(before: dict[str, float], after: dict[str, float]) -> dict:
     }
 
 
+def kill_replica_later(url: str, delay: float, record: dict) -> threading.Thread:
+    """A thread that SIGKILLs replica 0's engine-core process (its pid from /health) after
+    ``delay`` seconds and notes when; the failover test of issue #41 on real replicas."""
+    import httpx
+
+    def kill() -> None:
+        time.sleep(delay)
+        pid = httpx.get(url + "/health", timeout=10).json()["replicas"][0]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        record.update(killed_pid=pid, killed_at_s=delay)
+        print(f"  killed replica 0 (pid {pid}) {delay:g} s into the run", flush=True)
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread
+
+
+def wait_replicas_up(url: str, timeout: float) -> dict:
+    """/health once every replica is up again (or the last answer after ``timeout``)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        health = httpx.get(url + "/health", timeout=10).json()
+        if health["status"] == "ok" or time.monotonic() > deadline:
+            return health
+        time.sleep(1)
+
+
+def serve_run(name: str, url: str, tokenizer: Path, work: Path, c: int, args: argparse.Namespace, *,
+              input_len: int | None = None, range_ratio: float | None = None, output_len: int | None = None,
+              prompts: int | None = None, label: str = "", kill_at: float | None = None) -> dict:
+    """One ``onecat bench serve`` run at concurrency ``c`` (defaults: the driver's workload)."""
+    input_len = args.input_len if input_len is None else input_len
+    range_ratio = args.range_ratio if range_ratio is None else range_ratio
+    output_len = args.output_len if output_len is None else output_len
+    prompts = prompts or max(8, PROMPTS_PER_SLOT * c)
+    tag = f"{name}-c{c}{label}"
+    result_json = work / f"{tag}.json"
+    bench = [sys.executable, "-m", "onecat.cli", "bench", "serve", "--base-url", url,
+             "--tokenizer", str(tokenizer), "--dataset-name", "random",
+             "--random-input-len", str(input_len), "--random-range-ratio", str(range_ratio),
+             "--random-output-len", str(output_len), "--num-prompts", str(prompts),
+             "--max-concurrency", str(c), "--num-warmups", str(c), "--temperature", "0",
+             "--metric-percentiles", "50,99", "--result-json", str(result_json), "--no-progress"]
+    before = step_counters(url)
+    failover: dict = {}
+    killer = kill_replica_later(url, kill_at, failover) if kill_at is not None else None
+    done = subprocess.run(bench, capture_output=True, text=True)
+    if killer is not None:
+        killer.join()
+        failover["health_after"] = wait_replicas_up(url, 300)
+    mix = step_mix(before, step_counters(url))
+    (work / f"{tag}.log").write_text(done.stdout + done.stderr)
+    if not result_json.exists():
+        raise SystemExit(f"onecat bench serve failed at concurrency {c}:\n{done.stdout}{done.stderr}")
+    result = json.loads(result_json.read_text())
+    result = {k: v for k, v in result.items() if not isinstance(v, list)}  # no per-request lists
+    share = "-" if mix["prompt_step_share"] is None else f"{mix['prompt_step_share']:.0%}"
+    print(f"  c{c}{label}: {result['completed']}/{prompts} ok, {result['output_throughput']:.1f} output tok/s, "
+          f"TTFT median {result['median_ttft_ms']:.1f} ms; {mix['steps']} engine steps, {share} with "
+          f"prompt tokens, {mix['tokens_per_step'] or 0:.1f} output tokens a step", flush=True)
+    if failover:
+        print(f"  failover: {result['completed']} completed, {result['failed']} failed; replicas after: "
+              + ", ".join(f"{r['index']}={r['state']} (restarts {r['restarts']})"
+                          for r in failover["health_after"]["replicas"]), flush=True)
+    return {"concurrency": c, "label": label, **result, "step_mix": mix, "failover": failover or None}
+
+
 def bench_model(name: str, args: argparse.Namespace, tokenizer: Path, work: Path) -> dict:
     """Start the server for ``name``, run ``onecat bench serve`` at each concurrency, stop."""
     port = free_port()
@@ -173,12 +294,12 @@ def bench_model(name: str, args: argparse.Namespace, tokenizer: Path, work: Path
                "--max-num-seqs", str(max(args.concurrency)), "--max-model-len", str(args.max_model_len),
                "--engine-batches", ",".join(map(str, args.concurrency)),
                "--input-len", str(args.input_len), "--range-ratio", str(args.range_ratio),
-               "--output-len", str(args.output_len)]
+               "--output-len", str(args.output_len), "--data-parallel-size", str(args.data_parallel_size)]
     if args.layers:
         command += ["--layers", str(args.layers)]
     t0 = time.perf_counter()
     with open(log, "w") as log_file:
-        proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, cwd=Path(__file__).parent,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         wait_ready(proc, url, log, args.server_timeout)
@@ -187,28 +308,14 @@ def bench_model(name: str, args: argparse.Namespace, tokenizer: Path, work: Path
               + ", ".join(f"b{b} {v:.0f}" for b, v in engine["engine_decode_tok_s"].items()) + " tok/s",
               flush=True)
         runs = []
-        for c in args.concurrency:
-            result_json = work / f"{name}-c{c}.json"
-            prompts = max(8, PROMPTS_PER_SLOT * c)
-            bench = [sys.executable, "-m", "onecat.cli", "bench", "serve", "--base-url", url,
-                     "--tokenizer", str(tokenizer), "--dataset-name", "random",
-                     "--random-input-len", str(args.input_len), "--random-range-ratio", str(args.range_ratio),
-                     "--random-output-len", str(args.output_len), "--num-prompts", str(prompts),
-                     "--max-concurrency", str(c), "--num-warmups", str(c), "--temperature", "0",
-                     "--metric-percentiles", "50,99", "--result-json", str(result_json), "--no-progress"]
-            before = step_counters(url)
-            done = subprocess.run(bench, capture_output=True, text=True)
-            mix = step_mix(before, step_counters(url))
-            (work / f"{name}-c{c}.log").write_text(done.stdout + done.stderr)
-            if not result_json.exists():
-                raise SystemExit(f"onecat bench serve failed at concurrency {c}:\n{done.stdout}{done.stderr}")
-            result = json.loads(result_json.read_text())
-            result = {k: v for k, v in result.items() if not isinstance(v, list)}  # no per-request lists
-            runs.append({"concurrency": c, **result, "step_mix": mix})
-            share = "-" if mix["prompt_step_share"] is None else f"{mix['prompt_step_share']:.0%}"
-            print(f"  c{c}: {result['completed']}/{prompts} ok, {result['output_throughput']:.1f} output tok/s, "
-                  f"TTFT median {result['median_ttft_ms']:.0f} ms; {mix['steps']} engine steps, {share} with "
-                  f"prompt tokens, {mix['tokens_per_step'] or 0:.1f} output tokens a step", flush=True)
+        if args.ttft_run:  # the API process's added time to first token: 128-token prompts, one at a time
+            runs.append(serve_run(name, url, tokenizer, work, 1, args, input_len=128, range_ratio=0.0,
+                                  output_len=16, prompts=24, label="ttft"))
+        for i, c in enumerate(args.concurrency):
+            last = i == len(args.concurrency) - 1
+            kill = args.kill_replica_at if last else None
+            runs.append(serve_run(name, url, tokenizer, work, c, args, kill_at=kill,
+                                  label="kill" if kill is not None else ""))
         return {"engine": engine, "runs": runs, "wall_s": time.perf_counter() - t0}
     finally:
         proc.send_signal(signal.SIGINT)
@@ -229,15 +336,18 @@ def print_table(report: dict) -> None:
     for name, entry in report["models"].items():
         engine = entry["engine"]["engine_decode_tok_s"]
         for r in entry["runs"]:
-            c = r["concurrency"]
-            eng = engine.get(str(c))
-            work = entry["engine"].get("engine_workload_tok_s", {}).get(str(c))
+            c, label = r["concurrency"], r.get("label", "")
+            eng = None if label else engine.get(str(c))
+            work = None if label else entry["engine"].get("engine_workload_tok_s", {}).get(str(c))
+            ttft = f"{r['median_ttft_ms']:.1f} / {r['p99_ttft_ms']:.1f}"
+            if label == "ttft":
+                ttft += f" (engine {entry['engine']['engine_ttft_128_ms']:.1f})"
             table.add_row(
-                name, str(c), f"{r['completed']}/{r['failed']}", f"{r['request_throughput']:.2f}",
+                name, f"{c} {label}".strip(), f"{r['completed']}/{r['failed']}", f"{r['request_throughput']:.2f}",
                 f"{r['output_throughput']:.1f}", f"{eng:.1f}" if eng else "-",
                 f"{r['output_throughput'] / eng:.0%}" if eng else "-",
                 f"{work:.1f}" if work else "-", f"{r['output_throughput'] / work:.0%}" if work else "-",
-                f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f}",
+                ttft,
                 f"{r['median_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f}",
                 f"{r['median_itl_ms']:.1f} / {r['p99_itl_ms']:.1f}",
             )
@@ -255,6 +365,11 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--server-timeout", type=float, default=600.0)
     parser.add_argument("--out", default=None, help="write every figure to this JSON file")
+    parser.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas (they share the GPU)")
+    parser.add_argument("--ttft-run", action="store_true",
+                        help="also one run of 128-token prompts at concurrency 1 (the server's added TTFT)")
+    parser.add_argument("--kill-replica-at", type=float, default=None, metavar="SECONDS",
+                        help="SIGKILL replica 0 this long into the last concurrency's run (failover)")
     # the server process (started by the driver)
     parser.add_argument("--serve-model", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
@@ -275,6 +390,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench/serve_h200.py needs a CUDA GPU")
     report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "data_parallel_size": args.data_parallel_size,
               "kernel_arch": os.environ.get("ONECAT_KERNEL_ARCH"), "input_len": args.input_len,
               "range_ratio": args.range_ratio, "output_len": args.output_len, "models": {}}
     with tempfile.TemporaryDirectory(prefix="onecat-serve-bench-") as tmp:

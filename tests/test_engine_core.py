@@ -412,3 +412,37 @@ async def _more(url):
         replies = await asyncio.gather(*[
             client.post("/v1/completions", json={"prompt": f"Again {i}", "max_tokens": 4}) for i in range(8)])
     assert all(r.status_code == 200 for r in replies)
+
+
+def factory_engine(config, replica, model):
+    """An ``engine_factory`` for the test below: the engine over ``model``, built in the core."""
+    from dataclasses import replace
+
+    from onecat.runtime.engine import LLMEngine
+
+    return LLMEngine(replace(config, model=model, served_model_name=f"built-by-factory-{replica}"))
+
+
+@pytest.mark.timeout(300)
+def test_engine_factory_builds_the_core_engine(monkeypatch):
+    """Benchmarks build random models inside the core process (``engine_factory``)."""
+    import os
+    from pathlib import Path
+
+    here = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+    rs = replicas_module.ReplicaSet(
+        EngineConfig(model=str(TRAINED), device="cpu", max_model_len=128), 1,
+        engine_factory=("test_engine_core:factory_engine", {"model": str(TRAINED)}))
+    try:
+        rs.start()
+        assert rs._replicas[0].client.ready.model_name == "built-by-factory-0"
+
+        async def run():
+            stream = await rs.add_request("f", rs.tokenizer.encode("Hello"), SamplingParams(max_tokens=3))
+            return await _collect(stream)
+
+        _, tokens, last = asyncio.run(run())
+        assert last.finished and len(tokens) == last.completion_tokens
+    finally:
+        rs.shutdown()

@@ -66,8 +66,10 @@ class EngineCoreClient:
         on_message: Callable[[EngineCoreClient, Any, float], None],
         on_exit: Callable[[EngineCoreClient, str], None],
         log_level: str = "info",
+        factory: tuple[str, dict[str, Any]] | None = None,
     ) -> None:
         self.index = placement.index
+        self._factory = factory
         self.placement = placement
         self.config = config
         self.ready: Ready | None = None
@@ -111,6 +113,8 @@ class EngineCoreClient:
             "threads": self.placement.threads,
             "log_level": self._log_level,
         }
+        if self._factory is not None:
+            spec["factory"], spec["factory_args"] = self._factory
         self.process = subprocess.Popen(
             [sys.executable, "-m", "onecat.runtime.core.process", json.dumps(spec)],
             env=self.placement.environment(dict(os.environ)),

@@ -1,8 +1,10 @@
 """The engine-core process: one ``LLMEngine`` that schedules, runs and samples, fed over ZMQ.
 
 Started by ``client.EngineCoreClient`` as ``python -m onecat.runtime.core.process SPEC``
-(SPEC: JSON with the ``EngineConfig`` fields, the two socket addresses, the replica index
-and, on CPU, the torch thread count). It connects a PULL socket for requests and a PUSH
+(SPEC: JSON with the ``EngineConfig`` fields, the two socket addresses, the replica index,
+on CPU the torch thread count, and optionally ``factory``: ``"module:function"`` called as
+``function(config, replica_index, **factory_args)`` to build the engine instead of
+``LLMEngine(config)``, which benchmarks use for random models built on the GPU). It connects a PULL socket for requests and a PUSH
 socket for outputs, builds the engine (``Failed(starting=True)`` and exit 1 when that
 fails), sends ``Ready`` and loops:
 
@@ -20,6 +22,7 @@ traceback and exits 1, and the API process fails over and restarts it.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -182,7 +185,13 @@ def main(argv: list[str]) -> int:
 
         if spec.get("threads"):
             torch.set_num_threads(spec["threads"])
-        engine = LLMEngine(EngineConfig(**spec["config"]))
+        config = EngineConfig(**spec["config"])
+        if spec.get("factory"):  # "module:function" building the engine (benchmarks' random models)
+            module, _, function = spec["factory"].partition(":")
+            build = getattr(importlib.import_module(module), function)
+            engine = build(config, spec["index"], **spec.get("factory_args", {}))
+        else:
+            engine = LLMEngine(config)
         engine.detokenize = False
     except BaseException as exc:  # noqa: BLE001 - the API process says why the replica is down
         logger.error("the engine could not be built", exc_info=exc)

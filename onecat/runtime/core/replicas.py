@@ -129,6 +129,9 @@ class ReplicaSet:
 
     ``config`` is every replica's engine configuration (``tensor_parallel_size`` GPUs each);
     ``max_queue_len`` bounds the requests accepted but not yet running, over all replicas.
+    ``engine_factory`` (``("module:function", kwargs)``, see ``process``) builds each
+    replica's engine instead of loading ``config.model``, which then only names the
+    tokenizer's folder (benchmarks over random models).
     """
 
     def __init__(
@@ -138,6 +141,7 @@ class ReplicaSet:
         *,
         max_queue_len: int = 512,
         log_level: str = "info",
+        engine_factory: tuple[str, dict[str, Any]] | None = None,
     ) -> None:
         import torch
         from transformers import AutoTokenizer
@@ -145,7 +149,8 @@ class ReplicaSet:
         from onecat.runtime.loader import read_model_config
 
         path = Path(config.model)
-        read_model_config(path)  # a broken config.json is named before any process starts
+        if engine_factory is None:
+            read_model_config(path)  # a broken config.json is named before any process starts
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path)
         except Exception as exc:
@@ -155,6 +160,7 @@ class ReplicaSet:
         self.model_root = str(config.model)
         self.max_queue_len = max_queue_len
         self._log_level = log_level
+        self._factory = engine_factory
         self._replicas = [_Replica(p) for p in place_replicas(
             data_parallel_size, config.tensor_parallel_size, config.device, gpus)]
         self._router = PrefixRouter(config.kv_block_size)
@@ -225,6 +231,7 @@ class ReplicaSet:
         client = EngineCoreClient(
             self._context, self._socket_dir, config, replica.placement,
             on_message=self._on_message, on_exit=self._on_exit, log_level=self._log_level,
+            factory=self._factory,
         )
         client.start()
         with self._lock:
