@@ -44,7 +44,7 @@ import threading
 import time
 from pathlib import Path
 
-VOCAB = 248320
+VOCAB = int(os.environ.get("ONECAT_BENCH_VOCAB", 248320))  # smaller only for CPU smoke runs
 PROMPTS_PER_SLOT = 8
 """Requests per concurrency slot in a run. With mixed output lengths a closed loop ends in a
 tail where the batch drains; at 2 a slot that tail dominated (engine alone on the trained tiny
@@ -88,9 +88,10 @@ def random_engine(config, replica: int, model: str, layers: int | None, tokenize
 
     raw = e2e.text_config(model, layers)
     raw["vocab_size"] = VOCAB
+    dtype = torch.float16 if config.device == "cuda" else torch.float32
     t0 = time.perf_counter()
-    with torch.device("cuda"):
-        net = Qwen3_5ForCausalLM(ModelConfig.from_dict(raw), QuantPlan(default=e2e.GROUP), torch.float16)
+    with torch.device(config.device):
+        net = Qwen3_5ForCausalLM(ModelConfig.from_dict(raw), QuantPlan(default=e2e.GROUP), dtype)
     e2e.fill_random(net)
     engine = LLMEngine.from_model(config, net, AutoTokenizer.from_pretrained(tokenizer))
     if replica != 0:
@@ -145,7 +146,7 @@ def serve_random_model(args: argparse.Namespace) -> None:
     from onecat.runtime.server.launcher import log_to_stderr, serve
 
     name = f"random-{args.serve_model}"
-    config = EngineConfig(model=args.tokenizer, served_model_name=name, device="cuda",
+    config = EngineConfig(model=args.tokenizer, served_model_name=name, device=args.device,
                           max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
     factory = {"model": args.serve_model, "layers": args.layers, "tokenizer": args.tokenizer,
                "engine_json": args.engine_json, "engine_batches": args.engine_batches,
@@ -294,7 +295,8 @@ def bench_model(name: str, args: argparse.Namespace, tokenizer: Path, work: Path
                "--max-num-seqs", str(max(args.concurrency)), "--max-model-len", str(args.max_model_len),
                "--engine-batches", ",".join(map(str, args.concurrency)),
                "--input-len", str(args.input_len), "--range-ratio", str(args.range_ratio),
-               "--output-len", str(args.output_len), "--data-parallel-size", str(args.data_parallel_size)]
+               "--output-len", str(args.output_len), "--data-parallel-size", str(args.data_parallel_size),
+               "--device", args.device]
     if args.layers:
         command += ["--layers", str(args.layers)]
     t0 = time.perf_counter()
@@ -365,6 +367,9 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--server-timeout", type=float, default=600.0)
     parser.add_argument("--out", default=None, help="write every figure to this JSON file")
+    parser.add_argument("--work", default=None, help="keep the server logs and per-run JSON here")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the plumbing (use --layers, "
+                        "ONECAT_BENCH_VOCAB)")
     parser.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas (they share the GPU)")
     parser.add_argument("--ttft-run", action="store_true",
                         help="also one run of 128-token prompts at concurrency 1 (the server's added TTFT)")
@@ -387,14 +392,15 @@ def main() -> None:
 
     from onecat.benchmarks.report import write_result_json
 
-    if not torch.cuda.is_available():
-        raise SystemExit("bench/serve_h200.py needs a CUDA GPU")
-    report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench/serve_h200.py needs a CUDA GPU (--device cpu: a smoke run of the plumbing)")
+    report = {"gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu", "torch": torch.__version__,
               "data_parallel_size": args.data_parallel_size,
               "kernel_arch": os.environ.get("ONECAT_KERNEL_ARCH"), "input_len": args.input_len,
               "range_ratio": args.range_ratio, "output_len": args.output_len, "models": {}}
     with tempfile.TemporaryDirectory(prefix="onecat-serve-bench-") as tmp:
-        work = Path(tmp)
+        work = Path(args.work or tmp)
+        work.mkdir(parents=True, exist_ok=True)
         tokenizer = build_word_tokenizer(work / "tokenizer")
         for name in args.models.split(","):
             report["models"][name] = bench_model(name, args, tokenizer, work)

@@ -168,7 +168,8 @@ class _FakeClient:
     started = 0
     initial = 1
 
-    def __init__(self, context, socket_dir, config, placement, *, on_message, on_exit, log_level="info"):
+    def __init__(self, context, socket_dir, config, placement, *, on_message, on_exit, log_level="info",
+                 factory=None):
         self.index = placement.index
         self.on_exit = on_exit
         self.pid = 1000 + _FakeClient.started

@@ -415,3 +415,4 @@ def test_engine_failure_is_reported_not_hung(tiny_model):
         refused = client.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 2})
         assert refused.status_code == 503
         assert refused.json()["error"]["code"] == "engine_unavailable"
+        assert refused.headers["retry-after"] == "1", "a 503 says when to retry"
