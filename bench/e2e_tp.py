@@ -34,7 +34,7 @@ import torch
 
 from onecat.runtime.config import EngineConfig
 from onecat.runtime.distributed.parallel_state import tp_rank, tp_size
-from onecat.runtime.distributed.sharding import shard_config
+from onecat.runtime.sharding import shard_config
 from onecat.runtime.engine import LLMEngine
 from onecat.runtime.models.config import ModelConfig
 from onecat.runtime.models.qwen3_5 import Qwen3_5ForCausalLM

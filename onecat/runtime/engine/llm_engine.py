@@ -36,7 +36,7 @@ from onecat.runtime.models.qwen3_5 import Qwen3_5ForCausalLM
 from onecat.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from onecat.runtime.distributed.executor import ModelFactory, TensorParallelRunner
+    from onecat.runtime.engine.executor import ModelFactory, TensorParallelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +99,8 @@ class LLMEngine:
         (``runtime/fp16_audit.py``) and loaded with the plan derived."""
         from transformers import AutoTokenizer
 
-        from onecat.runtime.distributed.executor import create_runner
-        from onecat.runtime.distributed.sharding import check_shardable, load_model_shard
+        from onecat.runtime.engine.executor import create_runner
+        from onecat.runtime.sharding import check_shardable, load_model_shard
         from onecat.runtime.loader import read_model_config
 
         device = resolve_device(config.device)
@@ -139,7 +139,7 @@ class LLMEngine:
         """An engine whose model ``factory(device, dtype)`` builds (in every rank when
         ``config.tensor_parallel_size`` > 1: a picklable callable returning that rank's
         shard; benchmarks build random tensor-parallel models this way)."""
-        from onecat.runtime.distributed.executor import create_runner
+        from onecat.runtime.engine.executor import create_runner
 
         device = resolve_device(config.device)
         dtype = torch.float16 if device.type == "cuda" else torch.float32
