@@ -262,8 +262,8 @@ def test_overlapped_tp_steps_with_requests_leaving(checkpoints):
 def test_vocab_slices_are_the_vocabulary_then_zero_rows(checkpoints):
     """The ranks' lm_head slices, float or packed, laid end to end: the whole lm_head, then
     padding rows that are exactly zero (a packed one dequantises to 0)."""
-    from onecat.runtime.sharding import ShardedWeightSource
     from onecat.runtime.loader import WeightSource
+    from onecat.runtime.sharding import ShardedWeightSource
 
     packed = checkpoints["dense-packed-head"]
     for path in (packed.parent / "head", packed):  # its float source, vocabulary 544, and it
@@ -457,10 +457,10 @@ class RandomPackedSource:
 def random_full_width(raw: dict, device: torch.device, dtype: torch.dtype):
     """This rank's shard of the random full-width model (a model factory for the engine)."""
     from onecat.runtime.distributed.parallel_state import tp_rank, tp_size
-    from onecat.runtime.sharding import ShardedWeightSource, shard_config
     from onecat.runtime.loader import load_weights
     from onecat.runtime.models.config import ModelConfig
     from onecat.runtime.models.qwen3_5 import Qwen3_5ForCausalLM
+    from onecat.runtime.sharding import ShardedWeightSource, shard_config
 
     cfg, world = ModelConfig.from_dict(raw), tp_size()
     base = RandomPackedSource(cfg, device)

@@ -70,6 +70,14 @@ GRAPH_RESERVE_BYTES = 512 << 20
 MIN_GRAPH_BLOCKS = 16
 MAX_STATE_CHECKPOINTS = 16
 """Most GDN state checkpoints kept for prefix caching (each is a whole slot: ~151 MB on the 27B)."""
+
+
+def pass_name(runner: object) -> str:
+    """How ``runner`` (a ModelRunner or a TensorParallelRunner) computed its last pass
+    (decode graph, piecewise graphs, eager), for error reports."""
+    return getattr(runner, "last_pass", "") or "forward"
+
+
 def next_power_of_two(n: int) -> int:
     """The smallest power of two >= ``n`` (1 for n <= 1)."""
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
