@@ -30,6 +30,34 @@ def _friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _size_option(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    """A click callback: a byte count as vLLM reads it (8589934592, 8G, 8GiB, ...)."""
+    if value is None:
+        return None
+    from onecat.runtime.capacity import parse_bytes
+
+    try:
+        return parse_bytes(value, f"--{param.name.replace('_', '-')}")
+    except OnecatError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _kv_cache_dtype_option(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """A click callback: a ``--kv-cache-dtype`` of ``onecat.runtime.capacity.KV_CACHE_DTYPES``."""
+    from onecat.runtime.capacity import check_kv_cache_dtype
+
+    try:
+        return check_kv_cache_dtype(value)
+    except OnecatError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+KV_CACHE_MEMORY_HELP = ("Exact bytes of each GPU's KV cache + GDN state pool (vLLM's flag: "
+                        "--gpu-memory-utilization then does not size it): bytes, or 8G / 8GiB "
+                        "(2^30), 8g / 8GB (10^9).")
+KV_CACHE_DTYPE_HELP = "KV cache element type (auto: the activations' dtype, fp16 on a GPU)."
+
+
 @click.group()
 @click.version_option(package_name="onecat")
 def main() -> None:
@@ -280,6 +308,10 @@ def _engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--async-scheduling/--no-async-scheduling", default=True, show_default=True,
                      help="Queue the next decode step on the GPU before reading the tokens of the "
                           "one in flight (overlapped steps; also under tensor parallelism)."),
+        click.option("--kv-cache-memory-bytes", default=None, metavar="SIZE", callback=_size_option,
+                     help=KV_CACHE_MEMORY_HELP),
+        click.option("--kv-cache-dtype", default="auto", show_default=True, callback=_kv_cache_dtype_option,
+                     help=KV_CACHE_DTYPE_HELP),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -287,9 +319,19 @@ def _engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _engine_config(artifact: str, served_model_name: str | None = None, **flags: Any) -> Any:
-    from onecat.runtime.config import EngineConfig
+    """The EngineConfig of the engine flags, refused (as `onecat plan` would) before any weight
+    loads when its exact cache budget (--kv-cache-memory-bytes) cannot hold one --max-model-len
+    sequence."""
+    import torch
 
-    return EngineConfig(model=artifact, served_model_name=served_model_name, **flags)
+    from onecat.runtime.config import EngineConfig
+    from onecat.runtime.engine.llm_engine import resolve_device
+    from onecat.runtime.plan import check_engine_config
+
+    config = EngineConfig(model=artifact, served_model_name=served_model_name, **flags)
+    dtype = torch.float16 if resolve_device(config.device).type == "cuda" else torch.float32
+    check_engine_config(config, dtype)
+    return config
 
 
 def _server_flags_for_vllm(trust_request_chat_template: bool, max_request_body_bytes: int,
@@ -327,6 +369,10 @@ def _parser_flags_for_vllm(enable_auto_tool_choice: bool, tool_call_parser: str 
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--api-key", envvar="ONECAT_API_KEY", default=None,
               help="Require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize (env ONECAT_API_KEY).")
+@click.option("--data-parallel-size", "-dp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Engine replicas, each in its own process on its own -tp GPUs (fewer GPUs: "
+                   "replicas share them, each with its share of --gpu-memory-utilization); "
+                   "one endpoint routes to the least-loaded live replica, with prefix affinity.")
 @click.option("--served-model-name", default=None, help="Model name in the API (default: the path).")
 @click.option("--max-queue-len", type=int, default=512, show_default=True,
               help="Requests allowed to wait; beyond it the server answers 429.")
@@ -370,11 +416,14 @@ def serve(artifact: str, host: str, port: int, api_key: str | None, served_model
           structured_outputs_compile_timeout: float, enable_auto_tool_choice: bool,
           tool_call_parser: str | None, reasoning_parser: str | None, engine_name: str,
           tensor_parallel_size: int, pipeline_parallel_size: int, vllm_args: tuple[str, ...],
-          **engine_flags: Any) -> None:
+          data_parallel_size: int, **engine_flags: Any) -> None:
     """Serve ARTIFACT (packed, AWQ or fp16/bf16 checkpoint) with an OpenAI-compatible API:
     /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health, /metrics, /version."""
     if engine_name == "vllm":
         from onecat.vllm_plugin.launcher import serve_from_onecat_flags
+
+        if data_parallel_size != 1:
+            vllm_args = ("--data-parallel-size", str(data_parallel_size), *vllm_args)
 
         server_args = _server_flags_for_vllm(trust_request_chat_template, max_request_body_bytes,
                                              shutdown_timeout)
@@ -384,6 +433,12 @@ def serve(artifact: str, host: str, port: int, api_key: str | None, served_model
             server_args += ("--disable-custom-all-reduce",)
         if not engine_flags.pop("async_scheduling"):  # on: vLLM's own default decides
             server_args += ("--no-async-scheduling",)
+        kv_cache_memory_bytes = engine_flags.pop("kv_cache_memory_bytes")
+        if kv_cache_memory_bytes is not None:
+            server_args += ("--kv-cache-memory-bytes", str(kv_cache_memory_bytes))
+        kv_cache_dtype = engine_flags.pop("kv_cache_dtype")
+        if kv_cache_dtype != "auto":
+            server_args += ("--kv-cache-dtype", kv_cache_dtype)
         speculative_config = engine_flags.pop("speculative_config")
         if speculative_config is not None:
             server_args += ("--speculative-config", speculative_config)
@@ -395,16 +450,21 @@ def serve(artifact: str, host: str, port: int, api_key: str | None, served_model
     if pipeline_parallel_size != 1 or vllm_args:
         raise OnecatError("--pipeline-parallel-size and --vllm-arg need --engine vllm (the "
                           "embedded engine splits a model over the GPUs of one host only)")
-    from onecat.runtime.engine import LLMEngine
+    from onecat.runtime.core.replicas import ReplicaSet
     from onecat.runtime.server.chat_plan import ChatOptions
+    from onecat.runtime.server.launcher import log_to_stderr
     from onecat.runtime.server.launcher import serve as serve_http
 
     chat_options = ChatOptions(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
     chat_options.check()  # before the model loads
-    engine = LLMEngine(_engine_config(artifact, served_model_name,
-                                      tensor_parallel_size=tensor_parallel_size, **engine_flags))
+    log_to_stderr(log_level)
+    engine = ReplicaSet(_engine_config(artifact, served_model_name, tensor_parallel_size=tensor_parallel_size,
+                                       **engine_flags),
+                        data_parallel_size, max_queue_len=max_queue_len, log_level=log_level)
+    engine.start()
+    replicas = f", {data_parallel_size} replicas" if data_parallel_size > 1 else ""
     click.secho(f"serving {engine.model_name} on http://{host}:{port}/v1 "
-                f"(max_model_len {engine.max_model_len})", fg="green", err=True)
+                f"(max_model_len {engine.max_model_len}{replicas})", fg="green", err=True)
     serve_http(engine, host=host, port=port, api_key=api_key, max_queue_len=max_queue_len,
                log_level=log_level, trust_request_chat_template=trust_request_chat_template,
                max_request_body_bytes=max_request_body_bytes, shutdown_timeout=shutdown_timeout,
@@ -456,8 +516,13 @@ def generate(artifact: str, prompt: str, chat: bool, max_tokens: int, temperatur
 @click.option("--resume", is_flag=True,
               help="Skip the requests OUTPUT already answers and append the rest (after a killed "
                    "or interrupted run).")
+@click.option("--data-parallel-size", "-dp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Engine replicas, each in its own process on its own -tp GPUs (fewer GPUs: "
+                   "replicas share them, each with its share of --gpu-memory-utilization); "
+                   "one endpoint routes to the least-loaded live replica, with prefix affinity.")
 @click.option("--max-concurrency", type=click.IntRange(min=1), default=None,
-              help="Most requests in flight at once (default: --max-num-seqs, a full engine batch).")
+              help="Most requests in flight at once (default: --max-num-seqs per replica, full "
+                   "engine batches).")
 @click.option("--served-model-name", default=None,
               help="Model name the lines' \"model\" fields must match (default: the path).")
 @click.option("--trust-request-chat-template", is_flag=True,
@@ -471,7 +536,7 @@ def generate(artifact: str, prompt: str, chat: bool, max_tokens: int, temperatur
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 @_friendly
 def batch(input_path: str, output_path: str, artifact: str, resume: bool, max_concurrency: int | None,
-          served_model_name: str | None, trust_request_chat_template: bool,
+          data_parallel_size: int, served_model_name: str | None, trust_request_chat_template: bool,
           enable_auto_tool_choice: bool, tool_call_parser: str | None, reasoning_parser: str | None,
           no_progress: bool, **engine_flags: Any) -> None:
     """Run the requests of INPUT.jsonl (OpenAI's Batch format: custom_id, method, url of
@@ -479,15 +544,19 @@ def batch(input_path: str, output_path: str, artifact: str, resume: bool, max_co
     them, and write one output line per request to OUTPUT."""
     from rich.console import Console
 
-    from onecat.runtime.engine import LLMEngine
-    from onecat.runtime.server.batch import prepare_batch, summary_table
+    from onecat.runtime.core.replicas import ReplicaSet
+    from onecat.runtime.server.batch import UNBOUNDED_QUEUE, prepare_batch, summary_table
     from onecat.runtime.server.chat_plan import ChatOptions
+    from onecat.runtime.server.launcher import log_to_stderr
 
     chat_options = ChatOptions(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
     chat_options.check()  # before the model loads
     job = prepare_batch(input_path, output_path, resume=resume)  # refusals before the model loads
+    log_to_stderr("warning")
     try:
-        engine = LLMEngine(_engine_config(artifact, served_model_name, **engine_flags))
+        engine = ReplicaSet(_engine_config(artifact, served_model_name, **engine_flags), data_parallel_size,
+                            max_queue_len=UNBOUNDED_QUEUE, log_level="warning")
+        engine.start()
     except BaseException:
         job.close()
         raise
@@ -504,6 +573,50 @@ def batch(input_path: str, output_path: str, artifact: str, resume: bool, max_co
     click.secho(f"wrote {summary.written} lines to {output_path} ({summary.failed} errors): "
                 f"{summary.completion_tokens} tokens generated in {summary.wall_time:.2f} s, "
                 f"{summary.tokens_per_second:.2f} tok/s", fg="green" if not summary.failed else "yellow", err=True)
+
+
+@main.command("plan")
+@click.argument("artifact", type=click.Path(exists=True, file_okay=False))
+@click.option("--gpu-memory", default=None, metavar="SIZE", callback=_size_option,
+              help="Memory of one GPU, e.g. 32GiB or 16G (needed unless --kv-cache-memory-bytes "
+                   "is given).")
+@click.option("--tensor-parallel-size", "-tp", type=int, default=1, show_default=True,
+              help="GPUs the model is split over.")
+@click.option("--kv-cache-dtype", default="auto", show_default=True, callback=_kv_cache_dtype_option,
+              help=KV_CACHE_DTYPE_HELP)
+@click.option("--max-model-len", type=int, default=None,
+              help="Context length to check (default: the model's, capped by memory, as serve).")
+@click.option("--kv-cache-memory-bytes", default=None, metavar="SIZE", callback=_size_option,
+              help=KV_CACHE_MEMORY_HELP)
+@click.option("--gpu-memory-utilization", type=float, default=0.92, show_default=True,
+              help="Fraction of GPU memory for weights, activations and caches.")
+@click.option("--max-num-seqs", type=int, default=256, show_default=True)
+@click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True)
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True)
+@click.option("--enforce-eager", is_flag=True, help="No CUDA graphs (their memory pool is not reserved).")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@_friendly
+def plan_command(artifact: str, as_json: bool, **flags: Any) -> None:
+    """What ARTIFACT needs per GPU under `onecat serve`'s flags, from config.json and the
+    safetensors headers alone (no GPU, no weights read): weights, runtime reserves, the KV
+    cache + GDN state budget, the longest context and how many 4k / 32k sequences fit. Exits 1
+    with the engine's own message when the configuration does not fit."""
+    import json
+
+    from onecat.runtime.plan import plan_artifact, report_table
+
+    if flags["gpu_memory"] is None and flags["kv_cache_memory_bytes"] is None:
+        raise OnecatError("give --gpu-memory (the memory of one GPU, e.g. 32GiB), or "
+                          "--kv-cache-memory-bytes to size the caches alone")
+    report = plan_artifact(artifact, **flags)
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=2))
+    else:
+        from rich.console import Console
+
+        Console(width=None if sys.stdout.isatty() else 120).print(report_table(report))
+    if not report.fits:
+        raise OnecatError(report.problem)
 
 
 # --- bench (onecat.benchmarks: a client, it imports no engine) ---------------------------

@@ -108,8 +108,9 @@ class LaunchStopped(Exception):
 
 
 def capture_launches(monkeypatch) -> tuple[list, list[dict]]:
-    """Make ``onecat serve`` / ``generate`` stop where they would start an engine: returns the
-    lists that receive each embedded engine's ``EngineConfig`` and each vLLM launch's keyword
+    """Make ``onecat serve`` / ``generate`` stop where they would start an engine (an
+    ``LLMEngine`` or ``serve``'s ``ReplicaSet``): returns the lists that receive each
+    embedded engine's ``EngineConfig`` and each vLLM launch's keyword
     arguments (``serve_from_onecat_flags``)."""
     configs: list = []
     vllm_calls: list[dict] = []
@@ -118,10 +119,15 @@ def capture_launches(monkeypatch) -> tuple[list, list[dict]]:
         configs.append(config)
         raise LaunchStopped
 
+    def fake_replicas(config, data_parallel_size=1, **kwargs):
+        configs.append(config)
+        raise LaunchStopped
+
     def fake_vllm(artifact, **kwargs):
         vllm_calls.append(kwargs)
         raise LaunchStopped
 
     monkeypatch.setattr("onecat.runtime.engine.LLMEngine", fake_engine)
+    monkeypatch.setattr("onecat.runtime.core.replicas.ReplicaSet", fake_replicas)
     monkeypatch.setattr("onecat.vllm_plugin.launcher.serve_from_onecat_flags", fake_vllm)
     return configs, vllm_calls

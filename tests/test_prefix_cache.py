@@ -295,7 +295,7 @@ def test_stats_report_the_cache(dense):
     assert stats["cached_kv_blocks"] == 9
     assert (stats["state_checkpoints"], stats["total_state_checkpoints"]) == (2, 8)
     text = ServerMetrics(engine.stats).render().decode()
-    assert "onecat:kv_blocks_cached 9.0" in text and "onecat:state_checkpoints 2.0" in text
+    assert 'onecat:kv_blocks_cached{engine="0"} 9.0' in text and 'onecat:state_checkpoints{engine="0"} 2.0' in text
 
 
 def test_cli_flags(tmp_path, monkeypatch):

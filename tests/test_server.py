@@ -67,14 +67,14 @@ def test_models_health_version_metrics(client, server):
     assert metrics.headers["content-type"].startswith("text/plain")
     stats = server.async_engine.stats()
     text = metrics.text
-    assert f"onecat:kv_blocks_total {float(stats['total_kv_blocks'])}" in text
+    assert f'onecat:kv_blocks_total{{engine="0"}} {float(stats["total_kv_blocks"])}' in text
     for name in (
         "onecat:kv_blocks_free",
         "onecat:state_slots_free",
         "onecat:engine_steps_total",
         "onecat:engine_steps_with_prompt_tokens_total",
     ):
-        assert f"\n{name} " in text, name
+        assert f'\n{name}{{engine="0"}} ' in text, name
     labels = f'{{engine="0",model_name="{MODEL}"}}'
     for name in (
         "vllm:num_requests_running",

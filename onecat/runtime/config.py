@@ -27,6 +27,10 @@ class EngineConfig:
     ``disable_custom_all_reduce`` (vLLM's ``--disable-custom-all-reduce``) makes tensor
     parallelism sum every activation with NCCL instead of onecat's one-shot kernel for small
     tensors (``onecat.runtime.distributed.custom_all_reduce``).
+    ``kv_cache_memory_bytes`` (vLLM's ``--kv-cache-memory-bytes``) is the exact size of each
+    device's KV cache + GDN state pool; ``gpu_memory_utilization`` then does not size it
+    (``onecat.runtime.capacity``). ``kv_cache_dtype`` (vLLM's ``--kv-cache-dtype``): one of
+    ``capacity.KV_CACHE_DTYPES``.
     """
 
     model: str
@@ -45,3 +49,5 @@ class EngineConfig:
     speculative_config: dict | str | None = None
     async_scheduling: bool = True
     disable_custom_all_reduce: bool = False
+    kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: str = "auto"

@@ -22,6 +22,7 @@ from onecat.runtime.engine.block_manager import BlockManager, StateCheckpoints, 
 from onecat.runtime.engine.detokenizer import IncrementalDetokenizer
 from onecat.runtime.engine.in_flight import OverlappedDecoding
 from onecat.runtime.engine.model_runner import ModelRunner, pass_name
+from onecat.runtime.engine.request_check import check_request
 from onecat.runtime.engine.scheduler import Scheduler
 from onecat.runtime.engine.sequence import Sequence, SequenceStatus
 from onecat.runtime.engine.speculative import (
@@ -163,6 +164,8 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.model_name = config.served_model_name or Path(config.model).name
+        # False in an engine-core process: the API process detokenises and finds stop strings
+        self.detokenize = True
         self.runner = runner
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, config.kv_block_size, config.enable_prefix_caching)
@@ -194,33 +197,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; RequestError when it cannot be served as asked."""
-        params.validate()
         if request_id in self._sequences:
             raise RequestError(f"request id {request_id!r} is already in use")
-        if not prompt_token_ids:
-            raise RequestError("the prompt is empty")
-        vocab = self.runner.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise RequestError(f"prompt token ids must be in 0..{vocab - 1}", param="prompt")
-        if any(t >= vocab for t in params.logit_bias):
-            raise RequestError(f"logit_bias token ids must be in 0..{vocab - 1}", param="logit_bias")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise RequestError(
-                f"the prompt has {len(prompt_token_ids)} tokens; this model serves at most "
-                f"{self.max_model_len} tokens (prompt + completion)"
-            )
-        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
-            raise RequestError(
-                f"max_tokens {params.max_tokens} is too large: the prompt has "
-                f"{len(prompt_token_ids)} tokens and the limit is {self.max_model_len}, so at "
-                f"most {self.max_model_len - len(prompt_token_ids)} can be generated",
-                param="max_tokens",
-            )
+        check_request(prompt_token_ids, params, self.runner.model_config.vocab_size, self.max_model_len)
         generator = None
         if params.seed is not None and params.temperature > 0:
             generator = torch.Generator(device=self.runner.device)
             generator.manual_seed(params.seed)
-        detok = IncrementalDetokenizer(self.tokenizer, params.stop, min_tokens=params.min_tokens)
+        tokenizer = self.tokenizer if self.detokenize else None
+        detok = IncrementalDetokenizer(tokenizer, params.stop, min_tokens=params.min_tokens)
         seq = Sequence(request_id, prompt_token_ids, params, detok, generator)
         self._sequences[request_id] = seq
         self.scheduler.add(seq)

@@ -2,12 +2,15 @@
 
 Memory: on a GPU, after the weights are loaded, one prefill of ``max_num_batched_tokens``
 tokens measures the peak activation memory; what ``gpu_memory_utilization`` leaves after
-that (and a reserve for sampling and graphs) holds the GDN state slots (``max_num_seqs``
-of them, fewer with a warning if they would take more than half) and the paged KV cache of
-the full-attention layers. On CPU the KV cache gets a fixed byte budget. With prefix caching,
-GDN state checkpoints (``block_manager.StateCheckpoints``) get extra state rows: at most
-``MAX_STATE_CHECKPOINTS`` and ``max_num_seqs``, and on a GPU at most an eighth of the memory
-left for caches. They follow the scratch slot in the state tensors; the runner copies a
+that (and a reserve for sampling and graphs) is the budget of the caches, unless
+``kv_cache_memory_bytes`` gives it exactly (vLLM's ``--kv-cache-memory-bytes``, on CPU too).
+``onecat.runtime.capacity.plan_caches`` splits the budget (the same arithmetic ``onecat
+plan`` runs): the GDN state slots (``max_num_seqs`` of them, fewer with a warning if they
+would take more than half), with prefix caching GDN state checkpoints
+(``block_manager.StateCheckpoints``: at most ``MAX_STATE_CHECKPOINTS`` and ``max_num_seqs``,
+and at most an eighth of the budget), and the paged KV cache of the full-attention layers.
+Without a budget on CPU the KV cache gets a fixed byte budget and every slot and checkpoint.
+Checkpoints follow the scratch slot in the state tensors; the runner copies a
 checkpoint into a sequence's slot before a step (``Sequence.restore_from``) and a slot into
 a checkpoint after it when the checkpoint is at the end of the step's chunk
 (``Sequence.saves``), outside any CUDA graph; a checkpoint inside a prompt chunk is written
@@ -33,6 +36,7 @@ which routes on the GPU, so MoE decode batches of any size run as graphs too.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import logging
@@ -42,6 +46,8 @@ import torch
 
 from onecat.errors import OnecatError
 from onecat.kernels.workspace import to_device
+from onecat.runtime import capacity
+from onecat.runtime.capacity import MAX_STATE_CHECKPOINTS
 from onecat.runtime.config import EngineConfig
 from onecat.runtime.context import ForwardContext, PrefillChunk, set_context
 from onecat.runtime.distributed.parallel_state import min_over_ranks
@@ -67,9 +73,10 @@ CPU_KV_CACHE_BYTES = 64 << 20
 """KV cache size on CPU unless ``num_kv_blocks`` is given."""
 GRAPH_RESERVE_BYTES = 512 << 20
 """GPU memory kept free for CUDA graph pools and allocator slack."""
+SAMPLING_BYTES_PER_LOGIT = 16
+"""GPU memory reserved for sampling per sequence and vocabulary entry (logits in fp32 and
+their softmax, sort and mask temporaries)."""
 MIN_GRAPH_BLOCKS = 16
-MAX_STATE_CHECKPOINTS = 16
-"""Most GDN state checkpoints kept for prefix caching (each is a whole slot: ~151 MB on the 27B)."""
 
 
 def pass_name(runner: object) -> str:
@@ -92,6 +99,7 @@ class ModelRunner:
         self.device = model.model.embed_tokens.weight.device
         self.dtype = model.model.embed_tokens.weight.dtype
         self.block_size = config.kv_block_size
+        self.kv_cache_dtype = capacity.check_kv_cache_dtype(config.kv_cache_dtype)
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.attention = [m for m in model.modules() if isinstance(m, PagedAttention)]
@@ -108,14 +116,11 @@ class ModelRunner:
         self.num_blocks, self.num_slots, self.num_checkpoints = min_over_ranks(  # TP: all agree
             self.num_blocks, self.num_slots, self.num_checkpoints
         )
-        capacity = self.num_blocks * self.block_size
-        if config.max_model_len and config.max_model_len > capacity:
-            raise OnecatError(
-                f"--max-model-len {config.max_model_len} needs {config.max_model_len} KV cache "
-                f"tokens, but only {capacity} fit; lower --max-model-len or raise "
-                "--gpu-memory-utilization"
-            )
-        self.max_model_len = min(wanted_len, capacity)
+        plan = dataclasses.replace(self.cache_plan, num_blocks=self.num_blocks, num_slots=self.num_slots,
+                                   num_checkpoints=self.num_checkpoints)
+        capacity.check_fits(plan, config.max_model_len, tensor_parallel_size=config.tensor_parallel_size,
+                            kv_cache_dtype=config.kv_cache_dtype)
+        self.max_model_len = min(wanted_len, self.num_blocks * self.block_size)
         self.num_draft_rows = self.num_slots * self.num_drafts  # a GDN state row per slot and draft position
         self._allocate()
         self.graphs: dict[tuple[int, int, int], DecodeGraph] = {}
@@ -132,31 +137,52 @@ class ModelRunner:
 
     def block_bytes(self) -> int:
         """Bytes of one KV block over all full-attention layers (keys and values)."""
-        cfg = self.model_config
-        per_token = 2 * cfg.num_key_value_heads * cfg.head_dim * self.dtype.itemsize
-        return len(self.attention) * self.block_size * per_token
+        return self.cache_shape().block_bytes
 
     def slot_bytes(self) -> int:
         """Bytes of one sequence's conv and recurrent states over all GDN layers."""
-        total = 0
-        for layer in self.gdn:
-            kernel = layer.conv1d.weight.shape[1]
-            total += layer.conv_dim * (kernel - 1) * self.dtype.itemsize
-            total += layer.num_v_heads * layer.head_k_dim * layer.head_v_dim * 4
-        return total
+        return self.cache_shape().slot_bytes
+
+    def cache_shape(self) -> capacity.CacheShape:
+        """What a KV block and a state slot cost on this device (``capacity.plan_caches``'s input)."""
+        return capacity.model_cache_shape(self.model, self.block_size, self.kv_cache_dtype, self.num_drafts)
 
     def _plan_memory(self, config: EngineConfig, max_len: int) -> tuple[int, int]:
-        slots = config.max_num_seqs
-        per_seq_blocks = -(-max_len // self.block_size)
+        shape = self.cache_shape()
         wants_checkpoints = config.enable_prefix_caching and bool(self.gdn)
-        self.num_checkpoints = min(slots, MAX_STATE_CHECKPOINTS) if wants_checkpoints else 0
-        if self.device.type != "cuda":
-            if not self.block_bytes():  # only linear attention: blocks are bookkeeping
-                return config.num_kv_blocks or slots * per_seq_blocks, slots
-            blocks = config.num_kv_blocks or max(
-                per_seq_blocks, min(CPU_KV_CACHE_BYTES // self.block_bytes(), slots * per_seq_blocks)
-            )
+        if self.device.type != "cuda" and config.kv_cache_memory_bytes is None:
+            slots = config.max_num_seqs
+            per_seq_blocks = shape.blocks_for(max_len)
+            self.num_checkpoints = min(slots, MAX_STATE_CHECKPOINTS) if wants_checkpoints else 0
+            if not shape.block_bytes:  # only linear attention: blocks are bookkeeping
+                blocks = config.num_kv_blocks or slots * per_seq_blocks
+            else:
+                blocks = config.num_kv_blocks or max(
+                    per_seq_blocks, min(CPU_KV_CACHE_BYTES // shape.block_bytes, slots * per_seq_blocks)
+                )
+            plan = capacity.CachePlan(0, blocks, slots, self.num_checkpoints, slots, shape)
+            self.cache_plan = dataclasses.replace(plan, budget=plan.allocated_bytes)  # no budget: what it takes
             return blocks, slots
+        if self.device.type == "cuda":
+            budget = self._gpu_cache_budget(config, max_len)
+        else:
+            budget = config.kv_cache_memory_bytes
+        plan = capacity.plan_caches(budget, shape, max_num_seqs=config.max_num_seqs, max_len=max_len,
+                                    prefix_caching=wants_checkpoints, num_kv_blocks=config.num_kv_blocks)
+        if plan.num_slots < config.max_num_seqs:
+            logger.warning(
+                "GDN states of %d sequences would take %.1f GiB; serving at most %d at a time "
+                "(lower --max-num-seqs to silence this)",
+                config.max_num_seqs, config.max_num_seqs * shape.per_slot_bytes / 2**30, plan.num_slots,
+            )
+        self.cache_plan = plan
+        self.num_checkpoints = plan.num_checkpoints
+        return plan.num_blocks, plan.num_slots
+
+    def _gpu_cache_budget(self, config: EngineConfig, max_len: int) -> int:
+        """Bytes for the caches on this GPU: ``kv_cache_memory_bytes`` when given (refused when
+        it exceeds what the weights and the runtime's reserves leave), else what
+        ``gpu_memory_utilization`` leaves after them."""
         gc.collect()  # garbage in cycles would count as this model's memory
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -166,35 +192,24 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         others = total - free - torch.cuda.memory_reserved(self.device)
-        sampling = config.max_num_seqs * self.model_config.vocab_size * 16
+        sampling = config.max_num_seqs * self.model_config.vocab_size * SAMPLING_BYTES_PER_LOGIT
         # the piecewise prompt graphs keep about one pass's activations in their own pool
         prompt_graphs = peak - before if self.use_graphs and supports_prompt_graphs(self.model) else 0
-        available = (
-            int(total * config.gpu_memory_utilization) - others - peak - prompt_graphs - sampling - GRAPH_RESERVE_BYTES
-        )
-        if available <= 0:
-            raise OnecatError(
-                f"the model leaves no GPU memory for the KV cache ({peak / 2**30:.1f} GiB used at "
-                f"peak of {total / 2**30:.1f} GiB); raise --gpu-memory-utilization or lower "
-                "--max-num-batched-tokens"
-            )
-        per_slot = self.slot_bytes() * (1 + self.num_drafts)  # speculation: + a state row per draft position
-        if slots * per_slot > available // 2:
-            fitting = max(1, available // 2 // max(per_slot, 1))
-            logger.warning(
-                "GDN states of %d sequences would take %.1f GiB; serving at most %d at a time "
-                "(lower --max-num-seqs to silence this)",
-                slots, slots * self.slot_bytes() / 2**30, fitting,
-            )
-            slots = fitting
-        if self.num_checkpoints:
-            fitting = available // 8 // max(self.slot_bytes(), 1)
-            self.num_checkpoints = int(min(self.num_checkpoints, fitting))
-            available -= self.num_checkpoints * self.slot_bytes()
-        if not self.block_bytes():  # only linear attention: blocks are bookkeeping, no memory
-            return config.num_kv_blocks or slots * per_seq_blocks, slots
-        blocks = config.num_kv_blocks or (available - slots * per_slot) // self.block_bytes()
-        return int(blocks), int(slots)
+        reserved = others + peak + prompt_graphs + sampling + GRAPH_RESERVE_BYTES
+        if config.kv_cache_memory_bytes is not None:
+            if config.kv_cache_memory_bytes > total - reserved:
+                raise OnecatError(
+                    f"--kv-cache-memory-bytes {config.kv_cache_memory_bytes} ({capacity.gib(config.kv_cache_memory_bytes)}) "
+                    f"does not fit: the weights, activations and runtime reserves take {capacity.gib(reserved)} of "
+                    f"this GPU's {capacity.gib(total)}, leaving {capacity.gib(max(0, total - reserved))}; lower it"
+                )
+            return config.kv_cache_memory_bytes
+        usable = int(total * config.gpu_memory_utilization)
+        if usable - reserved <= 0:
+            raise OnecatError(capacity.no_room_message(
+                reserved, usable, "the weights, activations and runtime reserves (measured)",
+                tensor_parallel_size=config.tensor_parallel_size, kv_cache_dtype=config.kv_cache_dtype))
+        return usable - reserved
 
     @torch.inference_mode()
     def _profile_run(self, num_tokens: int) -> None:

@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -41,10 +41,15 @@ from onecat.runtime.server.protocol import (
     TokenizeRequest,
 )
 
+if TYPE_CHECKING:
+    from onecat.runtime.core.replicas import ReplicaSet
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 PROMPT_THREADS = 2  # chat template rendering and tokenisation, off the event loop
+RETRY_AFTER = {"Retry-After": "1"}
+"""Sent with a 429 (queue full) and a 503 (no engine up, a replica failed, shutting down)."""
 GUARDED_PATHS = ("/v1", "/tokenize", "/detokenize")
 """What the API key guards (vLLM guards every route but its public ones)."""
 
@@ -212,7 +217,7 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
 
 
 def create_app(
-    engine: AsyncEngine,
+    engine: AsyncEngine | ReplicaSet,
     *,
     api_key: str | None = None,
     trust_request_chat_template: bool = False,
@@ -228,7 +233,8 @@ def create_app(
     grammar's compile in seconds (``--structured-outputs-compile-timeout``). The grammar
     worker processes are killed when the app shuts down.
     """
-    metrics = ServerMetrics(engine.stats, engine.model_name, engine.max_model_len)
+    metrics = ServerMetrics(model_name=engine.model_name, max_model_len=engine.max_model_len,
+                            replica_stats=engine.replica_stats)
     executor = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="onecat-prompt")
     serving = OpenAIServing(
         engine, metrics, executor, trust_request_chat_template=trust_request_chat_template,
@@ -254,7 +260,7 @@ def create_app(
 
     def error_response(status: int, body: dict[str, Any]) -> JSONResponse:
         metrics.request_errors.labels(str(status)).inc()
-        headers = {"Retry-After": "1"} if status == 429 else None
+        headers = RETRY_AFTER if status in (429, 503) else None
         return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(APIError)
@@ -273,14 +279,17 @@ def create_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if engine.error is not None:
-            body = error_body("the engine stopped after an internal error (see the server log)",
-                              type="server_error", code="engine_unavailable")
-            return JSONResponse(body, status_code=503)
+        body = engine.health()
         if engine.draining:
-            body = error_body("the server is shutting down", type="server_error", code="server_shutting_down")
-            return JSONResponse(body, status_code=503)
-        return JSONResponse({"status": "ok"})
+            body["status"] = "shutting_down"
+            body["error"] = error_body("the server is shutting down", type="server_error",
+                                       code="server_shutting_down")["error"]
+            return JSONResponse(body, status_code=503, headers=RETRY_AFTER)
+        if engine.error is not None or body["status"] == "down":
+            body["error"] = error_body("no engine is up (see the server log)", type="server_error",
+                                       code="engine_unavailable")["error"]
+            return JSONResponse(body, status_code=503, headers=RETRY_AFTER)
+        return JSONResponse(body)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -297,7 +306,7 @@ def create_app(
             "object": "model",
             "created": created,
             "owned_by": "onecat",
-            "root": str(getattr(getattr(engine.engine, "config", None), "model", engine.model_name)),
+            "root": engine.model_root,
             "max_model_len": engine.max_model_len,
         }
         return {"object": "list", "data": [card]}

@@ -52,7 +52,7 @@ class RequestFailedError(Exception):
         self.detail = detail
 
 
-_END = object()  # pushed to a stream whose request was aborted: iteration ends quietly
+END_OF_STREAM = object()  # pushed to a stream whose request was aborted: iteration ends quietly
 
 
 class RequestStream:
@@ -61,12 +61,14 @@ class RequestStream:
     Iteration yields ``RequestOutput`` objects and ends after the one with ``finished``; it
     raises ``EngineDeadError`` if the engine fails meanwhile. ``output_at`` is the
     ``time.monotonic()`` at which the engine thread handed over the step of the output
-    last yielded (/metrics' token latencies).
+    last yielded (/metrics' token latencies); ``engine_index`` names the data-parallel
+    replica serving the request (/metrics' ``engine`` label).
     """
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self.loop = loop
+        self.engine_index = "0"
         self.finished = False
         self.output_at = 0.0
         self._items: asyncio.Queue[Any] = asyncio.Queue()
@@ -83,7 +85,7 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         item, self.output_at = await self._items.get()
-        if item is _END:
+        if item is END_OF_STREAM:
             self.finished = True
             raise StopAsyncIteration
         if isinstance(item, BaseException):
@@ -122,7 +124,7 @@ _STOP = object()
 _DEAD = "the engine stopped after an internal error (see the server log); restart the server"
 
 
-def _call_on_loop(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
+def call_on_loop(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
     """Run ``fn(*args)`` on ``loop`` from another thread; a closed loop is ignored."""
     try:
         loop.call_soon_threadsafe(fn, *args)
@@ -130,7 +132,7 @@ def _call_on_loop(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
         pass
 
 
-def _push_all(items: list[tuple[RequestStream, Any]], at: float) -> None:
+def push_all(items: list[tuple[RequestStream, Any]], at: float) -> None:
     for stream, item in items:
         stream.push(item, at)
 
@@ -156,6 +158,9 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
+        self.vocab_size: int = engine.runner.model_config.vocab_size
+        self.eos_token_ids: list[int] = sorted(engine.eos_token_ids)
+        self.model_root = str(engine.config.model)
         self.max_queue_len = max_queue_len
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # touched by the engine thread only
@@ -208,6 +213,15 @@ class AsyncEngine:
         token totals), published by the engine thread after each iteration."""
         with self._lock:
             return dict(self._stats)
+
+    def replica_stats(self) -> list[tuple[str, dict[str, int]]]:
+        """``(engine index, stats)`` per engine for /metrics: this one engine, "0"."""
+        return [("0", self.stats())]
+
+    def health(self) -> dict[str, Any]:
+        """/health's body: "ok" while the engine serves, "down" once it has failed."""
+        state = "down" if self._error is not None else "up"
+        return {"status": "ok" if state == "up" else "down", "replicas": [{"index": 0, "state": state}]}
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any) -> RequestStream:
         """Submit a request; returns its stream once the engine has accepted it.
@@ -316,14 +330,14 @@ class AsyncEngine:
                 self._streams.update(zip(command.request_ids, command.streams, strict=True))
         with self._lock:
             self._pending_adds -= len(command.request_ids)
-        _call_on_loop(command.streams[0].loop, _settle, command.accepted, error)
+        call_on_loop(command.streams[0].loop, _settle, command.accepted, error)
 
     def _abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is None:  # already finished (or never accepted): nothing holds resources
             return
         self.engine.abort_request(request_id)
-        _call_on_loop(stream.loop, stream.push, _END)
+        call_on_loop(stream.loop, stream.push, END_OF_STREAM)
 
     def _abort_all(self, reason: BaseException) -> None:
         for request_id, stream in list(self._streams.items()):
@@ -331,7 +345,7 @@ class AsyncEngine:
                 self.engine.abort_request(request_id)
             except Exception:  # a failed engine may not abort cleanly; the clients still learn
                 logger.exception("could not abort %s", request_id)
-            _call_on_loop(stream.loop, stream.push, reason)
+            call_on_loop(stream.loop, stream.push, reason)
         self._streams.clear()
 
     def _dispatch(self, outputs: list[Any]) -> None:
@@ -347,7 +361,7 @@ class AsyncEngine:
                 del self._streams[output.request_id]
             by_loop.setdefault(stream.loop, []).append((stream, output))
         for loop, items in by_loop.items():
-            _call_on_loop(loop, _push_all, items, at)
+            call_on_loop(loop, push_all, items, at)
 
     def _publish_stats(self) -> None:
         try:

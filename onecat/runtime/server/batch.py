@@ -96,19 +96,19 @@ class BatchJob:
         console: Console | None = None,
         **app_options: Any,
     ) -> BatchSummary:
-        """Run every line not done yet through ``engine`` (an ``LLMEngine``; the caller closes
-        it) and close the output. ``app_options`` go to ``create_app`` (chat options, request
+        """Run every line not done yet through ``engine`` (a started ``ReplicaSet`` or an
+        ``LLMEngine``; the caller closes it) and close the output. ``app_options`` go to ``create_app`` (chat options, request
         templates, body limit, grammar budget). Ctrl-C ends the job with whole lines written
         (``stopped`` says so)."""
         from onecat.runtime.server.app import create_app
-        from onecat.runtime.server.async_engine import AsyncEngine
+        from onecat.runtime.server.launcher import engine_client
 
         try:
-            limit = max_concurrency or engine.config.max_num_seqs
+            limit = max_concurrency or engine.config.max_num_seqs * getattr(engine, "data_parallel_size", 1)
             if limit < 1:
                 raise OnecatError(f"--max-concurrency must be >= 1; got {limit}")
             summary = BatchSummary(lines=self.lines, max_concurrency=limit)
-            async_engine = AsyncEngine(engine, max_queue_len=UNBOUNDED_QUEUE)
+            async_engine = engine_client(engine, UNBOUNDED_QUEUE)
             app = create_app(async_engine, **app_options)
         except BaseException:
             self.output.close()

@@ -49,6 +49,13 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def engine_client(engine: Any, max_queue_len: int) -> Any:
+    """What request handlers talk to: ``engine`` itself when it is already a client of
+    engine-core processes (``ReplicaSet``), else an ``AsyncEngine`` thread around the
+    in-process ``LLMEngine``."""
+    return engine if hasattr(engine, "add_requests") else AsyncEngine(engine, max_queue_len=max_queue_len)
+
+
 def _uvicorn_server(app: Any, engine: AsyncEngine, log_level: str, shutdown_timeout: float) -> Any:
     """A uvicorn server whose graceful shutdown first drains ``engine`` (module docstring)."""
     import uvicorn
@@ -113,7 +120,7 @@ def _raise_terminated(signum: int, frame: Any) -> None:
     raise _Terminated
 
 
-def _log_to_stderr(log_level: str) -> None:
+def log_to_stderr(log_level: str) -> None:
     """Show onecat's own log records (engine failures with their tracebacks, the drain) at
     ``log_level``, next to uvicorn's."""
     root = logging.getLogger("onecat")
@@ -138,13 +145,14 @@ def serve(
     chat_options: Any = None,
     grammar_compile_timeout: float | None = None,
 ) -> None:
-    """Serve ``engine`` (an ``LLMEngine``) over HTTP until SIGTERM or Ctrl-C; both drain
-    (module docstring) and return normally."""
+    """Serve ``engine`` (a ``ReplicaSet`` of engine-core processes, or an in-process
+    ``LLMEngine``) over HTTP until SIGTERM or Ctrl-C; both drain (module docstring), stop
+    the engine and return normally."""
     from onecat.runtime.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, create_app
 
-    _log_to_stderr(log_level)
+    log_to_stderr(log_level)
     sock = _bind(host, port)
-    async_engine = AsyncEngine(engine, max_queue_len=max_queue_len)
+    async_engine = engine_client(engine, max_queue_len)
     app = create_app(
         async_engine,
         api_key=api_key,
@@ -169,7 +177,8 @@ def serve(
 
 
 class BackgroundServer:
-    """uvicorn serving ``engine`` in a daemon thread on ``host`` and a free port.
+    """uvicorn serving ``engine`` (an ``LLMEngine`` or a ``ReplicaSet``) in a daemon thread
+    on ``host`` and a free port.
 
     Use as a context manager: ``with BackgroundServer(engine) as server: server.url``.
     On exit the server drains (running requests get ``shutdown_timeout`` seconds) and the
@@ -192,7 +201,7 @@ class BackgroundServer:
     ) -> None:
         from onecat.runtime.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, create_app
 
-        self.async_engine = AsyncEngine(engine, max_queue_len=max_queue_len)
+        self.async_engine = engine_client(engine, max_queue_len)
         self.app = create_app(
             self.async_engine,
             api_key=api_key,

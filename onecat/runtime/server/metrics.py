@@ -2,17 +2,19 @@
 
 Series that vLLM has carry vLLM's names, types, label names and histogram buckets (vLLM v1,
 ``vllm/v1/metrics/loggers.py``), so dashboards built for ``vllm serve`` work unchanged:
-labels ``model_name`` (the served name) and ``engine`` (the engine's index, "0": onecat runs
-one engine per server). Series vLLM has no counterpart for keep the ``onecat:`` prefix and
-no labels (GDN state slots and checkpoints, block counts, engine steps, request errors).
+labels ``model_name`` (the served name) and ``engine`` (the data-parallel replica's index,
+"0" for a single engine). Series vLLM has no counterpart for keep the ``onecat:`` prefix and
+the ``engine`` label alone (GDN state slots and checkpoints, block counts, engine steps);
+the request error counter has a ``status`` label.
 
-Engine gauges and counters are read from the engine thread's latest ``stats()`` snapshot at
-scrape time. Request histograms are observed per engine request (per choice of ``n``, as
+Engine gauges and counters are read at scrape time from each replica's latest ``stats()``
+snapshot (one series per replica). Request histograms are observed per engine request (per choice of ``n``, as
 vLLM counts them) by ``RequestTimer``: the arrival at the server (the handler's start), the
 engine's first scheduling of the request, and the time the engine thread handed each step's
 outputs over (one observation per step, even when speculative decoding emits several tokens
-in it, as vLLM's inter-token latency is per engine step). Each app has its own registry, so
-several servers can live in one process.
+in it, as vLLM's inter-token latency is per engine step). A request's histograms carry
+the replica that served it (``RequestStream.engine_index``). Each app has its own registry,
+so several servers can live in one process.
 """
 
 from __future__ import annotations
@@ -79,42 +81,57 @@ def token_buckets(max_value: int) -> list[int]:
         scale *= 10
 
 
-class _EngineCollector(Collector):
-    """Turns the engine's stats snapshot into gauges and counters at scrape time."""
+ReplicaStats = Callable[[], list[tuple[str, dict[str, Any]]]]
+"""``(replica index, stats snapshot)`` of each replica that is up."""
 
-    def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str) -> None:
-        self._stats = stats
-        self._labels = [model_name, ENGINE_INDEX]
+
+class _EngineCollector(Collector):
+    """Turns each replica's stats snapshot into gauges and counters at scrape time."""
+
+    def __init__(self, replica_stats: ReplicaStats, model_name: str) -> None:
+        self._replica_stats = replica_stats
+        self._model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._stats()
-        for key, (name, doc) in _VLLM_GAUGES.items():
-            if key in stats:
-                yield self._family(GaugeMetricFamily(name, doc, labels=LABELS), stats[key])
-        if stats.get("total_kv_blocks"):
-            usage = 1.0 - stats["free_kv_blocks"] / stats["total_kv_blocks"]
-            family = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                                       labels=LABELS)
-            yield self._family(family, usage)
-        for key, (name, doc) in _VLLM_COUNTERS.items():
-            if key in stats:
-                yield self._family(CounterMetricFamily(name, doc, labels=LABELS), stats[key])
-        if "spec_decode_num_accepted_tokens_per_pos" in stats:
-            family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                         "Accepted tokens per draft position.", labels=[*LABELS, "position"])
-            for position, value in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
-                family.add_metric([*self._labels, str(position)], value)
-            yield family
-        for key, (name, doc) in _ONECAT_GAUGES.items():
-            if key in stats:
-                yield GaugeMetricFamily(name, doc, value=stats[key])
-        for key, (name, doc) in _ONECAT_COUNTERS.items():
-            if key in stats:
-                yield CounterMetricFamily(name, doc, value=stats[key])
+        replicas = self._replica_stats()
+        labels = {index: [self._model_name, index] for index, _ in replicas}
 
-    def _family(self, family: Any, value: float) -> Metric:
-        family.add_metric(self._labels, value)
-        return family
+        def vllm_family(family: Any, key: str) -> Metric | None:
+            found = False
+            for index, stats in replicas:
+                if key in stats:
+                    family.add_metric(labels[index], stats[key])
+                    found = True
+            return family if found else None
+
+        for key, (name, doc) in _VLLM_GAUGES.items():
+            if (family := vllm_family(GaugeMetricFamily(name, doc, labels=LABELS), key)) is not None:
+                yield family
+        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                                  labels=LABELS)
+        for index, stats in replicas:
+            if stats.get("total_kv_blocks"):
+                usage.add_metric(labels[index], 1.0 - stats["free_kv_blocks"] / stats["total_kv_blocks"])
+        if usage.samples:
+            yield usage
+        for key, (name, doc) in _VLLM_COUNTERS.items():
+            if (family := vllm_family(CounterMetricFamily(name, doc, labels=LABELS), key)) is not None:
+                yield family
+        per_position = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                           "Accepted tokens per draft position.", labels=[*LABELS, "position"])
+        for index, stats in replicas:
+            for position, value in enumerate(stats.get("spec_decode_num_accepted_tokens_per_pos", ())):
+                per_position.add_metric([*labels[index], str(position)], value)
+        if per_position.samples:
+            yield per_position
+        for table, kind in ((_ONECAT_GAUGES, GaugeMetricFamily), (_ONECAT_COUNTERS, CounterMetricFamily)):
+            for key, (name, doc) in table.items():
+                family = kind(name, doc, labels=["engine"])
+                for index, stats in replicas:
+                    if key in stats:
+                        family.add_metric([index], stats[key])
+                if family.samples:
+                    yield family
 
 
 class RequestTimer:
@@ -131,11 +148,11 @@ class RequestTimer:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
 
-    def observe(self, output: Any, at: float) -> None:
-        """Record ``output`` (a ``RequestOutput``) emitted at ``at``: time to first token at
-        the first output with tokens, inter-token latency at each later step, and the
-        per-request histograms once it is finished."""
-        m = self.metrics
+    def observe(self, output: Any, at: float, engine: str = "0") -> None:
+        """Record ``output`` (a ``RequestOutput``) emitted at ``at`` by replica ``engine``:
+        time to first token at the first output with tokens, inter-token latency at each
+        later step, and the per-request histograms once it is finished."""
+        m = self.metrics.for_engine(engine)
         if output.new_token_ids:
             if self.first_token_at is None:
                 self.first_token_at = at
@@ -145,7 +162,7 @@ class RequestTimer:
             self.last_token_at = at
         if not output.finished:
             return
-        m.request_success.labels(m.model_name, ENGINE_INDEX, output.finish_reason or "unknown").inc()
+        m.success(output.finish_reason or "unknown").inc()
         m.e2e_request_latency.observe(max(0.0, at - self.arrival))
         m.request_prompt_tokens.observe(output.prompt_tokens)
         m.request_generation_tokens.observe(output.completion_tokens)
@@ -160,42 +177,72 @@ class RequestTimer:
         m.request_decode_time.observe(max(0.0, at - first))
 
 
-class ServerMetrics:
-    """The registry of one server: engine stats, request histograms and outcome counters."""
+_HISTOGRAMS = {
+    "time_to_first_token": ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                            TTFT_BUCKETS),
+    "inter_token_latency": ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                            ITL_BUCKETS),
+    "e2e_request_latency": ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                            REQUEST_LATENCY_BUCKETS),
+    "request_queue_time": ("vllm:request_queue_time_seconds",
+                           "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS),
+    "request_inference_time": ("vllm:request_inference_time_seconds",
+                               "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS),
+    "request_prefill_time": ("vllm:request_prefill_time_seconds",
+                             "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS),
+    "request_decode_time": ("vllm:request_decode_time_seconds",
+                            "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS),
+}
+_TOKEN_HISTOGRAMS = {
+    "request_prompt_tokens": ("vllm:request_prompt_tokens", "Number of prefill tokens processed."),
+    "request_generation_tokens": ("vllm:request_generation_tokens", "Number of generation tokens processed."),
+}
 
-    def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str = "", max_model_len: int = 1) -> None:
+
+class EngineSeries:
+    """The request series of one replica: each histogram of ``_HISTOGRAMS`` and
+    ``_TOKEN_HISTOGRAMS`` (same attribute names) with its labels bound, and ``success(reason)``,
+    the success counter of one finish reason."""
+
+    def __init__(self, metrics: ServerMetrics, engine: str) -> None:
+        labels = (metrics.model_name, engine)
+        for attribute, histogram in metrics.histograms.items():
+            setattr(self, attribute, histogram.labels(*labels))
+        self._success = metrics.request_success
+        self._labels = labels
+
+    def success(self, reason: str) -> Any:
+        """The success counter's child for finish reason ``reason``."""
+        return self._success.labels(*self._labels, reason)
+
+
+class ServerMetrics:
+    """The registry of one server: engine stats, request histograms and outcome counters.
+
+    ``stats`` is the single engine's stats snapshot, or ``replica_stats`` gives every
+    replica's (``ReplicaSet.replica_stats``)."""
+
+    def __init__(
+        self,
+        stats: Callable[[], dict[str, Any]] | None = None,
+        model_name: str = "",
+        max_model_len: int = 1,
+        replica_stats: ReplicaStats | None = None,
+    ) -> None:
+        if replica_stats is None:
+            if stats is None:
+                raise ValueError("ServerMetrics needs stats or replica_stats")
+            replica_stats = lambda: [(ENGINE_INDEX, stats())]  # noqa: E731
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(stats, model_name))
-        labels = [model_name, ENGINE_INDEX]
-
-        def histogram(name: str, doc: str, buckets: Any) -> Any:
-            return Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry).labels(*labels)
-
-        self.time_to_first_token = histogram(
-            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.inter_token_latency = histogram(
-            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
-        self.e2e_request_latency = histogram(
-            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-            REQUEST_LATENCY_BUCKETS)
-        self.request_queue_time = histogram(
-            "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
-            REQUEST_LATENCY_BUCKETS)
-        self.request_inference_time = histogram(
-            "vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.",
-            REQUEST_LATENCY_BUCKETS)
-        self.request_prefill_time = histogram(
-            "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
-            REQUEST_LATENCY_BUCKETS)
-        self.request_decode_time = histogram(
-            "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
-            REQUEST_LATENCY_BUCKETS)
-        self.request_prompt_tokens = histogram(
-            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets(max_model_len))
-        self.request_generation_tokens = histogram(
-            "vllm:request_generation_tokens", "Number of generation tokens processed.",
-            token_buckets(max_model_len))
+        self.registry.register(_EngineCollector(replica_stats, model_name))
+        self.histograms = {
+            attribute: Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry)
+            for attribute, (name, doc, buckets) in _HISTOGRAMS.items()
+        }
+        for attribute, (name, doc) in _TOKEN_HISTOGRAMS.items():
+            self.histograms[attribute] = Histogram(name, doc, LABELS, buckets=token_buckets(max_model_len),
+                                                   registry=self.registry)
         self.request_success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -208,6 +255,14 @@ class ServerMetrics:
             ["status"],
             registry=self.registry,
         )
+        self._engines: dict[str, EngineSeries] = {}
+
+    def for_engine(self, engine: str) -> EngineSeries:
+        """The request series of replica ``engine``."""
+        series = self._engines.get(engine)
+        if series is None:
+            series = self._engines[engine] = EngineSeries(self, engine)
+        return series
 
     def request_timer(self, arrival: float) -> RequestTimer:
         """A timer for one engine request that arrived at ``arrival`` (``time.monotonic()``)."""

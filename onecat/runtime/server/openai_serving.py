@@ -331,10 +331,7 @@ class OpenAIServing:
         megabyte of schema)."""
         with self._grammar_lock:
             if self._grammar is None:
-                llm = self.engine.engine
-                backend = GrammarBackend(
-                    self.engine.tokenizer, llm.runner.model_config.vocab_size, sorted(llm.eos_token_ids)
-                )
+                backend = GrammarBackend(self.engine.tokenizer, self.engine.vocab_size, self.engine.eos_token_ids)
                 pool = GrammarCompilePool(backend.tokenizer_info(), timeout=self.grammar_compile_timeout)
                 self._grammar = backend, pool
             backend, pool = self._grammar
@@ -431,30 +428,30 @@ class OpenAIServing:
         if len(sub.streams) == 1:
             stream = sub.streams[0]
             async for out in stream:
-                timers[0].observe(out, stream.output_at)
+                timers[0].observe(out, stream.output_at, stream.engine_index)
                 yield 0, out
             return
-        queue: asyncio.Queue[tuple[int, Any, float]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, Any, float, str]] = asyncio.Queue()
 
         async def pump(index: int, stream: RequestStream) -> None:
             try:
                 async for out in stream:
-                    queue.put_nowait((index, out, stream.output_at))
-                queue.put_nowait((index, None, 0.0))
+                    queue.put_nowait((index, out, stream.output_at, stream.engine_index))
+                queue.put_nowait((index, None, 0.0, ""))
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-                queue.put_nowait((index, exc, 0.0))
+                queue.put_nowait((index, exc, 0.0, ""))
 
         tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(sub.streams)]
         try:
             running = len(tasks)
             while running:
-                index, item, at = await queue.get()
+                index, item, at, engine = await queue.get()
                 if item is None:
                     running -= 1
                 elif isinstance(item, BaseException):
                     raise item
                 else:
-                    timers[index].observe(item, at)
+                    timers[index].observe(item, at, engine)
                     yield index, item
         finally:
             for task in tasks:

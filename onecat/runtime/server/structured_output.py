@@ -223,7 +223,12 @@ class GrammarBackend:
     def logits_processor(self, compiled: Any) -> GrammarLogitsProcessor:
         """A fresh per-request mask over ``compiled``."""
         xgr = import_xgrammar()
-        return GrammarLogitsProcessor(xgr.GrammarMatcher(compiled), self.vocab_size)
+        return GrammarLogitsProcessor(xgr.GrammarMatcher(compiled), self.vocab_size, compiled)
+
+    def deserialize(self, payload: str) -> Any:
+        """A compiled grammar from ``CompiledGrammar.serialize_json`` (another process's
+        compile), against this backend's tokenizer table."""
+        return import_xgrammar().CompiledGrammar.deserialize_json(payload, self.tokenizer_info())
 
 
 def _reasoning_prefix(st: Any) -> Any:
