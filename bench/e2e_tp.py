@@ -34,11 +34,11 @@ import torch
 
 from onecat.runtime.config import EngineConfig
 from onecat.runtime.distributed.parallel_state import tp_rank, tp_size
-from onecat.runtime.distributed.sharding import shard_config
 from onecat.runtime.engine import LLMEngine
 from onecat.runtime.models.config import ModelConfig
 from onecat.runtime.models.qwen3_5 import Qwen3_5ForCausalLM
 from onecat.runtime.quant_plan import QuantPlan
+from onecat.runtime.sharding import shard_config
 
 
 def build_shard(raw: dict, device: torch.device, dtype: torch.dtype) -> Qwen3_5ForCausalLM:

@@ -25,7 +25,7 @@ import time
 import torch
 
 from onecat.runtime.config import EngineConfig
-from onecat.runtime.engine import LLMEngine, llm_engine
+from onecat.runtime.engine import LLMEngine, speculative
 from onecat.runtime.sampling_params import SamplingParams
 from onecat.tiny_train import fixture_dir, heldout_text
 
@@ -179,13 +179,13 @@ def bench_random(args: argparse.Namespace) -> dict:
     print(f"{args.model}: plain batch 1: {report['plain_tok_s']:.1f} tok/s with prefill, "
           f"{report['plain_decode_tok_s']:.1f} tok/s decode", flush=True)
     del plain
-    real_accept = llm_engine.accept
+    real_accept = speculative.accept
 
     def forced(sampler, logits, drafts, params, generator, argmax=None):
         _, token = real_accept(sampler, logits[-1:], [], params, generator)
         return min(args.accept, len(drafts)), token
 
-    llm_engine.accept = forced
+    speculative.accept = forced
     try:
         for n in args.drafts:
             spec = engine(n)
@@ -201,7 +201,7 @@ def bench_random(args: argparse.Namespace) -> dict:
                 host_profile(spec, prompts[:1], args)
             del spec
     finally:
-        llm_engine.accept = real_accept
+        speculative.accept = real_accept
     return report
 
 

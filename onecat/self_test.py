@@ -246,7 +246,7 @@ def _recorded(engine, owners: dict[int, str]) -> Iterator[dict[str, list[torch.T
     its drafts): its kept rows are recorded, the request found by its ``SamplingParams``
     object (``owners``: ``id(params)`` -> request id). Rows are cloned on the device, so
     recording adds no host sync to overlapped steps."""
-    from onecat.runtime.engine import llm_engine
+    from onecat.runtime.engine import speculative
 
     records: dict[str, list[torch.Tensor]] = defaultdict(list)
     if engine.speculation is None:
@@ -266,7 +266,7 @@ def _recorded(engine, owners: dict[int, str]) -> Iterator[dict[str, list[torch.T
         finally:
             del engine.runner.run
         return
-    accept = llm_engine.accept
+    accept = speculative.accept
 
     def spy_accept(sampler, logits, drafts, params, generator, argmax=None):
         kept, token = accept(sampler, logits, drafts, params, generator, argmax)
@@ -274,11 +274,11 @@ def _recorded(engine, owners: dict[int, str]) -> Iterator[dict[str, list[torch.T
             records[owners[id(params)]].extend(logits[: kept + 1].detach().float().clone())
         return kept, token
 
-    llm_engine.accept = spy_accept
+    speculative.accept = spy_accept
     try:
         yield records
     finally:
-        llm_engine.accept = accept
+        speculative.accept = accept
 
 
 def _run_phase(engine, prompts: dict[str, list[int]], together: bool) -> _Run:

@@ -185,7 +185,7 @@ def test_engine_config_and_cli_switch(tmp_path, monkeypatch):
 
 
 def test_executor_passes_the_switch_to_every_rank(monkeypatch):
-    from onecat.runtime.distributed import executor
+    from onecat.runtime.engine import executor
 
     seen = []
 

@@ -57,7 +57,7 @@ def test_nonfinite_logits_end_the_request_with_an_error(async_scheduling, temper
 
 
 def test_nonfinite_rows_flags_nan_and_inf():
-    from onecat.runtime.engine.llm_engine import nonfinite_rows
+    from onecat.runtime.layers.sampler import nonfinite_rows
 
     logits = torch.zeros(3, 4)
     logits[1, 2] = float("inf")

@@ -119,7 +119,7 @@ def test_abort_while_a_step_is_in_flight(models):
     engine.add_request("a", prompt(5, 6), params)
     engine.add_request("b", prompt(6, 6), params)
     outputs: dict[str, list[int]] = {"a": [], "b": []}
-    while engine._in_flight is None or len(outputs["a"]) < 3:
+    while engine._overlapped.in_flight is None or len(outputs["a"]) < 3:
         for out in engine.step():
             outputs[out.request_id] += out.new_token_ids
     engine.abort_request("a")  # its token in flight is never emitted
@@ -152,11 +152,11 @@ def test_turning_overlap_off_stops_it_after_the_step_in_flight(models):
     engine = make_engine(models["qwen3_5"], overlap=True)
     overlapped = count_overlapped(engine)
     engine.add_request("a", prompt(10, 6), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
-    while engine._in_flight is None:
+    while engine._overlapped.in_flight is None:
         engine.step()
     engine.config.async_scheduling = False
     before = overlapped[0]
     tokens = [t for o in drain(engine)["a"] for t in o.new_token_ids]
     assert overlapped[0] == before, "a step was still queued ahead with async_scheduling off"
-    assert engine._in_flight is None and tokens
+    assert engine._overlapped.in_flight is None and tokens
     assert_idle(engine)

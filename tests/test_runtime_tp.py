@@ -11,7 +11,7 @@ near tie (``runtime_helpers.assert_same_greedy_runs``). The MoE models route wit
 ``onecat.tiny.SeparatedRouting``, so expert choices cannot flip. TP 4 (three worker
 processes on CI's two cores) runs three models only, to stay fast.
 
-``lm_head`` is vocab parallel (``distributed/sharding.py``): two more dense checkpoints put
+``lm_head`` is vocab parallel (``runtime/sharding.py``): two more dense checkpoints put
 padding rows at the end of the last ranks' slices at TP 2 and 4 -- one with tied embeddings
 (float, a vocabulary of 520: the rank's ``lm_head`` is a view of its rows of the embedding),
 one with a 4-bit ``lm_head`` (a vocabulary of 544, packed with the rest) -- and every run
@@ -262,8 +262,8 @@ def test_overlapped_tp_steps_with_requests_leaving(checkpoints):
 def test_vocab_slices_are_the_vocabulary_then_zero_rows(checkpoints):
     """The ranks' lm_head slices, float or packed, laid end to end: the whole lm_head, then
     padding rows that are exactly zero (a packed one dequantises to 0)."""
-    from onecat.runtime.distributed.sharding import ShardedWeightSource
     from onecat.runtime.loader import WeightSource
+    from onecat.runtime.sharding import ShardedWeightSource
 
     packed = checkpoints["dense-packed-head"]
     for path in (packed.parent / "head", packed):  # its float source, vocabulary 544, and it
@@ -457,10 +457,10 @@ class RandomPackedSource:
 def random_full_width(raw: dict, device: torch.device, dtype: torch.dtype):
     """This rank's shard of the random full-width model (a model factory for the engine)."""
     from onecat.runtime.distributed.parallel_state import tp_rank, tp_size
-    from onecat.runtime.distributed.sharding import ShardedWeightSource, shard_config
     from onecat.runtime.loader import load_weights
     from onecat.runtime.models.config import ModelConfig
     from onecat.runtime.models.qwen3_5 import Qwen3_5ForCausalLM
+    from onecat.runtime.sharding import ShardedWeightSource, shard_config
 
     cfg, world = ModelConfig.from_dict(raw), tp_size()
     base = RandomPackedSource(cfg, device)

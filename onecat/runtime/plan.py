@@ -30,10 +30,10 @@ from onecat.errors import OnecatError
 from onecat.runtime import capacity
 from onecat.runtime.capacity import CachePlan, gib
 from onecat.runtime.config import EngineConfig
-from onecat.runtime.distributed.sharding import shard_config
 from onecat.runtime.engine.model_runner import GRAPH_RESERVE_BYTES, SAMPLING_BYTES_PER_LOGIT
 from onecat.runtime.models.config import ModelConfig
 from onecat.runtime.quant_plan import QuantPlan
+from onecat.runtime.sharding import shard_config
 
 NON_TORCH_BYTES = 512 << 20
 """Estimated GPU memory outside torch's allocator: the CUDA context, cuBLAS handles and the

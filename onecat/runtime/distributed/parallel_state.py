@@ -1,8 +1,8 @@
 """This process's tensor-parallel rank and the collectives the model calls.
 
 Rank 0 is the engine's process (scheduler, sampling); ranks 1..N-1 are worker processes
-(``executor``). At size 1 (the default, nothing initialised) every function here is a
-no-op, so single-GPU code pays nothing.
+(``runtime/engine/executor.py``). At size 1 (the default, nothing initialised) every
+function here is a no-op, so single-GPU code pays nothing.
 """
 
 from __future__ import annotations

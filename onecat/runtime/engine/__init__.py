@@ -1,4 +1,5 @@
-"""The engine: scheduler, KV blocks and state slots, model runner, sampling, detokenisation."""
+"""The engine: scheduler, KV blocks and state slots, model runner (and the tensor-parallel
+executor), the step kinds (plain, overlapped, speculative), sampling, detokenisation."""
 
 from onecat.runtime.engine.llm_engine import LLMEngine, RequestOutput
 

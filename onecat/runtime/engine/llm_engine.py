@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,39 +17,32 @@ import torch
 
 from onecat.errors import OnecatError
 from onecat.formats.files import contained_file
-from onecat.kernels.workspace import to_device
 from onecat.runtime.config import EngineConfig
 from onecat.runtime.engine.block_manager import BlockManager, StateCheckpoints, StateSlotPool
 from onecat.runtime.engine.detokenizer import IncrementalDetokenizer
-from onecat.runtime.engine.in_flight import InFlightStep
-from onecat.runtime.engine.model_runner import ModelRunner
+from onecat.runtime.engine.in_flight import OverlappedDecoding
+from onecat.runtime.engine.model_runner import ModelRunner, pass_name
 from onecat.runtime.engine.request_check import check_request
 from onecat.runtime.engine.scheduler import Scheduler
 from onecat.runtime.engine.sequence import Sequence, SequenceStatus
 from onecat.runtime.engine.speculative import (
     SpeculationStats,
     SpeculativeConfig,
-    accept,
-    can_speculate,
+    SpeculativeDecoding,
 )
 from onecat.runtime.errors import RequestError
-from onecat.runtime.layers.sampler import Sampler, TokenLogprobs
+from onecat.runtime.layers.sampler import Sampler, TokenLogprobs, nonfinite_rows, sample_alone
 from onecat.runtime.models.qwen3_5 import Qwen3_5ForCausalLM
 from onecat.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from onecat.runtime.distributed.executor import ModelFactory, TensorParallelRunner
+    from onecat.runtime.engine.executor import ModelFactory, TensorParallelRunner
 
 logger = logging.getLogger(__name__)
 
 
 class NonFiniteLogits(RuntimeError):
     """A request's logits held NaN or inf: its output would be garbage, so it ends with an error."""
-
-
-def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
-    """Bool ``[rows]`` on the logits' device: True where a row holds a NaN or an inf."""
-    return ~torch.isfinite(logits).all(dim=-1)
 
 
 @dataclass
@@ -66,6 +60,18 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
     queued_at: float | None = None  # time.monotonic() when the engine queued the request
     scheduled_at: float | None = None  # time.monotonic() when first scheduled (None: never)
+
+
+@dataclass(frozen=True)
+class StepOutputs:
+    """What a step kind (``in_flight.OverlappedDecoding``, ``speculative.SpeculativeDecoding``)
+    does to the engine's requests besides running them: the engine's own output functions."""
+
+    emit: Callable[..., RequestOutput]  # (seq, token, logprobs=None): its newest token, appended already
+    append: Callable[..., RequestOutput]  # (seq, token, logprobs=None): append it, then emit
+    fail: Callable[..., RequestOutput]  # (seq, exc, log=True): finish it with "error"
+    nonfinite: Callable[..., NonFiniteLogits]  # (seq, pass_name=None, position=None): its error
+    forward_failed: Callable[[list[tuple[Sequence, int]], Exception], list[RequestOutput]]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -100,9 +106,9 @@ class LLMEngine:
         (``runtime/fp16_audit.py``) and loaded with the plan derived."""
         from transformers import AutoTokenizer
 
-        from onecat.runtime.distributed.executor import create_runner
-        from onecat.runtime.distributed.sharding import check_shardable, load_model_shard
+        from onecat.runtime.engine.executor import create_runner
         from onecat.runtime.loader import read_model_config
+        from onecat.runtime.sharding import check_shardable, load_model_shard
 
         device = resolve_device(config.device)
         dtype = torch.float16 if device.type == "cuda" else torch.float32
@@ -140,7 +146,7 @@ class LLMEngine:
         """An engine whose model ``factory(device, dtype)`` builds (in every rank when
         ``config.tensor_parallel_size`` > 1: a picklable callable returning that rank's
         shard; benchmarks build random tensor-parallel models this way)."""
-        from onecat.runtime.distributed.executor import create_runner
+        from onecat.runtime.engine.executor import create_runner
 
         device = resolve_device(config.device)
         dtype = torch.float16 if device.type == "cuda" else torch.float32
@@ -179,7 +185,11 @@ class LLMEngine:
         self.speculation_stats = SpeculationStats()
         runner.warmup()  # decode graphs of every batch size, before any request waits on them
         self._sequences: dict[str, Sequence] = {}
-        self._in_flight: InFlightStep | None = None  # a decode step whose tokens are not read yet
+        outputs = StepOutputs(self._emit, self._append, self._fail, self._nonfinite, self._forward_failed)
+        self._overlapped = OverlappedDecoding(config, self.scheduler, runner, self.block_manager, outputs)
+        self._speculative = None if self.speculation is None else SpeculativeDecoding(
+            self.speculation, self.scheduler, runner, self.block_manager, self.speculation_stats, outputs
+        )
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
 
@@ -254,34 +264,28 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns an output for each request that got a token.
 
+        The step kind first: with speculation every step verifies and drafts
+        (``engine/speculative.py``); with ``async_scheduling`` decode steps whose rows sample
+        on the device overlap (``engine/in_flight.py``: the step after one is queued before
+        its tokens are read); any other step is schedule -> run -> sample -> emit here.
+
         A request whose own sampling or detokenising raises is finished with
         ``finish_reason`` "error" (its blocks and slot freed) and the others carry on; so are
         the requests of a batch whose forward pass raised, when the engine can go on
         (``_forward_failed``). Any other exception means the engine's state is unknown.
-
-        Overlapped decoding (``async_scheduling``, no speculation; under tensor parallelism too): a step of
-        decode entries whose rows sample on the device is launched, then the step after it
-        is queued behind it where the scheduler allows (``Scheduler.schedule_ahead``: same
-        sequences, nothing waiting) with its input tokens taken on the device, and only then
-        does the host wait for the first step's tokens and emit them. A sequence that
-        finishes with those tokens has computed one token too many, which is dropped; its
-        blocks and slot are only reused by work queued later, so nothing it writes is read.
         """
         if self.speculation is not None:
-            return self._step_speculative()
-        if self._in_flight is not None:
-            outputs = self._step_in_flight()
-            if outputs or self._in_flight is not None:
+            return self._speculative.step(self.sampler)
+        overlapped = self._overlapped
+        if overlapped.in_flight is not None:
+            outputs = overlapped.step(self.sampler)
+            if outputs or overlapped.in_flight is not None:
                 return outputs
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        if self._overlaps(scheduled):
-            try:
-                self._in_flight = self._launch(scheduled, None)
-            except Exception as exc:
-                return self._forward_failed(scheduled, exc)
-            return self._step_in_flight()
+        if overlapped.overlaps(scheduled, self.sampler):
+            return overlapped.start(scheduled, self.sampler)
         try:
             sampled, logits = self.runner.run(scheduled)
         except Exception as exc:
@@ -291,13 +295,27 @@ class LLMEngine:
         self.scheduler.commit(scheduled)  # new full blocks and state checkpoints enter the cache
         if not sampled:
             return []
+        picks = self._sample(logits, sampled)
+        return self._emit_picks(sampled, picks)
+
+    def _sample(
+        self, logits: torch.Tensor, sampled: list[Sequence]
+    ) -> list[tuple[int, TokenLogprobs | None] | Exception]:
+        """Each sampled sequence's token and logprobs, or what failed (its sampling, or its
+        logits holding NaN or inf)."""
         try:
             result = self.sampler(logits, sampled)
             picks = list(zip(result.token_ids, result.logprobs, strict=True))
         except Exception:  # one request's settings (or logits processor) broke the batch: find which
-            picks = [self._sample_alone(seq, logits[row : row + 1]) for row, seq in enumerate(sampled)]
+            picks = [sample_alone(self.sampler, seq, logits[row : row + 1]) for row, seq in enumerate(sampled)]
         for row in torch.nonzero(nonfinite_rows(logits)).flatten().tolist():
             picks[row] = self._nonfinite(sampled[row])
+        return picks
+
+    def _emit_picks(
+        self, sampled: list[Sequence], picks: list[tuple[int, TokenLogprobs | None] | Exception]
+    ) -> list[RequestOutput]:
+        """Append each sequence's token and emit it, or fail the sequence."""
         outputs = []
         for seq, pick in zip(sampled, picks, strict=True):
             try:  # free while nothing raises (Python 3.11+): no per-token cost
@@ -306,245 +324,7 @@ class LLMEngine:
                 outputs.append(self._fail(seq, exc))
         return outputs
 
-    # --- overlapped decode steps -------------------------------------------------------------
-
-    def _overlaps(self, scheduled: list[tuple[Sequence, int]]) -> bool:
-        """True when ``scheduled`` can run as an overlapped step: decode entries only, rows
-        that sample on the device (speculative steps take their own path in :meth:`step`).
-        Under tensor parallelism rank 0 broadcasts the input tokens on the device
-        (``TensorParallelRunner.run``)."""
-        return (
-            self.config.async_scheduling
-            and all(count == 1 and seq.num_computed_tokens == seq.num_tokens - 1 for seq, count in scheduled)
-            and all(self.sampler.runs_on_device(seq) for seq, _ in scheduled)
-        )  # fmt: skip
-
-    def _launch(self, scheduled: list[tuple[Sequence, int]], source: InFlightStep | None) -> InFlightStep:
-        """Queue the forward pass and the sampling of decode step ``scheduled``; its input
-        tokens come from ``source``'s sampled tokens on the device when given."""
-        inputs = None
-        if source is not None:
-            rows = source.rows_of([seq for seq, _ in scheduled])
-            same = rows == list(range(len(source.scheduled)))
-            inputs = source.tokens if same else source.tokens[to_device(rows, torch.int64, source.tokens.device)]
-        sampled, logits = self.runner.run(scheduled, inputs)
-        for seq, count in scheduled:
-            seq.num_computed_tokens += count
-        self.scheduler.commit(scheduled, register=False)  # blocks: once the tokens are known
-        failures: dict[int, Exception] = {}
-        try:
-            tokens = self.sampler.sample_on_device(logits, sampled)
-        except Exception:  # one request's settings broke the batch: sample row by row, fail that one
-            rows = []
-            for row, seq in enumerate(sampled):
-                try:
-                    rows.append(self.sampler.sample_on_device(logits[row : row + 1], [seq]))
-                except Exception as exc:
-                    failures[row] = exc
-                    rows.append(torch.zeros(1, dtype=torch.int64, device=logits.device))
-            tokens = torch.cat(rows)
-        # the host reads -1 for a row whose logits are not finite (the next step's inputs
-        # keep the sampled tokens: -1 is no token id)
-        reported = torch.where(nonfinite_rows(logits), -1, tokens)
-        return InFlightStep(scheduled, tokens, failures, reported, self.runner_pass())
-
-    def _step_in_flight(self) -> list[RequestOutput]:
-        """Queue the step after the one in flight where the scheduler allows, then emit the
-        in-flight step's tokens."""
-        current, self._in_flight = self._in_flight, None
-        running = [seq for seq, _ in current.scheduled if seq.status == SequenceStatus.RUNNING]
-        failed = {id(current.scheduled[row][0]) for row in current.failures}
-        ahead = [seq for seq in running if not self._last_token_pending(seq) and id(seq) not in failed]
-        overlap = ahead and self.config.async_scheduling
-        scheduled = self.scheduler.schedule_ahead(running, ahead) if overlap else None
-        if scheduled is None:
-            return self._collect(current)
-        for seq in ahead:
-            seq.token_ids.append(0)  # holds the place of the token in flight (the device has it)
-        try:
-            self._in_flight = self._launch(scheduled, current)
-        except Exception as exc:
-            for seq in ahead:
-                seq.token_ids.pop()
-            outputs = self._collect(current)
-            return outputs + self._forward_failed(
-                [(seq, count) for seq, count in scheduled if seq.status == SequenceStatus.RUNNING], exc
-            )
-        return self._collect(current)
-
-    def _last_token_pending(self, seq: Sequence) -> bool:
-        """True when the token in flight for ``seq`` will be its last (its length limits)."""
-        return seq.num_completion_tokens + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= self.max_model_len
-
-    def _collect(self, step: InFlightStep) -> list[RequestOutput]:
-        """Read ``step``'s tokens and emit them (sequences that finished or were aborted
-        while it ran are skipped: their token is the one too many)."""
-        tokens = step.token_ids()
-        outputs = []
-        for row, ((seq, _), token, position) in enumerate(zip(step.scheduled, tokens, step.positions, strict=True)):
-            if seq.status != SequenceStatus.RUNNING:
-                continue
-            if row in step.failures:
-                outputs.append(self._fail(seq, step.failures[row]))
-                continue
-            if token < 0:
-                outputs.append(self._fail(seq, self._nonfinite(seq, step.pass_name, position)))
-                continue
-            if position < seq.num_tokens:
-                seq.token_ids[position] = token
-            else:
-                seq.token_ids.append(token)
-            self.block_manager.register(seq)
-            try:
-                outputs.append(self._emit(seq, token))
-            except Exception as exc:
-                outputs.append(self._fail(seq, exc))
-        return outputs
-
-    def _step_speculative(self) -> list[RequestOutput]:
-        """One step with speculative decoding (``engine/speculative.py``): verify each
-        sequence's drafts, keep what the model agrees with, give GDN states the position of
-        the last kept token where a draft was rejected, emit the kept tokens, and draft again
-        with the MTP head."""
-        scheduled = self.scheduler.schedule()
-        if not scheduled:
-            return []
-        try:
-            hidden, firsts, all_logits = self.runner.run_hidden(scheduled)
-        except Exception as exc:
-            return self._forward_failed(scheduled, exc)
-        # logits rows: each sampling sequence's pending token and the drafts in its chunk
-        rows: list[int] = []
-        verified: list[int | None] = []
-        for (seq, count), first in zip(scheduled, firsts, strict=True):
-            end = seq.num_computed_tokens + count
-            if end < seq.num_tokens:  # a prompt chunk: nothing to sample yet
-                verified.append(None)
-                continue
-            verified.append(end - seq.num_tokens)
-            rows.extend(range(first + count - 1 - verified[-1], first + count))
-        logits = None
-        if rows and all_logits is not None:
-            logits = all_logits[to_device(rows, torch.int64, hidden.device)]
-        elif rows:  # every rank computes them (tensor parallelism: lm_head is split)
-            logits = self.runner.hidden_logits(rows)
-        argmax, bad = [], []
-        if logits is not None:  # greedy rows and non-finite rows: one read
-            argmax, bad = torch.stack([logits.argmax(dim=-1), nonfinite_rows(logits).long()]).tolist()
-        # index -> (tokens to append, chunk start, logprobs of the first), or what failed
-        picks: dict[int, tuple[list[int], int, TokenLogprobs | None] | Exception] = {}
-        plain: dict[int, int] = {}  # sequences that decode without drafts -> logits row, sampled together
-        rejected: list[tuple[Sequence, int]] = []  # (sequence, drafts kept) where a draft was rejected
-        cursor = 0
-        for i, ((seq, count), checked) in enumerate(zip(scheduled, verified, strict=True)):
-            start = seq.num_computed_tokens
-            if checked is None:
-                seq.num_computed_tokens += count
-                continue
-            drafts, seq.draft_token_ids = seq.draft_token_ids[:checked], []
-            row = slice(cursor, cursor + checked + 1)
-            cursor += checked + 1
-            if any(bad[row]):
-                seq.num_computed_tokens += count
-                picks[i] = self._nonfinite(seq)
-                continue
-            if not can_speculate(seq.params):
-                seq.num_computed_tokens += count
-                plain[i] = row.start
-                continue
-            try:
-                kept, token = accept(self.sampler, logits[row], drafts, seq.params, seq.generator, argmax[row])
-            except Exception as exc:
-                seq.num_computed_tokens += count
-                picks[i] = exc
-                continue
-            self.speculation_stats.record(checked, kept)
-            if kept < checked:  # the chunk ran past a rejected draft: its KV there is overwritten later
-                rejected.append((seq, kept))
-            seq.num_computed_tokens = start + count - checked + kept
-            picks[i] = (drafts[:kept] + [token], start, None)
-        self.runner.accept_drafts(rejected)
-        self.scheduler.commit(scheduled)
-        if plain:
-            try:
-                result = self.sampler(logits[list(plain.values())], [scheduled[i][0] for i in plain])
-                for i, token, lp in zip(plain, result.token_ids, result.logprobs, strict=True):
-                    picks[i] = ([token], -1, lp)
-            except Exception:
-                for i, row in plain.items():
-                    pick = self._sample_alone(scheduled[i][0], logits[row : row + 1])
-                    picks[i] = pick if isinstance(pick, Exception) else ([pick[0]], -1, pick[1])
-        outputs = []
-        drafting: list[tuple[Sequence, int, torch.Tensor, bool]] = []
-        for i, ((seq, count), first) in enumerate(zip(scheduled, firsts, strict=True)):
-            pick = picks.get(i)
-            if pick is None:  # prompt chunk: the MTP head still reads it (its KV cache)
-                if self._drafts_for(seq):
-                    drafting.append((seq, seq.num_computed_tokens - count, hidden[first : first + count], False))
-                continue
-            try:
-                if isinstance(pick, Exception):
-                    raise pick
-                tokens, start, logprobs = pick
-                committed = seq.num_tokens
-                out = self._append_tokens(seq, tokens, logprobs)
-            except Exception as exc:
-                outputs.append(self._fail(seq, exc))
-                continue
-            outputs.append(out)
-            if not out.finished and self._drafts_for(seq):
-                last = committed - 1 + len(tokens) - 1  # position of the last token before the new one
-                drafting.append((seq, start, hidden[first : first + last - start + 1], True))
-        self._draft(drafting)
-        return outputs
-
-    def _drafts_for(self, seq: Sequence) -> bool:
-        return seq.status != SequenceStatus.FINISHED and can_speculate(seq.params)
-
-    def _draft(self, items: list[tuple[Sequence, int, torch.Tensor, bool]]) -> None:
-        """Run the MTP head over the new positions of ``items`` and store the drafts."""
-        if not items:
-            return
-        n = self.speculation.num_speculative_tokens
-        ready = []
-        for seq, start, rows, draft in items:
-            last = start + rows.shape[0] - 1
-            draft = draft and self._draft_room(seq) > 0 and self.block_manager.can_grow(seq, last + n)
-            if draft:
-                self.block_manager.grow(seq, last + n)
-            ready.append((seq, start, rows, draft))
-        drafts = self.runner.propose(ready, n)
-        for (seq, _, _, draft), tokens in zip(ready, drafts, strict=True):
-            if draft:
-                seq.draft_token_ids = tokens[: self._draft_room(seq)]
-
-    def _draft_room(self, seq: Sequence) -> int:
-        """Drafts worth verifying: a verify step emits up to drafts + 1 tokens, within the
-        request's max_tokens and the model length."""
-        left = seq.params.max_tokens - seq.num_completion_tokens - 1
-        return min(self.speculation.num_speculative_tokens, left, self.max_model_len - seq.num_tokens)
-
-    def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: TokenLogprobs | None) -> RequestOutput:
-        """Append several tokens (stopping at the first that finishes the request); one output."""
-        out = self._append(seq, tokens[0], logprobs)
-        for token in tokens[1:]:
-            if out.finished:
-                break
-            more = self._append(seq, token)
-            out.new_token_ids += more.new_token_ids
-            out.new_text += more.new_text
-            out.finished, out.finish_reason = more.finished, more.finish_reason
-            out.completion_tokens = more.completion_tokens
-        return out
-
-    def _sample_alone(self, seq: Sequence, logits: torch.Tensor) -> tuple[int, TokenLogprobs | None] | Exception:
-        """The token (and logprobs) of one row sampled by itself, or the exception its
-        sampling raised."""
-        try:
-            result = self.sampler(logits, [seq])
-            return result.token_ids[0], result.logprobs[0]
-        except Exception as exc:
-            return exc
+    # --- outputs (the step kinds emit through these: ``StepOutputs``) -------------------------
 
     def _forward_failed(self, scheduled: list[tuple[Sequence, int]], exc: Exception) -> list[RequestOutput]:
         """Fail the requests of a batch whose forward pass raised, or re-raise ``exc``.
@@ -568,7 +348,7 @@ class LLMEngine:
 
     def runner_pass(self) -> str:
         """How the runner computed its last pass (decode graph, piecewise graphs, eager)."""
-        return getattr(self.runner, "last_pass", "") or "forward"
+        return pass_name(self.runner)
 
     def _nonfinite(self, seq: Sequence, pass_name: str | None = None, position: int | None = None) -> NonFiniteLogits:
         """The error of ``seq`` whose logits for the token at ``position`` (default: its next

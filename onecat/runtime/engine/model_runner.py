@@ -79,6 +79,12 @@ their softmax, sort and mask temporaries)."""
 MIN_GRAPH_BLOCKS = 16
 
 
+def pass_name(runner: object) -> str:
+    """How ``runner`` (a ModelRunner or a TensorParallelRunner) computed its last pass
+    (decode graph, piecewise graphs, eager), for error reports."""
+    return getattr(runner, "last_pass", "") or "forward"
+
+
 def next_power_of_two(n: int) -> int:
     """The smallest power of two >= ``n`` (1 for n <= 1)."""
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))

@@ -27,19 +27,38 @@ after the last kept position into the slot (``ModelRunner.accept_drafts``): noth
 recomputed, and the KV written past it is overwritten by later steps. A step of decode and
 verify chunks only replays a decode CUDA graph of 1 + N rows per sequence. The MTP head's own
 KV cache lives in one more attention layer of the paged cache, at the sequence's positions.
+
+:class:`SpeculativeDecoding` is the engine's step when speculation is on: schedule, run
+(``ModelRunner.run_hidden``), verify the drafts, commit, sample the requests that decode
+without drafts, emit, draft again.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from onecat.errors import OnecatError
-from onecat.runtime.layers.sampler import Sampler, is_greedy
+from onecat.kernels.workspace import to_device
+from onecat.runtime.engine.block_manager import BlockManager
+from onecat.runtime.engine.scheduler import Scheduler
+from onecat.runtime.engine.sequence import Sequence, SequenceStatus
+from onecat.runtime.layers.sampler import (
+    Sampler,
+    TokenLogprobs,
+    is_greedy,
+    nonfinite_rows,
+    sample_alone,
+)
 from onecat.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from onecat.runtime.engine.executor import TensorParallelRunner
+    from onecat.runtime.engine.llm_engine import RequestOutput, StepOutputs
+    from onecat.runtime.engine.model_runner import ModelRunner
 
 MAX_SPECULATIVE_TOKENS = 4
 
@@ -150,3 +169,191 @@ def accept(
     gen = generator if generator is not None else sampler.shared_generator(logits.device)
     probs = sampler.probabilities(logits.float(), [params] * logits.shape[0])
     return accept_random(probs, drafts, gen)
+
+
+Pick = tuple[list[int], int, TokenLogprobs | None]
+"""A sequence's verified tokens: (tokens to append, chunk start, logprobs of the first)."""
+
+
+class SpeculativeDecoding:
+    """The steps of an engine with speculative decoding: verify each sequence's drafts, keep
+    what the model agrees with, give GDN states the position of the last kept token where a
+    draft was rejected, emit the kept tokens, and draft again with the MTP head.
+
+    The engine's sampler is passed to each call (the engine reads its ``sampler`` attribute
+    at every step)."""
+
+    def __init__(
+        self, config: SpeculativeConfig, scheduler: Scheduler, runner: ModelRunner | TensorParallelRunner,
+        block_manager: BlockManager, stats: SpeculationStats, outputs: StepOutputs,
+    ) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self.runner = runner
+        self.block_manager = block_manager
+        self.stats = stats
+        self.outputs = outputs
+        self.max_model_len = runner.max_model_len
+
+    def step(self, sampler: Sampler) -> list[RequestOutput]:
+        """One step: schedule -> run -> verify -> commit -> sample -> emit -> draft."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        try:
+            hidden, firsts, all_logits = self.runner.run_hidden(scheduled)
+        except Exception as exc:
+            return self.outputs.forward_failed(scheduled, exc)
+        logits, picks, plain, rejected = self._verify(scheduled, hidden, firsts, all_logits, sampler)
+        self.runner.accept_drafts(rejected)
+        self.scheduler.commit(scheduled)
+        if plain:
+            self._sample_plain(scheduled, logits, plain, picks, sampler)
+        outputs, drafting = self._emit(scheduled, firsts, hidden, picks)
+        self._draft(drafting)
+        return outputs
+
+    def _verify(
+        self, scheduled: list[tuple[Sequence, int]], hidden: torch.Tensor, firsts: list[int],
+        all_logits: torch.Tensor | None, sampler: Sampler,
+    ) -> tuple[torch.Tensor | None, dict[int, Pick | Exception], dict[int, int], list[tuple[Sequence, int]]]:
+        """Each sampling sequence's logits rows (its pending token and the drafts in its
+        chunk), the drafts kept (sequences advanced past them) -> (the logits, scheduled index
+        -> its :data:`Pick` or what failed, the sequences that decode without drafts (index ->
+        logits row, sampled together), (sequence, drafts kept) where a draft was rejected)."""
+        # logits rows: each sampling sequence's pending token and the drafts in its chunk
+        rows: list[int] = []
+        verified: list[int | None] = []
+        for (seq, count), first in zip(scheduled, firsts, strict=True):
+            end = seq.num_computed_tokens + count
+            if end < seq.num_tokens:  # a prompt chunk: nothing to sample yet
+                verified.append(None)
+                continue
+            verified.append(end - seq.num_tokens)
+            rows.extend(range(first + count - 1 - verified[-1], first + count))
+        logits = None
+        if rows and all_logits is not None:
+            logits = all_logits[to_device(rows, torch.int64, hidden.device)]
+        elif rows:  # every rank computes them (tensor parallelism: lm_head is split)
+            logits = self.runner.hidden_logits(rows)
+        argmax, bad = [], []
+        if logits is not None:  # greedy rows and non-finite rows: one read
+            argmax, bad = torch.stack([logits.argmax(dim=-1), nonfinite_rows(logits).long()]).tolist()
+        # index -> (tokens to append, chunk start, logprobs of the first), or what failed
+        picks: dict[int, Pick | Exception] = {}
+        plain: dict[int, int] = {}  # sequences that decode without drafts -> logits row, sampled together
+        rejected: list[tuple[Sequence, int]] = []  # (sequence, drafts kept) where a draft was rejected
+        cursor = 0
+        for i, ((seq, count), checked) in enumerate(zip(scheduled, verified, strict=True)):
+            start = seq.num_computed_tokens
+            if checked is None:
+                seq.num_computed_tokens += count
+                continue
+            drafts, seq.draft_token_ids = seq.draft_token_ids[:checked], []
+            row = slice(cursor, cursor + checked + 1)
+            cursor += checked + 1
+            if any(bad[row]):
+                seq.num_computed_tokens += count
+                picks[i] = self.outputs.nonfinite(seq)
+                continue
+            if not can_speculate(seq.params):
+                seq.num_computed_tokens += count
+                plain[i] = row.start
+                continue
+            try:
+                kept, token = accept(sampler, logits[row], drafts, seq.params, seq.generator, argmax[row])
+            except Exception as exc:
+                seq.num_computed_tokens += count
+                picks[i] = exc
+                continue
+            self.stats.record(checked, kept)
+            if kept < checked:  # the chunk ran past a rejected draft: its KV there is overwritten later
+                rejected.append((seq, kept))
+            seq.num_computed_tokens = start + count - checked + kept
+            picks[i] = (drafts[:kept] + [token], start, None)
+        return logits, picks, plain, rejected
+
+    @staticmethod
+    def _sample_plain(
+        scheduled: list[tuple[Sequence, int]], logits: torch.Tensor, plain: dict[int, int],
+        picks: dict[int, Pick | Exception], sampler: Sampler,
+    ) -> None:
+        """Sample the sequences that decode without drafts (``plain``: index -> logits row)
+        together, into ``picks``; row by row when the batch raised."""
+        try:
+            result = sampler(logits[list(plain.values())], [scheduled[i][0] for i in plain])
+            for i, token, lp in zip(plain, result.token_ids, result.logprobs, strict=True):
+                picks[i] = ([token], -1, lp)
+        except Exception:
+            for i, row in plain.items():
+                pick = sample_alone(sampler, scheduled[i][0], logits[row : row + 1])
+                picks[i] = pick if isinstance(pick, Exception) else ([pick[0]], -1, pick[1])
+
+    def _emit(
+        self, scheduled: list[tuple[Sequence, int]], firsts: list[int], hidden: torch.Tensor,
+        picks: dict[int, Pick | Exception],
+    ) -> tuple[list[RequestOutput], list[tuple[Sequence, int, torch.Tensor, bool]]]:
+        """Append each sequence's picked tokens (or fail it) -> the outputs, and what the MTP
+        head reads next: (sequence, first position, hidden rows, whether to draft)."""
+        outputs = []
+        drafting: list[tuple[Sequence, int, torch.Tensor, bool]] = []
+        for i, ((seq, count), first) in enumerate(zip(scheduled, firsts, strict=True)):
+            pick = picks.get(i)
+            if pick is None:  # prompt chunk: the MTP head still reads it (its KV cache)
+                if self._drafts_for(seq):
+                    drafting.append((seq, seq.num_computed_tokens - count, hidden[first : first + count], False))
+                continue
+            try:
+                if isinstance(pick, Exception):
+                    raise pick
+                tokens, start, logprobs = pick
+                committed = seq.num_tokens
+                out = self._append_tokens(seq, tokens, logprobs)
+            except Exception as exc:
+                outputs.append(self.outputs.fail(seq, exc))
+                continue
+            outputs.append(out)
+            if not out.finished and self._drafts_for(seq):
+                last = committed - 1 + len(tokens) - 1  # position of the last token before the new one
+                drafting.append((seq, start, hidden[first : first + last - start + 1], True))
+        return outputs, drafting
+
+    @staticmethod
+    def _drafts_for(seq: Sequence) -> bool:
+        return seq.status != SequenceStatus.FINISHED and can_speculate(seq.params)
+
+    def _draft(self, items: list[tuple[Sequence, int, torch.Tensor, bool]]) -> None:
+        """Run the MTP head over the new positions of ``items`` and store the drafts."""
+        if not items:
+            return
+        n = self.config.num_speculative_tokens
+        ready = []
+        for seq, start, rows, draft in items:
+            last = start + rows.shape[0] - 1
+            draft = draft and self._draft_room(seq) > 0 and self.block_manager.can_grow(seq, last + n)
+            if draft:
+                self.block_manager.grow(seq, last + n)
+            ready.append((seq, start, rows, draft))
+        drafts = self.runner.propose(ready, n)
+        for (seq, _, _, draft), tokens in zip(ready, drafts, strict=True):
+            if draft:
+                seq.draft_token_ids = tokens[: self._draft_room(seq)]
+
+    def _draft_room(self, seq: Sequence) -> int:
+        """Drafts worth verifying: a verify step emits up to drafts + 1 tokens, within the
+        request's max_tokens and the model length."""
+        left = seq.params.max_tokens - seq.num_completion_tokens - 1
+        return min(self.config.num_speculative_tokens, left, self.max_model_len - seq.num_tokens)
+
+    def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: TokenLogprobs | None) -> RequestOutput:
+        """Append several tokens (stopping at the first that finishes the request); one output."""
+        out = self.outputs.append(seq, tokens[0], logprobs)
+        for token in tokens[1:]:
+            if out.finished:
+                break
+            more = self.outputs.append(seq, token)
+            out.new_token_ids += more.new_token_ids
+            out.new_text += more.new_text
+            out.finished, out.finish_reason = more.finished, more.finish_reason
+            out.completion_tokens = more.completion_tokens
+        return out

@@ -90,6 +90,11 @@ def is_greedy(params: SamplingParams) -> bool:
     return params.temperature < SAMPLING_EPS
 
 
+def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Bool ``[rows]`` on the logits' device: True where a row holds a NaN or an inf."""
+    return ~torch.isfinite(logits).all(dim=-1)
+
+
 def apply_penalties(
     logits: torch.Tensor,
     prompt_ids: list[list[int]],
@@ -326,3 +331,15 @@ class Sampler:
         # a draw q of exactly 0 would make 0 / 0 = NaN, which argmax takes: such a token has
         # no probability, so it scores 0 (a kept token with q = 0 scores inf and wins, rightly)
         return probs.div_(q).nan_to_num_(nan=0.0).argmax(dim=-1)
+
+
+def sample_alone(
+    sampler: Sampler, row: SamplingRow, logits: torch.Tensor
+) -> tuple[int, TokenLogprobs | None] | Exception:
+    """The token (and logprobs) of one row sampled by itself, or the exception its sampling
+    raised (the engine finds which request's settings broke a batch this way)."""
+    try:
+        result = sampler(logits, [row])
+        return result.token_ids[0], result.logprobs[0]
+    except Exception as exc:
+        return exc

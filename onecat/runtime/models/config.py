@@ -47,7 +47,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     vocab_partitions: int = 1
     """Tensor parallelism: how many ranks split ``lm_head``'s rows (the vocabulary) between
-    them (``distributed.sharding.shard_config``); 1: this model computes every logit."""
+    them (``onecat.runtime.sharding.shard_config``); 1: this model computes every logit."""
 
     @property
     def lm_head_rows(self) -> int:
