@@ -79,7 +79,7 @@ def emulate_kernel(q, k, v, batch, scale, block_size):
             qt = torch.where(real[:, None], q[q_start + token, head].float(), 0.0)  # [64, D]
             limit = past + torch.clamp((r0 + torch.arange(rows_n)) // group, max=length - 1)
             m = torch.full((rows_n,), float("-inf"))
-            l = torch.zeros(rows_n)
+            row_sum = torch.zeros(rows_n)
             o = torch.zeros(rows_n, dim)
             for k0 in range(0, n_keys, keys_n):
                 key = torch.arange(k0, k0 + keys_n)
@@ -98,10 +98,10 @@ def emulate_kernel(q, k, v, batch, scale, block_size):
                 base = torch.where(m_new == float("-inf"), 0.0, m_new)
                 alpha = torch.exp2(m - base)
                 p = torch.exp2(x - base[:, None])
-                l = l * alpha + p.sum(1)
+                row_sum = row_sum * alpha + p.sum(1)
                 m = m_new
                 o = o * alpha[:, None] + p.half().float() @ vt
-            result = o / l[:, None]
+            result = o / row_sum[:, None]
             out[q_start + token[real], head[real]] = result[real]
     return out
 
