@@ -11,7 +11,7 @@ not timed). Also one chunk of 2048 tokens after 30720 cached tokens (chunked pre
 bottom-right causal mask; SDPA gets the lower-right ``CausalBias``). Each figure is the
 median of CUDA-event timings of eager calls after a warm-up; TFLOP/s count the visible
 (query, key) pairs only (4 * D flops each). A V100 has no FlashAttention-2: that column is
-a reference point on the H200. The kernel runs the compute_70 PTX when ``ONECAT_KERNEL_ARCH=70``.
+a reference point on the H200. Every kernel variant (``flash_prefill.VARIANTS``) is timed. The kernel runs the compute_70 PTX when ``ONECAT_KERNEL_ARCH=70``.
 Prints one JSON object (and writes it to ``--out``).
 """
 
@@ -62,7 +62,9 @@ def case(length: int, past: int, gen: torch.Generator) -> dict:
     scale = DIM**-0.5
     batch = fp.prefill_attention_batch([0], [length], [past], HEADS // KV_HEADS, q.device, [table])
     out = torch.empty_like(q)
-    ours = lambda: fp.flash_prefill_attention(q, k_cache, v_cache, batch, scale, out=out)  # noqa: E731
+
+    def ours(variant):
+        return lambda: fp.flash_prefill_attention(q, k_cache, v_cache, batch, scale, out=out, variant=variant)
 
     group = HEADS // KV_HEADS
     k_all = k_cache[table].reshape(-1, KV_HEADS, DIM)[:total]
@@ -83,8 +85,9 @@ def case(length: int, past: int, gen: torch.Generator) -> dict:
     pairs = length * past + length * (length + 1) // 2
     flops = 4 * DIM * HEADS * pairs
     row = {"length": length, "past": past, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": DIM}
-    row["onecat_ms"] = time_ms(ours)
-    ours()
+    for variant in fp.VARIANTS:
+        row[f"onecat_{variant}_ms"] = time_ms(ours(variant))
+    ours(fp.DEFAULT_VARIANT)()
     reference = None
     for name, backend in (("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION), ("sdpa_flash2", SDPBackend.FLASH_ATTENTION)):
         try:
@@ -93,15 +96,17 @@ def case(length: int, past: int, gen: torch.Generator) -> dict:
         except RuntimeError as exc:  # a backend that refuses the shape or mask
             row[f"{name}_ms"] = None
             row[f"{name}_error"] = str(exc).splitlines()[0][:200]
-    for key in ("onecat", "sdpa_efficient", "sdpa_flash2"):
+    ours_keys = [f"onecat_{variant}" for variant in fp.VARIANTS]
+    for key in (*ours_keys, "sdpa_efficient", "sdpa_flash2"):
         ms = row.get(f"{key}_ms")
         row[f"{key}_tflops"] = None if not ms else round(flops / ms / 1e9, 1)
-    for key in ("sdpa_efficient", "sdpa_flash2"):
-        ms = row.get(f"{key}_ms")
-        row[f"speedup_vs_{key}"] = None if not ms else round(ms / row["onecat_ms"], 3)
+    for mine in ours_keys:
+        for key in ("sdpa_efficient", "sdpa_flash2"):
+            ms = row.get(f"{key}_ms")
+            row[f"{mine}_speedup_vs_{key}"] = None if not ms else round(ms / row[f"{mine}_ms"], 3)
     if reference is not None:
         err = (out.float() - reference.float()).abs().max().item()
-        row["max_abs_diff_vs_sdpa"] = err
+        row[f"onecat_{fp.DEFAULT_VARIANT}_max_abs_diff_vs_sdpa"] = err
     return row
 
 

@@ -132,6 +132,8 @@ def test_batch_meta_and_argument_checks():
         fp.flash_prefill_reference(q, cache, cache, batch, 0.25)  # 39 tokens in 3 blocks of 8
     with pytest.raises(OnecatError, match="do not agree"):
         fp.flash_prefill_reference(torch.zeros(14, 6, 16), cache, cache, batch, 0.25)
+    with pytest.raises(OnecatError, match="variant"):
+        fp.flash_prefill_attention(q.half(), cache.half(), cache.half(), batch, 0.25, variant="r8")
     with pytest.raises(OnecatError, match="CUDA fp16"):
         fp.flash_prefill_attention(q.half(), cache.half(), cache.half(), batch, 0.25)
     assert fp.supports(torch.device("cuda"), torch.float16, 256, 16)
@@ -184,7 +186,7 @@ def test_kernel_program_is_sm70_legal_and_does_not_spill():
         assert forbidden not in ptx
     assert "wmma.mma.sync.aligned.row.col.m16n16k16.f32.f32" in ptx
     resources = build.compile_program("flash_prefill", "sm_70").resources
-    assert {r.name for r in resources} == {"flash_prefill_d128", "flash_prefill_d256"}
+    assert {r.name for r in resources} == {f"flash_prefill_{v}_d{d}" for v in fp.VARIANTS for d in fp.HEAD_DIMS}
     for r in resources:
         assert r.spill_stores == r.spill_loads == r.stack_bytes == 0, r
         assert r.registers * 256 <= 65536, r

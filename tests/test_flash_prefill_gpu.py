@@ -4,7 +4,9 @@ reference.
 Everything the kernel must not read or write is poisoned: cache slots past a sequence's
 tokens and the blocks no table lists hold NaN, and so does the output before the call (the
 rows outside the chunks must still be NaN after it). Outputs must agree with fp64 within fp16
-rounding: ``|o - ref| <= 2e-3 * |ref| + 2e-3 * rms(ref)``. Long prompts (33k tokens) are
+rounding: ``|o - ref| <= 2e-3 * |ref| + 2e-3 * rms(ref of that query token)`` (the rms over
+its heads and features: P is rounded to fp16 as in FlashAttention, so a row's error scales with
+the size of its values, and the first rows of a long prompt average only a few). Long prompts (33k tokens) are
 checked on a sample of query rows (each row's attention is independent of the others).
 """
 
@@ -71,14 +73,14 @@ def sample_rows(length, limit=768):
     return torch.cat([torch.arange(256), middle, torch.arange(length - 256, length)]).to("cuda")
 
 
-def run_and_check(lengths, past, num_heads, kv_heads, dim, seed=0):
+def run_and_check(lengths, past, num_heads, kv_heads, dim, seed=0, variant=None):
     from onecat.kernels import flash_prefill as fp
 
     q, k_cache, v_cache, tables, starts = paged(lengths, past, num_heads, kv_heads, dim, seed)
     scale = dim**-0.5
     batch = fp.prefill_attention_batch(starts, lengths, past, num_heads // kv_heads, q.device, tables)
     out = torch.full_like(q, float("nan"))
-    fp.flash_prefill_attention(q, k_cache, v_cache, batch, scale, out=out)
+    fp.flash_prefill_attention(q, k_cache, v_cache, batch, scale, out=out, variant=variant or fp.DEFAULT_VARIANT)
     torch.cuda.synchronize()
     assert torch.isnan(out[: starts[0]]).all(), "rows outside the chunks were written"
     for s, (start, length, p) in enumerate(zip(starts, lengths, past, strict=True)):
@@ -87,7 +89,7 @@ def run_and_check(lengths, past, num_heads, kv_heads, dim, seed=0):
         assert torch.isfinite(got).all(), f"sequence {s} (L={length}, P={p}): non-finite output"
         ref = reference_rows(q, k_cache, v_cache, tables[s], start, length, p, scale, rows)
         err = (got - ref).abs()
-        tol = 2e-3 * ref.abs() + 2e-3 * ref.pow(2).mean().sqrt()
+        tol = 2e-3 * ref.abs() + 2e-3 * ref.pow(2).mean(dim=(1, 2), keepdim=True).sqrt()
         assert (err <= tol).all(), (
             f"sequence {s} (L={length}, P={p}, H={num_heads}/{kv_heads}, D={dim}): max err {err.max().item():.3e}, "
             f"worst row {rows[err.amax(dim=(1, 2)).argmax()].item()}"
@@ -112,9 +114,17 @@ def test_a_chunk_after_cached_tokens_matches_fp64(heads, length, past):
     run_and_check([length], [past], *heads, seed=length + past)
 
 
+@pytest.mark.parametrize("variant", ["r16", "r32"])
 @pytest.mark.parametrize("heads", HEADS)
-def test_a_ragged_batch_in_one_launch_matches_fp64(heads):
-    run_and_check([1, 700, 64, 3000, 5, 129], [0, 129, 5000, 0, 33, 16], *heads, seed=7)
+def test_a_ragged_batch_in_one_launch_matches_fp64(heads, variant):
+    run_and_check([1, 700, 64, 3000, 5, 129], [0, 129, 5000, 0, 33, 16], *heads, seed=7, variant=variant)
+
+
+@pytest.mark.parametrize("variant", ["r16", "r32"])
+@pytest.mark.parametrize("heads", HEADS[:2])
+@pytest.mark.parametrize("length", [1, 65, 4097])
+def test_both_variants_match_fp64(heads, length, variant):
+    run_and_check([length], [length // 3], *heads, seed=length + 1, variant=variant)
 
 
 def test_fresh_keys_without_a_cache():
@@ -129,7 +139,7 @@ def test_fresh_keys_without_a_cache():
     batch = fp.prefill_attention_batch(starts, lengths, [0, 0, 0], 6, q.device)
     out = fp.flash_prefill_attention(q, k, v, batch, 0.0625)
     ref = fp.flash_prefill_reference(q.double(), k.double(), v.double(), batch, 0.0625)
-    tol = 2e-3 * ref.abs() + 2e-3 * ref.pow(2).mean().sqrt()
+    tol = 2e-3 * ref.abs() + 2e-3 * ref.pow(2).mean(dim=(1, 2), keepdim=True).sqrt()
     assert ((out.double() - ref).abs() <= tol).all()
 
 
@@ -168,5 +178,5 @@ def test_the_layer_runs_decodes_and_ragged_chunks_with_the_gate():
     finally:
         set_context(None)
     assert got.shape == q.shape and torch.isfinite(got).all()
-    tol = 2e-3 * expected.abs() + 2e-3 * expected.pow(2).mean().sqrt()
+    tol = 2e-3 * expected.abs() + 2e-3 * expected.pow(2).mean(dim=(1, 2), keepdim=True).sqrt()
     assert ((got.float() - expected).abs() <= tol).all()

@@ -168,7 +168,7 @@ __device__ __forceinline__ void store_tile(half* tile, const uint4 (&r)[Shape<D>
   }
 }
 
-template <int D>
+template <int D, int R>
 __device__ __forceinline__ void flash_prefill(
     const half* __restrict__ q, long long q_st, long long q_sh, const half* __restrict__ k,
     const half* __restrict__ v, const long long* __restrict__ tables, const int* __restrict__ seqs,
@@ -219,12 +219,17 @@ __device__ __forceinline__ void flash_prefill(
     for (int i = 0; i < 8; ++i) row_map |= static_cast<unsigned>(rows_acc.r[i]) << (4 * i);
   }
 
-  const int rg = warp & 3, hf = warp >> 2;
-  Acc o[D / 32];
+  const int rg = warp & 3, hf = warp >> 2;  // Q K^T: 16 rows x 32 keys per warp
+  // P V: R rows x kCols columns per warp (R = 16: 4 x 2 warps; R = 32: 2 x 4 warps)
+  constexpr int kRowFrags = R / 16, kColParts = 8 * R / kRows, kCols = D / kColParts, kColFrags = kCols / 16;
+  const int pr = warp % (kRows / R), pc = warp / (kRows / R);
+  Acc o[kRowFrags][kColFrags];
 #pragma unroll
-  for (int n = 0; n < D / 32; ++n)
+  for (int r = 0; r < kRowFrags; ++r)
 #pragma unroll
-    for (int i = 0; i < 8; ++i) o[n].r[i] = 0.f;
+    for (int n = 0; n < kColFrags; ++n)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) o[r][n].r[i] = 0.f;
 
   // the softmax thread's row and its state (the four threads of a row hold the same m and l)
   const int srow = tid >> 2, quarter = tid & 3;
@@ -304,24 +309,28 @@ __device__ __forceinline__ void flash_prefill(
       if (quarter == 0) alpha_s[srow] = alpha;
     }
     __syncthreads();  // P, alpha and the V tile visible
-    {  // O = alpha O + P V for rows 16rg.. and columns D/2 hf..
+    {  // O = alpha O + P V for rows R pr.. and columns kCols pc..
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float a = alpha_s[rg * 16 + ((row_map >> (4 * i)) & 15)];
+      for (int r = 0; r < kRowFrags; ++r)
 #pragma unroll
-        for (int n = 0; n < D / 32; ++n) o[n].r[i] *= a;
-      }
-      const half* pa = p_s + rg * 16 * kLdP;
-      const half* vb = kv_s + hf * (D / 2);
+        for (int i = 0; i < 8; ++i) {
+          const float a = alpha_s[pr * R + 16 * r + ((row_map >> (4 * i)) & 15)];
+#pragma unroll
+          for (int n = 0; n < kColFrags; ++n) o[r][n].r[i] *= a;
+        }
+      const half* pa = p_s + pr * R * kLdP;
+      const half* vb = kv_s + pc * kCols;
 #pragma unroll
       for (int kk = 0; kk < kKeys / 16; ++kk) {
-        Frag a;
-        load_a_row(a, pa + 16 * kk, kLdP);
+        Frag a[kRowFrags];
 #pragma unroll
-        for (int n = 0; n < D / 32; ++n) {
+        for (int r = 0; r < kRowFrags; ++r) load_a_row(a[r], pa + 16 * r * kLdP + 16 * kk, kLdP);
+#pragma unroll
+        for (int n = 0; n < kColFrags; ++n) {
           Frag b;
           load_b_row(b, vb + 16 * kk * Sh::kLd + 16 * n, Sh::kLd);
-          mma_row_row(o[n], a, b);
+#pragma unroll
+          for (int r = 0; r < kRowFrags; ++r) mma_row_row(o[r][n], a[r], b);
         }
       }
     }
@@ -329,7 +338,10 @@ __device__ __forceinline__ void flash_prefill(
   __syncthreads();  // every read of Q, KV and alpha is done
   if (quarter == 0) alpha_s[srow] = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll
-  for (int n = 0; n < D / 32; ++n) store_acc(o_s + rg * 16 * Sh::kLdO + hf * (D / 2) + 16 * n, o[n], Sh::kLdO);
+  for (int r = 0; r < kRowFrags; ++r)
+#pragma unroll
+    for (int n = 0; n < kColFrags; ++n)
+      store_acc(o_s + (pr * R + 16 * r) * Sh::kLdO + pc * kCols + 16 * n, o[r][n], Sh::kLdO);
   __syncthreads();
 #pragma unroll
   for (int i = 0; i < Sh::kPieces; ++i) {
@@ -354,20 +366,17 @@ __device__ __forceinline__ void flash_prefill(
 }  // namespace onecat_fap
 
 // (one block per SM: a V100 has 96 KB of shared memory per SM and the d256 block takes 86 KB)
-extern "C" __global__ void __launch_bounds__(256, 1)
-flash_prefill_d128(const half* __restrict__ q, long long q_st, long long q_sh, const half* __restrict__ k,
-                   const half* __restrict__ v, const long long* __restrict__ tables,
-                   const int* __restrict__ seqs, const int* __restrict__ items, half* __restrict__ out,
-                   long long o_st, long long o_sh, int kv_heads, int group, int log2_bs, float scale_log2) {
-  onecat_fap::flash_prefill<128>(q, q_st, q_sh, k, v, tables, seqs, items, out, o_st, o_sh, kv_heads, group,
-                                 log2_bs, scale_log2);
-}
+#define FAP_KERNEL(NAME, D, R)                                                                 \
+  extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                   \
+      const half* __restrict__ q, long long q_st, long long q_sh, const half* __restrict__ k,  \
+      const half* __restrict__ v, const long long* __restrict__ tables,                        \
+      const int* __restrict__ seqs, const int* __restrict__ items, half* __restrict__ out,     \
+      long long o_st, long long o_sh, int kv_heads, int group, int log2_bs, float scale_log2) { \
+    onecat_fap::flash_prefill<D, R>(q, q_st, q_sh, k, v, tables, seqs, items, out, o_st, o_sh, \
+                                    kv_heads, group, log2_bs, scale_log2);                     \
+  }
 
-extern "C" __global__ void __launch_bounds__(256, 1)
-flash_prefill_d256(const half* __restrict__ q, long long q_st, long long q_sh, const half* __restrict__ k,
-                   const half* __restrict__ v, const long long* __restrict__ tables,
-                   const int* __restrict__ seqs, const int* __restrict__ items, half* __restrict__ out,
-                   long long o_st, long long o_sh, int kv_heads, int group, int log2_bs, float scale_log2) {
-  onecat_fap::flash_prefill<256>(q, q_st, q_sh, k, v, tables, seqs, items, out, o_st, o_sh, kv_heads, group,
-                                 log2_bs, scale_log2);
-}
+FAP_KERNEL(flash_prefill_r16_d128, 128, 16)
+FAP_KERNEL(flash_prefill_r16_d256, 256, 16)
+FAP_KERNEL(flash_prefill_r32_d128, 128, 32)
+FAP_KERNEL(flash_prefill_r32_d256, 256, 32)

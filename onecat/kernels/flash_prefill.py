@@ -33,6 +33,12 @@ ROWS = 64
 KEYS = 64
 """Keys per tile (``kKeys``)."""
 _THREADS = 256
+VARIANTS = ("r16", "r32")
+"""Kernel variants (``flash_prefill_<variant>_d<D>``): the rows each warp holds in the P V
+product, 16 (warps of 16 rows x D/2 columns) or 32 (32 rows x D/4 columns: fewer shared-memory
+fragment loads per tensor-core op). Identical results; they differ in speed only."""
+DEFAULT_VARIANT = "r16"
+"""The variant the runtime runs (the faster on the H200: BENCHMARKS.md, 2026-12-03)."""
 
 
 def shared_bytes(head_dim: int) -> int:
@@ -177,6 +183,7 @@ def flash_prefill_attention(
     batch: PrefillAttentionBatch,
     scale: float,
     out: torch.Tensor | None = None,
+    variant: str = DEFAULT_VARIANT,
 ) -> torch.Tensor:
     """Causal attention of every chunk of ``batch`` in one launch.
 
@@ -188,9 +195,11 @@ def flash_prefill_attention(
     group``; query head ``h`` reads KV head ``h // group``. Returns fp16 ``[T, H, D]`` (``out``
     when given: features contiguous, strides as q's): the chunks' rows hold
     ``softmax(q k^T * scale + causal) v`` (fp32 softmax and sums, P rounded to fp16 for the
-    P V product), the other rows are left as they were.
+    P V product), the other rows are left as they were. ``variant``: one of :data:`VARIANTS`.
     """
     where = "onecat.kernels.flash_prefill.flash_prefill_attention"
+    if variant not in VARIANTS:
+        raise OnecatError(f"{where}: variant must be one of {VARIANTS}, got {variant!r}")
     block_size = k.shape[1] if k.dim() == 4 else 1
     if not supports(q.device, q.dtype, q.shape[-1], block_size):
         raise OnecatError(f"{where}: needs CUDA fp16, head dim in {HEAD_DIMS} and a power-of-two block size; got "
@@ -212,7 +221,7 @@ def flash_prefill_attention(
     if out is None:
         out = torch.empty(q.shape, dtype=torch.float16, device=q.device)
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    launch = _launch(device_index, head_dim, batch.num_items * k.shape[-2])
+    launch = _launch(device_index, f"flash_prefill_{variant}_d{head_dim}", head_dim, batch.num_items * k.shape[-2])
     stream = torch.cuda.current_stream(q.device).cuda_stream
     launch(
         stream, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(),
@@ -223,18 +232,18 @@ def flash_prefill_attention(
     return out
 
 
-_launches: dict[tuple[int, int, int], PreparedLaunch] = {}
-_MAX_LAUNCHES = 1 << 12  # one per (device, head dim, grid): stay bounded
+_launches: dict[tuple[int, str, int], PreparedLaunch] = {}
+_MAX_LAUNCHES = 1 << 12  # one per (device, kernel, grid): stay bounded
 
 
-def _launch(device_index: int, head_dim: int, blocks: int) -> PreparedLaunch:
-    key = (device_index, head_dim, blocks)
+def _launch(device_index: int, name: str, head_dim: int, blocks: int) -> PreparedLaunch:
+    key = (device_index, name, blocks)
     launch = _launches.get(key)
     if launch is None:
         if len(_launches) >= _MAX_LAUNCHES:
             _launches.clear()
         p, ll, i = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
-        kernel = get_kernel(f"flash_prefill_d{head_dim}", device_index)
+        kernel = get_kernel(name, device_index)
         launch = _launches[key] = PreparedLaunch(
             kernel, (blocks, 1, 1), _THREADS, [p, ll, ll, p, p, p, p, p, p, ll, ll, i, i, i, ctypes.c_float],
             shared=shared_bytes(head_dim),
