@@ -45,8 +45,10 @@
 //           threads of a row are adjacent lanes: max and sum meet by two xor shuffles, and a
 //           row stride of 80 floats keeps their float4 reads conflict-free); writes P (fp16)
 //           over the first half of its own S row and the row's rescale factor alpha;
-//   P V     warp (rg, hf) owns O[16 rows][D/2 columns D/2*hf..] in D/32 fp32 accumulators
-//           (64 registers at D = 256): rescaled by alpha, then P[16 x 64] V[64 x D/2].
+//   P V     variant r16: warp (rg, hf) owns O[16 rows][D/2 columns D/2*hf..]; variant r32: warp
+//           w owns O[32 rows 32(w%2)..][D/4 columns D/4*(w/2)..] (each P fragment feeds twice
+//           as many products: fewer shared-memory loads per tensor-core op); either way D/32
+//           fp32 accumulators (64 registers at D = 256), rescaled by alpha, then += P V.
 // The wmma accumulator's element -> row map is not specified by PTX (it differs between
 // Volta's HMMA.884 and later tensor cores), so each thread reads it once from a fragment
 // loaded from a matrix of row numbers and keeps it as eight 4-bit fields (row_map).
