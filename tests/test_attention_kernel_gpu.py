@@ -286,12 +286,11 @@ def test_runtime_decode_uses_the_kernel_and_matches_the_sdpa_path():
 
 
 @pytest.mark.parametrize("past, length", [(0, 300), (1000, 300), (31, 1)])
-def test_prefill_chunks_run_fused_and_match_fp64(monkeypatch, past, length):
+def test_prefill_chunks_match_fp64(past, length):
     """Prompt chunks on the GPU (27B heads: 24 query, 4 KV, dim 256), fresh or after cached
-    tokens, take fused SDPA calls (no mask materialised; all KV heads at once, or one at a time
-    under a smaller byte budget) and agree with fp64 causal attention over the whole sequence;
-    the query-block path (forced) agrees too."""
-    from onecat.runtime.layers import attention as attention_layer
+    tokens, agree with fp64 causal attention over the whole sequence: through the layer (the
+    flash-attention prefill kernel) and through the torch reference path (query blocks)."""
+    from onecat.runtime.context import ForwardContext, PrefillChunk, set_context
     from onecat.runtime.layers.attention import PagedAttention
 
     torch.manual_seed(3)
@@ -311,12 +310,16 @@ def test_prefill_chunks_run_fused_and_match_fp64(monkeypatch, past, length):
     probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
     expected = torch.einsum("kgls,skd->lkgd", probs, v_all.double()).reshape(length, heads, dim)
     tolerance = 2e-3 * expected.abs() + 2e-3 * expected.pow(2).mean().sqrt()
-    one_kv_head = 2 * total * group * dim * 2  # the repeated K and V of one KV head, fp16
-    for fused_bytes in (attention_layer.FUSED_PAST_KV_BYTES, one_kv_head, 0):  # all heads, one at a time, blocks
-        monkeypatch.setattr(attention_layer, "FUSED_PAST_KV_BYTES", fused_bytes)
-        got = layer._prefill(q, k_all[past:], v_all[past:], past, table)
-        assert got.shape == (length, heads, dim) and torch.isfinite(got).all()
-        assert ((got.double() - expected).abs() <= tolerance).all(), fused_bytes
+    set_context(ForwardContext(slot_mapping=torch.zeros(length, dtype=torch.int64, device="cuda"),
+                               prefills=[PrefillChunk(0, length, past, table, 0)]))  # fmt: skip
+    try:
+        kernel = layer(q, k_all[past:], v_all[past:], stored=True)
+    finally:
+        set_context(None)
+    torch_path = layer._prefill(q, k_all[past:], v_all[past:], past, table)
+    for what, got in (("kernel", kernel), ("torch", torch_path)):
+        assert got.shape == (length, heads, dim) and torch.isfinite(got).all(), what
+        assert ((got.double() - expected).abs() <= tolerance).all(), what
 
 
 @pytest.mark.parametrize("splits", [1, 7, None])

@@ -28,7 +28,7 @@ COMMON_HEADER = "w4a16_common.cuh"
 PROGRAMS = (
     "w4a16_gemv", "w4a16_wmma", "w4a16_dequant", "gdn_decode",
     "w4a16_moe_gemv", "w4a16_moe_wmma", "w4a16_moe_route",
-    "paged_attention", "gdn_prefill", "attention_prep", "all_reduce", "rms_norm",
+    "paged_attention", "gdn_prefill", "attention_prep", "all_reduce", "rms_norm", "flash_prefill",
 )
 """The NVRTC programs (``<name>.cu`` in this package)."""
 
@@ -150,7 +150,7 @@ def kernel_names(program: str) -> list[str]:
         found = re.findall(r"^ONECAT_(WMMAR?)\((\d+), (\d+), (\d+)(?:, \d+)?\)", text, flags=re.M)
         return [f"w4a16_{kind.lower()}_mt{t}_w{w}_c{c}" for kind, t, w, c in found]
     if program.startswith(("w4a16_moe", "paged_attention", "gdn_prefill", "gdn_decode", "attention_prep", "all_reduce",
-                           "rms_norm")):
+                           "rms_norm", "flash_prefill")):
         # plain extern "C" kernels, then the MoE programs' macro-built ones
         names = re.findall(r'^extern "C" __global__ void __launch_bounds__\([^)]*\)\n\s*(\w+)\(', text, flags=re.M)
         for w, b in re.findall(r"^ONECAT_MOE_GATE_UP\((\d+), (\d+)\)$", text, flags=re.M):
@@ -159,6 +159,7 @@ def kernel_names(program: str) -> list[str]:
             names.append(f"w4a16_moe_gemv_down_w{w}_b{b}")
         for w, b, r in re.findall(r"^ONECAT_MOE_GROUPED\((\d+), (\d+), (\d+)\)$", text, flags=re.M):
             names += [f"w4a16_moe_gemv_grouped_{part}_w{w}_b{b}_r{r}" for part in ("gate_up", "down")]
+        names += re.findall(r"^FAP_KERNEL\((\w+), \d+, \d+\)$", text, flags=re.M)
         for suffix in re.findall(r"^ONECAT_MOE_WMMA\((\w*), \d+, \w+\)$", text, flags=re.M):
             names += [f"w4a16_moe_wmma_gate_up{suffix}", f"w4a16_moe_wmma_down{suffix}"]
         return names

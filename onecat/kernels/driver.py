@@ -21,6 +21,7 @@ from onecat.errors import OnecatError
 
 _CU_JIT_ERROR_LOG_BUFFER = 5
 _CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES = 6
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -129,6 +130,7 @@ class Kernel:
         self.handle = handle
         self.device_index = device_index
         self._occupancy: dict[int, int] = {}
+        self._dynamic_shared = 48 * 1024  # what any launch may take without opting in
 
     def max_active_blocks(self, block: int) -> int:
         """Resident blocks of ``block`` threads per SM (the occupancy calculator's answer)."""
@@ -147,6 +149,20 @@ class Kernel:
             cached = self._occupancy[block] = max(1, count.value)
         return cached
 
+    def allow_dynamic_shared(self, size: int) -> None:
+        """Let launches of this kernel take ``size`` bytes of dynamic shared memory (above
+        48 KB a kernel must opt in: ``cuFuncSetAttribute``)."""
+        if size <= self._dynamic_shared:
+            return
+        lib = _libcuda()
+        make_current(self.device_index)
+        _check(
+            lib,
+            lib.cuFuncSetAttribute(self.handle, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, ctypes.c_int(size)),
+            f"cuFuncSetAttribute({self.name}, max dynamic shared memory {size} bytes)",
+        )
+        self._dynamic_shared = size
+
     def launch(
         self,
         grid: tuple[int, int, int],
@@ -162,12 +178,15 @@ class Kernel:
         params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
         self.launch_params(grid, block, stream, params)
 
-    def launch_params(self, grid: tuple[int, int, int], block: int, stream: int, params: ctypes.Array) -> None:
-        """Launch with a ready ``void*`` array pointing at the argument values."""
+    def launch_params(
+        self, grid: tuple[int, int, int], block: int, stream: int, params: ctypes.Array, shared: int = 0
+    ) -> None:
+        """Launch with a ready ``void*`` array pointing at the argument values and ``shared``
+        bytes of dynamic shared memory (over 48 KB: :meth:`allow_dynamic_shared` first)."""
         lib = _libcuda()
         make_current(self.device_index)
         result = lib.cuLaunchKernel(
-            self.handle, grid[0], grid[1], grid[2], block, 1, 1, 0, ctypes.c_void_p(stream), params, None
+            self.handle, grid[0], grid[1], grid[2], block, 1, 1, shared, ctypes.c_void_p(stream), params, None
         )
         if result:
             _check(lib, result, f"cuLaunchKernel({self.name}, grid={grid}, block={block})")
@@ -183,11 +202,14 @@ class PreparedLaunch:
     """
 
     def __init__(
-        self, kernel: Kernel, grid: tuple[int, int, int], block: int, arg_types: Sequence[type]
+        self, kernel: Kernel, grid: tuple[int, int, int], block: int, arg_types: Sequence[type], shared: int = 0
     ) -> None:
         self.kernel = kernel
         self.grid = grid
         self.block = block
+        self.shared = shared
+        if shared:
+            kernel.allow_dynamic_shared(shared)
         self.args = [t() for t in arg_types]
         self.params = (ctypes.c_void_p * len(self.args))(*[ctypes.addressof(a) for a in self.args])
 
@@ -195,4 +217,4 @@ class PreparedLaunch:
         """Launch on ``stream`` with ``values`` (ints; pointers as ints) in parameter order."""
         for slot, value in zip(self.args, values, strict=True):
             slot.value = value
-        self.kernel.launch_params(self.grid, self.block, stream, self.params)
+        self.kernel.launch_params(self.grid, self.block, stream, self.params, self.shared)

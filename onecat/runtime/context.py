@@ -48,6 +48,8 @@ class ForwardContext:
     prefills: list[PrefillChunk] = field(default_factory=list)
     capturing_graph: bool = False  # CUDA-graph warm-up or capture: no reads of device data on the host
     decode_kv_mask: torch.Tensor | None = None  # [B, blocks * block_size], filled by the first attention layer
+    # the prefill kernel's chunk description per (group, fresh keys), built by the first attention layer
+    prefill_attention: dict = field(default_factory=dict)
 
 
 _CONTEXT: ForwardContext | None = None

@@ -1,4 +1,4 @@
-"""Attention over a paged KV cache, in plain torch (sm_70 has no FlashAttention).
+"""Attention over a paged KV cache: onecat's CUDA kernels, torch as the reference path.
 
 The cache of one layer is ``k_cache``/``v_cache`` ``[num_blocks, block_size, kv_heads,
 head_dim]``; a sequence's tokens live in the blocks of its block table, token ``t`` at slot
@@ -13,11 +13,13 @@ layer's token-wise ``project``), elsewhere by each call itself. Then:
   the table rows hold beyond them; elsewhere (CPU, fp32, other head sizes) gather each
   sequence's blocks, mask the slots beyond its length, and run SDPA with the query heads of
   one KV head as the "query length" axis (grouped-query attention without repeating K and V);
-- prefill chunks (one sequence at a time): causal SDPA of the chunk's queries over the
-  sequence's past and current keys, as 4-D inputs with a ``CausalBias`` so that torch picks a
-  fused kernel on CUDA (flash attention, or the memory-efficient kernel, which also runs on
-  sm_70); on CPU a chunk after cached tokens runs in query blocks that bound the
-  memory of the scores, so that long prompts fit.
+- prefill chunks: on CUDA with an fp16 cache and head dim 128 or 256, every chunk of the pass
+  in one launch of the flash-attention prefill kernel (``onecat.kernels.flash_prefill``), which
+  reads keys and values in place through the block tables (bottom-right causal offset after
+  cached tokens; the query heads of a KV head share its K / V tiles); elsewhere (CPU, fp32,
+  other head sizes: the reference path) one chunk at a time in torch, the query heads of each
+  KV head stacked as rows (K and V never repeated) and the query rows in blocks that bound
+  the memory of the scores, so that long prompts fit.
 
 With an output ``gate`` (Qwen3.5's gated attention) :meth:`PagedAttention.forward` returns
 ``attention * sigmoid(gate)``: the decode kernel applies it where it writes its output (no
@@ -34,32 +36,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 from onecat.kernels import attention as attention_kernel
-from onecat.kernels import attention_prep
+from onecat.kernels import attention_prep, flash_prefill
 from onecat.runtime.context import ForwardContext, get_context
 from onecat.runtime.layers.fusion import fused
 
 PREFILL_SCORE_ELEMENTS = 1 << 25
-"""Most attention scores one call may hold for a prompt chunk after cached tokens (its query
-rows are split into blocks under it): a 2048-token chunk of a 32k-token prompt would otherwise
-hold 24 heads x 2048 x 32768 fp32 scores, 6.4 GB, at once."""
-
-
-FUSED_PAST_KV_BYTES = 1 << 29
-"""On CUDA a prompt chunk after cached tokens runs as fused SDPA calls (bottom-right causal
-mask, nothing materialised), each over as many KV heads as keep its repeated keys and values
-under this many bytes (27B heads: all four up to 21k tokens of context, one at a time up to
-87k); on CPU, or beyond, it runs in query blocks (above)."""
-
-
-PROMPT_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-"""The SDPA backends prompt chunks may use: not cuDNN's, which torch prefers on Hopper but which
-builds an execution plan for every new pair of lengths; with prompts of random lengths that
-halved the engine's serving throughput on the H200. On a V100 flash attention does not exist
-and the memory-efficient kernel runs."""
+"""Most attention scores one torch call may hold for a prompt chunk (its query rows are split
+into blocks under it): a 2048-token chunk of a 32k-token prompt would otherwise hold 24 heads
+x 2048 x 32768 fp32 scores, 6.4 GB, at once. The CUDA kernel holds no scores in memory."""
 
 
 @fused
@@ -184,29 +170,54 @@ class PagedAttention(nn.Module):
         )
         return out.reshape(batch, self.num_heads, self.head_dim)
 
+    def uses_prefill_kernel(self, q: torch.Tensor) -> bool:
+        """True when this pass's prompt chunks run the flash-attention prefill kernel: CUDA fp16
+        queries, a head dim it is built for, and an fp16 cache (or none yet: the memory
+        profiling pass, whose chunks then read their fresh keys and values)."""
+        cache = self.k_cache
+        if cache.numel() == 0:
+            return flash_prefill.supports(q.device, q.dtype, self.head_dim, 1)
+        return (
+            cache.dim() == 4 and cache.dtype == q.dtype and cache.device == q.device
+            and flash_prefill.supports(q.device, q.dtype, self.head_dim, cache.shape[1])
+        )  # fmt: skip
+
+    def _prefill_kernel(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                        ctx: ForwardContext) -> torch.Tensor:
+        """Every prompt chunk of the pass in one kernel launch: ``[T, H, D]`` with the chunks'
+        rows written (the others are left uninitialised). The chunk description is built once
+        per pass and shared by the layers (``ctx.prefill_attention``)."""
+        fresh = self.k_cache.numel() == 0
+        key = (self.num_heads // self.num_kv_heads, fresh)
+        batch = ctx.prefill_attention.get(key)
+        if batch is None:
+            chunks = ctx.prefills
+            batch = ctx.prefill_attention[key] = flash_prefill.prefill_attention_batch(
+                [c.start for c in chunks], [c.length for c in chunks], [c.num_past for c in chunks], key[0], q.device,
+                None if fresh else [c.block_table for c in chunks],
+            )  # fmt: skip
+        if fresh:
+            k_src, v_src = k.contiguous(), v.contiguous()
+        else:
+            k_src, v_src = self.k_cache, self.v_cache
+        return flash_prefill.flash_prefill_attention(q, k_src, v_src, batch, self.scale)
+
     def _prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_past: int, block_table
     ) -> torch.Tensor:
+        """One prompt chunk in torch (the reference path: CPU, fp32, other head sizes): its
+        queries over the whole context (the cache's blocks after cached tokens, else the fresh
+        ``k`` / ``v``) with an explicit causal mask, the query heads of one KV head stacked as
+        rows (keys and values never repeated), in row blocks that keep the scores under
+        :data:`PREFILL_SCORE_ELEMENTS`."""
         group = self.num_heads // self.num_kv_heads
-        if not num_past:
-            return self._fused_causal(q, k, v, causal_upper_left)
         length, total = q.shape[0], num_past + q.shape[0]
-        k_all, v_all = self._gather(block_table)
-        k_all, v_all = k_all[:total], v_all[:total]
-        # on CUDA: fused calls over as many KV heads at a time as FUSED_PAST_KV_BYTES allows
-        kv_heads = min(self.num_kv_heads, FUSED_PAST_KV_BYTES // (2 * total * group * self.head_dim * q.element_size()))
-        if q.is_cuda and kv_heads:
-            parts = [
-                self._fused_causal(q[:, h * group : (h + kv_heads) * group], k_all[:, h : h + kv_heads],
-                                   v_all[:, h : h + kv_heads], causal_lower_right)
-                for h in range(0, self.num_kv_heads, kv_heads)
-            ]  # fmt: skip
-            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        # a chunk after cached tokens on CPU (or a very long context): its queries over the
-        # whole context, in row blocks that keep the explicit-mask attention's scores under
-        # PREFILL_SCORE_ELEMENTS; the query heads of one KV head are stacked as rows, so keys
-        # and values are never repeated
-        keys, values = k_all.transpose(0, 1), v_all.transpose(0, 1)  # [kvh, S, d]
+        if num_past:
+            k_all, v_all = self._gather(block_table)
+            k_all, v_all = k_all[:total], v_all[:total]
+        else:
+            k_all, v_all = k, v
+        keys, values = k_all.transpose(0, 1).to(q.dtype), v_all.transpose(0, 1).to(q.dtype)  # [kvh, S, d]
         queries = q.reshape(length, self.num_kv_heads, group, self.head_dim).permute(1, 2, 0, 3)
         rows = max(1, PREFILL_SCORE_ELEMENTS // (self.num_heads * total))
         columns = torch.arange(total, device=q.device)
@@ -218,21 +229,6 @@ class PagedAttention(nn.Module):
             out = F.scaled_dot_product_attention(block, keys, values, attn_mask=mask.repeat(group, 1), scale=self.scale)
             outputs.append(out.view(self.num_kv_heads, group, r1 - r0, self.head_dim))
         return torch.cat(outputs, dim=2).permute(2, 0, 1, 3).reshape(length, self.num_heads, self.head_dim)
-
-    def _fused_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal) -> torch.Tensor:
-        """One SDPA call of ``q [L, H, D]`` over ``k``/``v`` ``[S, KVH, D]`` (KV heads repeated
-        to H) with the causal mask ``causal(L, S)`` (a ``CausalBias``, which the fused backends
-        take without materialising it); inputs are 4-D so that torch may pick a fused kernel."""
-        group = q.shape[1] // k.shape[1]
-        with sdpa_kernel(PROMPT_BACKENDS):
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None],
-                k.transpose(0, 1).repeat_interleave(group, dim=0)[None],
-                v.transpose(0, 1).repeat_interleave(group, dim=0)[None],
-                attn_mask=causal(q.shape[0], k.shape[0]),
-                scale=self.scale,
-            )
-        return out[0].transpose(0, 1)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, stored: bool = False,
@@ -246,6 +242,15 @@ class PagedAttention(nn.Module):
         ctx = get_context()
         if not stored:
             self._store(k, v, ctx.slot_mapping)
+        if ctx.prefills and self.uses_prefill_kernel(q):
+            # the chunks follow the decode rows (the runner's flat batch)
+            out = self._prefill_kernel(q, k, v, ctx)
+            decodes = ctx.num_decodes
+            if gate is not None:
+                out[decodes:] = sigmoid_gate(out[decodes:], gate[decodes:])
+            if decodes:
+                out[:decodes] = self._decode(q[:decodes], ctx, None if gate is None else gate[:decodes])
+            return out
         outputs = []
         if ctx.num_decodes:
             decode_gate = None if gate is None else gate[: ctx.num_decodes]
