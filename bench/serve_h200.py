@@ -127,9 +127,13 @@ def engine_ttft_ms(engine, prompt_len: int, runs: int = 9) -> float:
         prompt = [(7919 * (run * prompt_len + i)) % (VOCAB - 8) + 4 for i in range(prompt_len)]
         start = time.perf_counter()
         engine.add_request(f"ttft-{run}", prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
-        while not any(out.new_token_ids for out in engine.step()):
-            pass
+        outputs: list = []
+        while not any(out.new_token_ids or out.finished for out in outputs):
+            outputs = engine.step()
         elapsed = time.perf_counter() - start
+        failed = [out.error for out in outputs if out.finish_reason == "error"]
+        if failed:  # e.g. non-finite logits of the random weights: say so, do not spin
+            raise RuntimeError(f"the time-to-first-token request failed: {failed[0]}")
         while engine.has_unfinished_requests():
             engine.step()
         if run:  # the first one warms up
