@@ -11,6 +11,14 @@ makes the warm-up allocate every workspace (in ordinary memory, zero-filled at o
 the key the capture looks up, so a capture allocates none; ``workspace.stream_buffer``
 refuses to allocate during a capture, so a missed warm-up fails the capture loudly (the
 engine then runs that pass eagerly) instead of corrupting memory.
+
+Every capture of a device uses the same side stream (``capture_stream``). A fresh
+``torch.cuda.Stream()`` per capture comes from torch's pool of 32 streams, and the caching
+allocator keeps what each stream's warm-ups freed for that stream alone: up to 32 copies of
+a prompt pass's activations (the 27B ran out of memory capturing its prompt graphs), and 32
+sets of kernel workspaces. On one stream the warm-ups reuse one cache and the graphs share
+one set of workspaces, which is safe because graphs replay one after another on the
+engine's stream and the kernels leave the zeroed ones zeroed.
 """
 
 from __future__ import annotations
@@ -22,13 +30,24 @@ import torch
 
 T = TypeVar("T")
 
+_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device | None = None) -> torch.cuda.Stream:
+    """The side stream every capture on ``device`` (default: the current one) runs on."""
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    stream = _streams.get(index)
+    if stream is None:
+        stream = _streams[index] = torch.cuda.Stream(device=index)
+    return stream
+
 
 def capture(graph: torch.cuda.CUDAGraph, pool: object | None, run: Callable[[], T], warmups: int = 1) -> T:
     """Run ``run`` ``warmups`` times, then capture it into ``graph`` (memory from ``pool``),
-    all on one side stream; returns what the captured call returned (its outputs live in the
-    graph's pool and are rewritten by each replay)."""
+    all on the device's capture stream; returns what the captured call returned (its outputs
+    live in the graph's pool and are rewritten by each replay)."""
     current = torch.cuda.current_stream()
-    side = torch.cuda.Stream()
+    side = capture_stream()
     side.wait_stream(current)
     with torch.cuda.stream(side):
         for _ in range(warmups):

@@ -572,6 +572,7 @@ class ModelRunner:
                     len(graphs.buckets), graphs.size, (torch.cuda.memory_reserved(self.device) - reserved) / 2**20,
                 )
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # what the capture stream's warm-ups freed goes back to the device
 
     def _graph_for(self, batch: int, positions: int, blocks: int) -> DecodeGraph | None:
         bucket = next(b for b in self.graph_batch_sizes if b >= batch)
