@@ -447,3 +447,31 @@ def test_engine_factory_builds_the_core_engine(monkeypatch):
         assert last.finished and len(tokens) == last.completion_tokens
     finally:
         rs.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_grammar_mask_crosses_to_the_core(core_set):
+    """A response_format grammar compiled in the API process constrains sampling in the
+    core (it travels serialised): the answer parses and matches the schema."""
+    pytest.importorskip("xgrammar")
+    from onecat.runtime.server.structured_output import GrammarBackend, JsonConstraint
+
+    tokenizer = core_set.tokenizer
+    backend = GrammarBackend(tokenizer, core_set.vocab_size, core_set.eos_token_ids)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    compiled = backend.compile(JsonConstraint(schema))
+
+    async def run():
+        results = []
+        for i in range(2):  # the second one reuses the serialised grammar (cached on both sides)
+            params = SamplingParams(max_tokens=40, temperature=0,
+                                    logits_processors=[backend.logits_processor(compiled)])
+            stream = await core_set.add_request(f"g{i}", tokenizer.encode("A JSON object:"), params)
+            results.append(await _collect(stream))
+        return results
+
+    for text, _, last in asyncio.run(run()):
+        assert last.finish_reason == "stop", (text, last)
+        value = json.loads(text)
+        assert set(value) == {"n"} and isinstance(value["n"], int)

@@ -33,9 +33,11 @@ T = TypeVar("T")
 _streams: dict[int, torch.cuda.Stream] = {}
 
 
-def capture_stream(device: torch.device | None = None) -> torch.cuda.Stream:
-    """The side stream every capture on ``device`` (default: the current one) runs on."""
-    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+def capture_stream() -> torch.cuda.Stream:
+    """The side stream every capture on the current device runs on (created at the first)."""
+    index = getattr(torch.cuda.current_stream(), "device_index", None)
+    if index is None:  # no real CUDA stream (the CPU tests' stand-ins): nothing to share
+        return torch.cuda.Stream()
     stream = _streams.get(index)
     if stream is None:
         stream = _streams[index] = torch.cuda.Stream(device=index)

@@ -241,11 +241,13 @@ def _reasoning_prefix(st: Any) -> Any:
 
 class GrammarLogitsProcessor:
     """``(output_token_ids, logits_row) -> logits_row`` with every token the grammar does not
-    allow next set to -inf (the engine calls it once per generated token)."""
+    allow next set to -inf (the engine calls it once per generated token). ``compiled`` is
+    the grammar the matcher runs (an engine-core process gets it serialised)."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, compiled: Any = None) -> None:
         xgr = import_xgrammar()
         self.matcher = matcher
+        self.compiled = compiled
         self.vocab_size = vocab_size
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
         self._shifts: dict[torch.device, torch.Tensor] = {}
