@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from click.testing import CliRunner
 
@@ -143,22 +145,21 @@ def test_serve_command_serves_and_stops_on_ctrl_c(model):
 
 
 # `onecat serve` whose engine steps take 50 ms at least, so that requests run for seconds
-SLOW_SERVE = """
-import sys, time
+SLOW_STEPS = """
+import time
 from onecat.runtime.engine.model_runner import ModelRunner
 real_run = ModelRunner.run
 def slow_run(self, scheduled, *args):
     time.sleep(0.05)
     return real_run(self, scheduled, *args)
 ModelRunner.run = slow_run
-from onecat.cli import main
-sys.argv[0] = "onecat"
-main()
 """
+"""A ``sitecustomize`` that slows every engine step: it runs in the server's process and in
+its engine-core process (which inherits ``PYTHONPATH``)."""
 
 
 @pytest.mark.slow
-def test_sigterm_drains_running_requests_then_exits_0(model):
+def test_sigterm_drains_running_requests_then_exits_0(model, tmp_path):
     """SIGTERM: new requests and /health get 503 at once (the socket still listens), a request that finishes within
     --shutdown-timeout completes normally, one that does not gets an SSE error event and
     [DONE], and the process exits 0."""
@@ -177,11 +178,14 @@ def test_sigterm_drains_running_requests_then_exits_0(model):
         port = probe.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     command = [
-        sys.executable, "-c", SLOW_SERVE, "serve", str(model), "--port", str(port), "--device", "cpu",
+        sys.executable, "-m", "onecat.cli", "serve", str(model), "--port", str(port), "--device", "cpu",
         "--max-model-len", "256", "--served-model-name", "tiny", "--shutdown-timeout", "2",
         "--log-level", "info",
     ]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    (tmp_path / "sitecustomize.py").write_text(SLOW_STEPS)
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": path})
     try:
         deadline = time.monotonic() + 60
         while True:
