@@ -333,15 +333,20 @@ def timed_prefill(engine: LLMEngine, length: int, repeats: int = 3) -> float:
     return length / best
 
 
-def time_to_first_token(engine: LLMEngine, length: int) -> float:
-    """Seconds from adding one ``length``-token prompt to its first token (one run)."""
-    engine.add_request(f"long{length}", random_prompt(length, engine.runner.model_config.vocab_size, 7),
+def time_to_first_token(engine: LLMEngine, length: int, seed: int = 7) -> float:
+    """Seconds from adding one ``length``-token prompt (drawn with ``seed``: another seed, no
+    prefix-cache hit) to its first token (one run); RuntimeError when the request fails
+    (e.g. non-finite logits), rather than a time for it."""
+    engine.add_request(f"long{length}-{seed}", random_prompt(length, engine.runner.model_config.vocab_size, seed),
                        SamplingParams(max_tokens=1, temperature=0.0))
     sync()
     start = time.perf_counter()
+    failed = []
     while engine.has_unfinished_requests():
-        engine.step()
+        failed += [out.error for out in engine.step() if out.finish_reason == "error"]
     sync()
+    if failed:
+        raise RuntimeError(f"the time-to-first-token request failed: {failed[0]}")
     return time.perf_counter() - start
 
 

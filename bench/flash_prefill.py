@@ -25,29 +25,14 @@ import os
 
 import torch
 import torch.nn.functional as F
+from gdn_prefill import median_ms  # bench/: CUDA-event median after two warm-ups
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from onecat.kernels import flash_prefill as fp
 
 HEADS, KV_HEADS, DIM, BLOCK = 24, 4, 256, 16
-
-
-def time_ms(fn, reps: int = 5) -> float:
-    """Median milliseconds of ``fn()`` over ``reps`` timed calls after two warm-up calls."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
+REPS = 5
 
 
 def case(length: int, past: int, gen: torch.Generator) -> dict:
@@ -86,12 +71,12 @@ def case(length: int, past: int, gen: torch.Generator) -> dict:
     flops = 4 * DIM * HEADS * pairs
     row = {"length": length, "past": past, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": DIM}
     for variant in fp.VARIANTS:
-        row[f"onecat_{variant}_ms"] = time_ms(ours(variant))
+        row[f"onecat_{variant}_ms"] = median_ms(ours(variant), REPS)
     ours(fp.DEFAULT_VARIANT)()
     reference = None
     for name, backend in (("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION), ("sdpa_flash2", SDPBackend.FLASH_ATTENTION)):
         try:
-            row[f"{name}_ms"] = time_ms(sdpa(backend))
+            row[f"{name}_ms"] = median_ms(sdpa(backend), REPS)
             reference = sdpa(backend)()[0].transpose(0, 1) if reference is None else reference
         except RuntimeError as exc:  # a backend that refuses the shape or mask
             row[f"{name}_ms"] = None

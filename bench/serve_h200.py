@@ -116,29 +116,15 @@ def random_engine(config, replica: int, model: str, layers: int | None, tokenize
 
 
 def engine_ttft_ms(engine, prompt_len: int, runs: int = 9) -> float:
-    """Median time from ``add_request`` to the first token of one ``prompt_len``-token prompt,
-    the engine alone (the baseline of the server's added time to first token)."""
+    """Median milliseconds to the first token of one ``prompt_len``-token prompt, the engine
+    alone (``e2e.time_to_first_token``, a fresh prompt each run, the first one a warm-up):
+    the baseline of the server's added time to first token."""
     import statistics
 
-    from onecat.runtime.sampling_params import SamplingParams
+    import e2e
 
-    times = []
-    for run in range(runs + 1):
-        prompt = [(7919 * (run * prompt_len + i)) % (VOCAB - 8) + 4 for i in range(prompt_len)]
-        start = time.perf_counter()
-        engine.add_request(f"ttft-{run}", prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
-        outputs: list = []
-        while not any(out.new_token_ids or out.finished for out in outputs):
-            outputs = engine.step()
-        elapsed = time.perf_counter() - start
-        failed = [out.error for out in outputs if out.finish_reason == "error"]
-        if failed:  # e.g. non-finite logits of the random weights: say so, do not spin
-            raise RuntimeError(f"the time-to-first-token request failed: {failed[0]}")
-        while engine.has_unfinished_requests():
-            engine.step()
-        if run:  # the first one warms up
-            times.append(elapsed)
-    return 1000 * statistics.median(times)
+    times = [e2e.time_to_first_token(engine, prompt_len, seed=100 + run) for run in range(runs + 1)]
+    return 1000 * statistics.median(times[1:])
 
 
 def serve_random_model(args: argparse.Namespace) -> None:

@@ -313,8 +313,8 @@ def test_core_process_answers_like_the_in_process_engine(core_set):
                 assert last.logprobs is not None
     assert both[0][0] == both[1][0] == expected[0][0]
     _wait(core_set.idle)
-    stats = core_set.stats()
     _wait(lambda: core_set.stats()["running"] == 0)
+    stats = core_set.stats()
     assert stats["free_kv_blocks"] == stats["total_kv_blocks"]
 
 

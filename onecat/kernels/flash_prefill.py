@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from onecat.errors import OnecatError
+from onecat.kernels.attention import supports as paged_cache_supported
 from onecat.kernels.driver import PreparedLaunch
 from onecat.kernels.loader import get_kernel
 from onecat.kernels.workspace import to_device
@@ -50,14 +51,9 @@ def shared_bytes(head_dim: int) -> int:
 
 def supports(device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
     """True when :func:`flash_prefill_attention` runs this device, dtype, head dim and KV block
-    size (a power of two)."""
-    return (
-        device.type == "cuda"
-        and dtype == torch.float16
-        and head_dim in HEAD_DIMS
-        and block_size > 0
-        and block_size & (block_size - 1) == 0
-    )
+    size: the paged cache the decode kernel reads (``attention.supports``), at head dims 128
+    and 256."""
+    return head_dim in HEAD_DIMS and paged_cache_supported(device, dtype, head_dim, block_size)
 
 
 def work_items(lengths: tuple[int, ...] | list[int], past: tuple[int, ...] | list[int], group: int) -> list[tuple[int, int]]:

@@ -44,6 +44,7 @@ from onecat.runtime.core.messages import (
     Ready,
     Shutdown,
 )
+from onecat.runtime.server.launcher import log_to_stderr
 
 logger = logging.getLogger("onecat.runtime.core")
 
@@ -156,19 +157,11 @@ def _ready(engine: Any) -> Ready:
     )
 
 
-def _log_to_stderr(index: int, level: str) -> None:
-    root = logging.getLogger("onecat")
-    root.setLevel(level.upper())
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter(f"%(levelname)s:     [replica {index}] %(name)s: %(message)s"))
-    root.addHandler(handler)
-
-
 def main(argv: list[str]) -> int:
     """The process entry point; ``argv[0]`` is the JSON spec (module docstring)."""
     spec = json.loads(argv[0])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the API process's: it stops the cores
-    _log_to_stderr(spec["index"], spec.get("log_level", "info"))
+    log_to_stderr(spec.get("log_level", "info"), tag=f"[replica {spec['index']}] ")
     parent = os.getppid()
     context = zmq.Context()
     outputs = context.socket(zmq.PUSH)

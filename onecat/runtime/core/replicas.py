@@ -27,6 +27,7 @@ draining. What it adds:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import shutil
 import tempfile
@@ -56,6 +57,7 @@ from onecat.runtime.engine.request_check import check_request
 from onecat.runtime.errors import RequestError
 from onecat.runtime.server.async_engine import (
     END_OF_STREAM,
+    EngineClient,
     EngineDeadError,
     QueueFullError,
     RequestStream,
@@ -124,7 +126,7 @@ def _sum_stats(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
     return total
 
 
-class ReplicaSet:
+class ReplicaSet(EngineClient):
     """N engine-core processes serving one model (module docstring).
 
     ``config`` is every replica's engine configuration (``tensor_parallel_size`` GPUs each);
@@ -167,8 +169,6 @@ class ReplicaSet:
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()
         self._closing = threading.Event()
-        self._draining = False
-        self._error: BaseException | None = None
         self._context: zmq.Context | None = None
         self._socket_dir: Path | None = None
         self._supervisors: list[threading.Thread] = []
@@ -227,7 +227,7 @@ class ReplicaSet:
             others = sum(1 for r in self._replicas if r is not replica and r.state == "up"
                          and set(r.placement.gpus) & set(replica.placement.gpus))
         utilization = replica.placement.memory_utilization(self.config.gpu_memory_utilization, others)
-        config = EngineConfig(**{**self.config.__dict__, "gpu_memory_utilization": utilization})
+        config = dataclasses.replace(self.config, gpu_memory_utilization=utilization)
         client = EngineCoreClient(
             self._context, self._socket_dir, config, replica.placement,
             on_message=self._on_message, on_exit=self._on_exit, log_level=self._log_level,
@@ -308,20 +308,6 @@ class ReplicaSet:
 
     # ----- what handlers see ---------------------------------------------------------------
 
-    @property
-    def error(self) -> BaseException | None:
-        """Set once every replica has stayed down: the server cannot serve any more."""
-        return self._error
-
-    @property
-    def draining(self) -> bool:
-        """True once the server has begun shutting down (new requests are refused)."""
-        return self._draining
-
-    def start_draining(self) -> None:
-        """Refuse new requests from now on; running ones carry on."""
-        self._draining = True
-
     def idle(self) -> bool:
         """True when no request is in flight."""
         with self._lock:
@@ -354,18 +340,13 @@ class ReplicaSet:
         if client is not None:
             client.kill()
 
-    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any) -> RequestStream:
-        """Submit one request; see ``add_requests``."""
-        (stream,) = await self.add_requests([request_id], prompt_token_ids, [params])
-        return stream
-
     async def add_requests(
         self, request_ids: list[str], prompt_token_ids: list[int], params: list[Any]
     ) -> list[RequestStream]:
         """Check and send requests sharing a prompt (the ``n`` choices of one API request) to
         one replica; returns their streams. Raises RequestError for a request the engine
         would refuse, QueueFullError, ShuttingDownError while draining and EngineDeadError
-        when no replica is up."""
+        when no replica is up (``error``: every replica stayed down)."""
         if self._draining:
             raise ShuttingDownError("the server is shutting down; send the request to another instance")
         if self._error is not None:

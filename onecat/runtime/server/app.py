@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import onecat
 from onecat.runtime.server.api_errors import APIError, clip, error_body, internal_error
-from onecat.runtime.server.async_engine import AsyncEngine
+from onecat.runtime.server.async_engine import EngineClient
 from onecat.runtime.server.chat_plan import ChatOptions
 from onecat.runtime.server.grammar_workers import DEFAULT_COMPILE_TIMEOUT
 from onecat.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -40,9 +40,6 @@ from onecat.runtime.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-
-if TYPE_CHECKING:
-    from onecat.runtime.core.replicas import ReplicaSet
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +214,7 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
 
 
 def create_app(
-    engine: AsyncEngine | ReplicaSet,
+    engine: EngineClient,
     *,
     api_key: str | None = None,
     trust_request_chat_template: bool = False,

@@ -146,7 +146,44 @@ def _settle(future: asyncio.Future, error: BaseException | None) -> None:
         future.set_exception(error)
 
 
-class AsyncEngine:
+class EngineClient:
+    """What request handlers call on an engine, the parts every kind shares: ``error`` (set
+    once the engine can no longer serve), draining (new requests refused during shutdown)
+    and ``add_request`` for one request. ``AsyncEngine`` (an ``LLMEngine`` in a thread) and
+    ``onecat.runtime.core.replicas.ReplicaSet`` (engine-core processes) implement the rest:
+    ``add_requests``, ``abort``, ``abort_all``, ``idle``, ``stats``, ``replica_stats``,
+    ``health``, ``start`` and ``shutdown``."""
+
+    _error: BaseException | None = None
+    _draining: bool = False
+
+    @property
+    def error(self) -> BaseException | None:
+        """The exception that stopped the engine serving, or None while it can serve."""
+        return self._error
+
+    @property
+    def draining(self) -> bool:
+        """True once the server has begun shutting down (new requests are refused)."""
+        return self._draining
+
+    def start_draining(self) -> None:
+        """Refuse new requests from now on; running ones carry on."""
+        self._draining = True
+
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any) -> RequestStream:
+        """Submit one request; ``add_requests`` says what it raises."""
+        (stream,) = await self.add_requests([request_id], prompt_token_ids, [params])
+        return stream
+
+    async def add_requests(
+        self, request_ids: list[str], prompt_token_ids: list[int], params: list[Any]
+    ) -> list[RequestStream]:
+        """Submit requests sharing a prompt; returns their streams."""
+        raise NotImplementedError
+
+
+class AsyncEngine(EngineClient):
     """Runs an ``LLMEngine`` in a background thread for asyncio request handlers.
 
     ``max_queue_len`` bounds the requests accepted but not yet running (the engine's
@@ -184,25 +221,11 @@ class AsyncEngine:
             self._commands.put(_STOP)
             self._thread.join(timeout)
 
-    @property
-    def error(self) -> BaseException | None:
-        """The exception that killed the engine, or None while it is healthy."""
-        return self._error
-
-    @property
-    def draining(self) -> bool:
-        """True once the server has begun shutting down (new requests are refused)."""
-        return self._draining
-
     def idle(self) -> bool:
         """True when no request is being added, waiting or running (as of the engine thread's
         latest stats snapshot)."""
         with self._lock:
             return self._pending_adds == 0 and not self._stats.get("running") and not self._stats.get("waiting")
-
-    def start_draining(self) -> None:
-        """Refuse new requests from now on; running ones carry on."""
-        self._draining = True
 
     def abort_all(self, reason: BaseException) -> None:
         """End every request now; their streams raise ``reason``."""
@@ -223,22 +246,15 @@ class AsyncEngine:
         state = "down" if self._error is not None else "up"
         return {"status": "ok" if state == "up" else "down", "replicas": [{"index": 0, "state": state}]}
 
-    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any) -> RequestStream:
-        """Submit a request; returns its stream once the engine has accepted it.
-
-        Raises QueueFullError when the waiting queue is full, EngineDeadError when the engine
-        has failed, and whatever ``engine.add_request`` raised (RequestError for bad input).
-        """
-        (stream,) = await self.add_requests([request_id], prompt_token_ids, [params])
-        return stream
-
     async def add_requests(
         self, request_ids: list[str], prompt_token_ids: list[int], params: list[Any]
     ) -> list[RequestStream]:
         """Submit requests sharing a prompt (the ``n`` choices of one API request) as one
         command: the engine thread adds them all before its next step, so they start together,
-        or adds none when one is refused (what ``add_request`` raises). Returns their streams.
-        A caller cancelled meanwhile (client gone) aborts them all."""
+        or adds none when one is refused. Returns their streams. Raises QueueFullError when the
+        waiting queue is full, EngineDeadError when the engine has failed, and whatever
+        ``engine.add_request`` raised (RequestError for bad input). A caller cancelled
+        meanwhile (client gone) aborts them all."""
         if self._draining:
             raise ShuttingDownError("the server is shutting down; send the request to another instance")
         if self._error is not None or not self._thread.is_alive():

@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from onecat.errors import OnecatError
-from onecat.runtime.server.async_engine import AsyncEngine, ShuttingDownError
+from onecat.runtime.server.async_engine import AsyncEngine, EngineClient, ShuttingDownError
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def engine_client(engine: Any, max_queue_len: int) -> Any:
     """What request handlers talk to: ``engine`` itself when it is already a client of
     engine-core processes (``ReplicaSet``), else an ``AsyncEngine`` thread around the
     in-process ``LLMEngine``."""
-    return engine if hasattr(engine, "add_requests") else AsyncEngine(engine, max_queue_len=max_queue_len)
+    return engine if isinstance(engine, EngineClient) else AsyncEngine(engine, max_queue_len=max_queue_len)
 
 
 def _uvicorn_server(app: Any, engine: AsyncEngine, log_level: str, shutdown_timeout: float) -> Any:
@@ -120,14 +120,15 @@ def _raise_terminated(signum: int, frame: Any) -> None:
     raise _Terminated
 
 
-def log_to_stderr(log_level: str) -> None:
+def log_to_stderr(log_level: str, tag: str = "") -> None:
     """Show onecat's own log records (engine failures with their tracebacks, the drain) at
-    ``log_level``, next to uvicorn's."""
+    ``log_level``, next to uvicorn's; ``tag`` (e.g. ``"[replica 1] "``) starts each line
+    after the level (an engine-core process names its replica)."""
     root = logging.getLogger("onecat")
     root.setLevel(log_level.upper())
     if not root.handlers:
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+        handler.setFormatter(logging.Formatter(f"%(levelname)s:     {tag}%(name)s: %(message)s"))
         root.addHandler(handler)
 
 

@@ -1,4 +1,5 @@
-"""OpenAI completions and chat completions on top of ``AsyncEngine``.
+"""OpenAI completions and chat completions on top of an ``EngineClient`` (``AsyncEngine`` or
+``ReplicaSet``).
 
 A handler validates the request, tokenises the prompt, submits it (the engine's own checks,
 e.g. a prompt longer than max_model_len, become 400s before anything is streamed), then
@@ -35,7 +36,7 @@ from onecat.runtime.sampling_params import SEED_MIN, LogitsProcessor, SamplingPa
 from onecat.runtime.server import structured_output
 from onecat.runtime.server.api_errors import APIError, bad_request, clip, internal_error
 from onecat.runtime.server.async_engine import (
-    AsyncEngine,
+    EngineClient,
     EngineDeadError,
     QueueFullError,
     RequestFailedError,
@@ -137,7 +138,7 @@ class OpenAIServing:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineClient,
         metrics: ServerMetrics,
         executor: Executor,
         *,
@@ -215,7 +216,7 @@ class OpenAIServing:
         """Submit a request whose model was checked, as ``req.n`` engine requests sharing the
         prompt (choice i seeded with ``seed + i``; ``logits_processors``, when given, is called
         once per choice, so stateful processors are never shared). The choices enter the
-        engine together, before its next step (``AsyncEngine.add_requests``). Engine refusals
+        engine together, before its next step (``EngineClient.add_requests``). Engine refusals
         become 400, a full queue 429, a dead engine 503; no choice is then left running.
         ``arrival``: ``time.monotonic()`` when the server received the request (default: now)."""
         params = self.sampling_params(req, max_tokens, logprobs)
