@@ -63,7 +63,7 @@ for section in ${@:-tests e2e}; do
     e2e) (cd bench && run 600 e2e python3 e2e.py --models 27b,35b-a3b --batches 1,8,32 --hf-layers 8 --out "$out/e2e.json") ;;
     serve) (cd bench && run 600 serve python3 serve_h200.py --models 35b-a3b,27b --concurrency 1,8,32,64 --out "$out/serve.json") ;;
     serve-decode) (cd bench && run 400 serve-decode python3 serve_h200.py --models 35b-a3b,27b --concurrency 32 \
-                     --input-len 128 --range-ratio 0 --output-len 256 --out "$out/serve_decode.json") ;;
+                     --workloads 128:0:256 --out "$out/serve_decode.json") ;;
     *) echo "unknown section $section (tests, tp-tests, tp, profile, mixed, quantize, moe-tiles, moe-shapes, wmmar, serve32, router, ncu, gemv, norm, gdn, attention, e2e, serve, serve-decode)" >&2; exit 2 ;;
   esac
 done

@@ -12,10 +12,12 @@ server serves the replicas (the code path of ``onecat serve`` after loading).
 ``--ttft-run`` adds a run of 128-token prompts one at a time (the API process's added time
 to first token); ``--kill-replica-at S`` SIGKILLs replica 0 S seconds into the last run and
 reports what completed, what failed and the replicas' states after the restart. The driver runs
-``onecat bench serve`` against it at each concurrency (random prompts of 128-512 tokens and
-25-103 output tokens with ``ignore_eos``: the range ratio applies to both lengths, as in vLLM's
-random dataset; greedy like the engine figures, ``max(8, PROMPTS_PER_SLOT * concurrency)``
-prompts after ``concurrency`` warm-up requests) and prints one table.
+``onecat bench serve`` against it for each workload (``--workloads``; default random prompts
+of 128-512 tokens and 25-103 output tokens with ``ignore_eos``: the range ratio applies to both
+lengths, as in vLLM's random dataset; ``128:0:256`` is the decode-bound one) at each
+concurrency (greedy like the engine figures, ``prompts_per_run`` prompts after ``concurrency``
+warm-up requests) and prints one table. The TTFT run also splits the server's time to first
+token by the stamps behind vLLM's histograms (``ttft_split``).
 
 Why build in the server process instead of ``onecat serve ARTIFACT``: a packed 27B written
 to disk is ~14 GB (minutes to write and to load, disk the GPU machine may not spare), while
@@ -72,11 +74,12 @@ def build_word_tokenizer(out_dir: Path, vocab_size: int = VOCAB) -> Path:
 
 
 def random_engine(config, replica: int, model: str, layers: int | None, tokenizer: str, engine_json: str,
-                  engine_batches: list[int], input_len: int, output_len: int, range_ratio: float) -> object:
+                  engine_batches: list[int], workloads: list[str]) -> object:
     """The engine of one engine-core process (``ReplicaSet``'s ``engine_factory``): the random
     model built on the GPU, and, in replica 0, the engine's own figures written to
-    ``engine_json`` before it serves (decode at each batch size, the closed-loop workload the
-    driver sends over HTTP, and the time to first token of a 128-token prompt alone)."""
+    ``engine_json`` before it serves (decode at each batch size, each closed-loop workload the
+    driver sends over HTTP (``workloads``: ``parse_workload`` strings), and the time to first
+    token of a 128-token prompt alone)."""
     import e2e  # bench/e2e.py: model shapes, random packed weights, decode timing
     import torch
     from transformers import AutoTokenizer
@@ -97,20 +100,21 @@ def random_engine(config, replica: int, model: str, layers: int | None, tokenize
     if replica != 0:
         return engine
     figures = {"model": model, "layers": raw["num_hidden_layers"], "setup_s": time.perf_counter() - t0,
-               "engine_decode_tok_s": {}, "engine_workload_tok_s": {},
+               "engine_decode_tok_s": {}, "engine_workload_tok_s": {}, "engine_workload": {},
                "engine_ttft_128_ms": engine_ttft_ms(engine, 128)}
     print(f"  engine TTFT, 128-token prompt alone: {figures['engine_ttft_128_ms']:.2f} ms", flush=True)
     for batch in engine_batches:
         figures["engine_decode_tok_s"][batch] = e2e.timed_decode(engine, batch, 128, 24, 1000 * batch)
         print(f"  engine batch {batch}: {figures['engine_decode_tok_s'][batch]:.1f} tok/s", flush=True)
-        # the same closed-loop workload the driver sends over HTTP, on the engine alone
-        requests = e2e.workload_requests(max(8, PROMPTS_PER_SLOT * batch), input_len, output_len, range_ratio,
-                                         VOCAB, 7 * batch)
-        workload = e2e.timed_workload(engine, requests, batch)
-        figures["engine_workload_tok_s"][batch] = workload["output_tok_s"]
-        figures.setdefault("engine_workload", {})[batch] = workload
-        print(f"  engine workload at concurrency {batch}: {figures['engine_workload_tok_s'][batch]:.1f} tok/s",
-              flush=True)
+        for workload in workloads:  # the closed-loop workloads the driver sends over HTTP, on the engine alone
+            input_len, range_ratio, output_len = parse_workload(workload)
+            requests = e2e.workload_requests(prompts_per_run(batch, range_ratio), input_len, output_len,
+                                             range_ratio, VOCAB, 7 * batch)
+            result = e2e.timed_workload(engine, requests, batch)
+            figures["engine_workload_tok_s"][f"{workload}@{batch}"] = result["output_tok_s"]
+            figures["engine_workload"][f"{workload}@{batch}"] = result
+            print(f"  engine workload {workload} at concurrency {batch}: {result['output_tok_s']:.1f} tok/s",
+                  flush=True)
     Path(engine_json).write_text(json.dumps(figures))
     return engine
 
@@ -127,6 +131,23 @@ def engine_ttft_ms(engine, prompt_len: int, runs: int = 9) -> float:
     return 1000 * statistics.median(times[1:])
 
 
+def parse_workload(text: str) -> tuple[int, float, int]:
+    """``"IN:RATIO:OUT"`` (e.g. ``320:0.6:64``: prompts of 320 tokens +-60%, 64 +-60% out) as
+    (input_len, range_ratio, output_len); SystemExit naming the flag when malformed."""
+    try:
+        input_len, ratio, output_len = text.split(":")
+        return int(input_len), float(ratio), int(output_len)
+    except ValueError:
+        raise SystemExit(f"--workloads: {text!r} is not IN:RATIO:OUT (e.g. 320:0.6:64)") from None
+
+
+def prompts_per_run(concurrency: int, range_ratio: float) -> int:
+    """Requests in one run: ``PROMPTS_PER_SLOT`` per slot, half that when every request has the
+    same lengths (the batch then drains all at once: no tail to amortise)."""
+    per_slot = PROMPTS_PER_SLOT if range_ratio else PROMPTS_PER_SLOT // 2
+    return max(8, per_slot * concurrency)
+
+
 def serve_random_model(args: argparse.Namespace) -> None:
     """The API process: ``data_parallel_size`` engine-core processes build the random model
     (``random_engine``), then onecat's OpenAI server serves them until killed (the code path
@@ -140,7 +161,7 @@ def serve_random_model(args: argparse.Namespace) -> None:
                           max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
     factory = {"model": args.serve_model, "layers": args.layers, "tokenizer": args.tokenizer,
                "engine_json": args.engine_json, "engine_batches": args.engine_batches,
-               "input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio}
+               "workloads": args.workloads}
     log_to_stderr("warning")
     replicas = ReplicaSet(config, args.data_parallel_size, log_level="warning",
                           engine_factory=("serve_h200:random_engine", factory))
@@ -176,19 +197,23 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float) -> N
 
 STEP_COUNTERS = ("onecat:engine_steps_total", "onecat:engine_steps_with_prompt_tokens_total",
                  "vllm:generation_tokens_total", "vllm:num_preemptions_total")
+TTFT_PARTS = ("vllm:time_to_first_token_seconds", "vllm:request_queue_time_seconds",
+              "vllm:request_prefill_time_seconds")
+"""Histograms whose sums split the served time to first token (``ttft_split``)."""
 
 
 def step_counters(url: str) -> dict[str, float]:
-    """The server's step counters from /metrics (engine steps, those with prompt tokens,
-    tokens generated, preemptions)."""
+    """The server's step counters and the TTFT histograms' sums and counts from /metrics
+    (summed over the replicas' ``engine`` labels)."""
     import httpx
 
-    samples = {}
+    wanted = set(STEP_COUNTERS) | {f"{h}_{part}" for h in TTFT_PARTS for part in ("sum", "count")}
+    samples: dict[str, float] = {}
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
         name, _, value = line.rpartition(" ")
         name = name.partition("{")[0]  # vLLM's series carry model_name and engine labels
-        if name in STEP_COUNTERS:
-            samples[name] = float(value)
+        if name in wanted:
+            samples[name] = samples.get(name, 0.0) + float(value)
     return samples
 
 
@@ -204,6 +229,23 @@ def step_mix(before: dict[str, float], after: dict[str, float]) -> dict:
         "tokens_per_step": delta["vllm:generation_tokens_total"] / steps if steps else None,
         "preemptions": int(delta["vllm:num_preemptions_total"]),
     }
+
+
+def ttft_split(before: dict[str, float], after: dict[str, float]) -> dict[str, float] | None:
+    """Where the server's time to first token went between two scrapes, mean ms per request
+    (warm-ups included), from the stamps behind vLLM's histograms (``time.monotonic``, one clock
+    for every process): ``server`` = the handler's start -> the API process holding the first
+    token; ``to_core`` = the handler's start -> queued in the engine core (parsing, tokenising,
+    checks, routing, the IPC hop in); ``queue`` = queued -> first scheduled; ``prefill`` =
+    scheduled -> the API process holding the first token (the step, the IPC hop out)."""
+    def mean(name: str) -> float | None:
+        count = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
+        return None if not count else 1000 * (after[f"{name}_sum"] - before.get(f"{name}_sum", 0.0)) / count
+
+    server, queue, prefill = (mean(name) for name in TTFT_PARTS)
+    if server is None or queue is None or prefill is None:
+        return None
+    return {"server_ms": server, "to_core_ms": server - queue - prefill, "queue_ms": queue, "prefill_ms": prefill}
 
 
 def kill_replica_later(url: str, delay: float, record: dict) -> threading.Thread:
@@ -235,15 +277,12 @@ def wait_replicas_up(url: str, timeout: float) -> dict:
         time.sleep(1)
 
 
-def serve_run(name: str, url: str, tokenizer: Path, work: Path, c: int, args: argparse.Namespace, *,
-              input_len: int | None = None, range_ratio: float | None = None, output_len: int | None = None,
+def serve_run(name: str, url: str, tokenizer: Path, work: Path, c: int, workload: str, *,
               prompts: int | None = None, label: str = "", kill_at: float | None = None) -> dict:
-    """One ``onecat bench serve`` run at concurrency ``c`` (defaults: the driver's workload)."""
-    input_len = args.input_len if input_len is None else input_len
-    range_ratio = args.range_ratio if range_ratio is None else range_ratio
-    output_len = args.output_len if output_len is None else output_len
-    prompts = prompts or max(8, PROMPTS_PER_SLOT * c)
-    tag = f"{name}-c{c}{label}"
+    """One ``onecat bench serve`` run at concurrency ``c`` of ``workload`` (``IN:RATIO:OUT``)."""
+    input_len, range_ratio, output_len = parse_workload(workload)
+    prompts = prompts or prompts_per_run(c, range_ratio)
+    tag = f"{name}-c{c}-{workload.replace(':', '_')}{label}"
     result_json = work / f"{tag}.json"
     bench = [sys.executable, "-m", "onecat.cli", "bench", "serve", "--base-url", url,
              "--tokenizer", str(tokenizer), "--dataset-name", "random",
@@ -258,35 +297,39 @@ def serve_run(name: str, url: str, tokenizer: Path, work: Path, c: int, args: ar
     if killer is not None:
         killer.join()
         failover["health_after"] = wait_replicas_up(url, 300)
-    mix = step_mix(before, step_counters(url))
+    after = step_counters(url)
+    mix, split = step_mix(before, after), ttft_split(before, after)
     (work / f"{tag}.log").write_text(done.stdout + done.stderr)
     if not result_json.exists():
         raise SystemExit(f"onecat bench serve failed at concurrency {c}:\n{done.stdout}{done.stderr}")
     result = json.loads(result_json.read_text())
     result = {k: v for k, v in result.items() if not isinstance(v, list)}  # no per-request lists
     share = "-" if mix["prompt_step_share"] is None else f"{mix['prompt_step_share']:.0%}"
-    print(f"  c{c}{label}: {result['completed']}/{prompts} ok, {result['output_throughput']:.1f} output tok/s, "
-          f"TTFT median {result['median_ttft_ms']:.1f} ms; {mix['steps']} engine steps, {share} with "
+    print(f"  {workload} c{c}{label}: {result['completed']}/{prompts} ok, {result['output_throughput']:.1f} output "
+          f"tok/s, TTFT median {result['median_ttft_ms']:.1f} ms; {mix['steps']} engine steps, {share} with "
           f"prompt tokens, {mix['tokens_per_step'] or 0:.1f} output tokens a step", flush=True)
+    if split and label == "ttft":
+        print("  TTFT split (mean ms): " + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in split.items())
+              + f"; client mean {result['mean_ttft_ms']:.2f}", flush=True)
     if failover:
         print(f"  failover: {result['completed']} completed, {result['failed']} failed; replicas after: "
               + ", ".join(f"{r['index']}={r['state']} (restarts {r['restarts']})"
                           for r in failover["health_after"]["replicas"]), flush=True)
-    return {"concurrency": c, "label": label, **result, "step_mix": mix, "failover": failover or None}
+    return {"concurrency": c, "workload": workload, "label": label, **result, "step_mix": mix, "ttft_split": split,
+            "failover": failover or None}
 
 
 def bench_model(name: str, args: argparse.Namespace, tokenizer: Path, work: Path) -> dict:
-    """Start the server for ``name``, run ``onecat bench serve`` at each concurrency, stop."""
+    """Start the server for ``name``, run ``onecat bench serve`` for each workload at each
+    concurrency, stop."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     engine_json, log = work / f"{name}-engine.json", work / f"{name}-server.log"
     command = [sys.executable, str(Path(__file__).resolve()), "--serve-model", name, "--port", str(port),
                "--tokenizer", str(tokenizer), "--engine-json", str(engine_json),
-               "--max-num-seqs", str(max(args.concurrency)), "--max-model-len", str(args.max_model_len),
-               "--engine-batches", ",".join(map(str, args.concurrency)),
-               "--input-len", str(args.input_len), "--range-ratio", str(args.range_ratio),
-               "--output-len", str(args.output_len), "--data-parallel-size", str(args.data_parallel_size),
-               "--device", args.device]
+               "--max-num-seqs", str(max(args.concurrency, default=1)), "--max-model-len", str(args.max_model_len),
+               "--engine-batches", ",".join(map(str, args.concurrency)), "--workloads", ",".join(args.workloads),
+               "--data-parallel-size", str(args.data_parallel_size), "--device", args.device]
     if args.layers:
         command += ["--layers", str(args.layers)]
     t0 = time.perf_counter()
@@ -301,12 +344,11 @@ def bench_model(name: str, args: argparse.Namespace, tokenizer: Path, work: Path
               flush=True)
         runs = []
         if args.ttft_run:  # the API process's added time to first token: 128-token prompts, one at a time
-            runs.append(serve_run(name, url, tokenizer, work, 1, args, input_len=128, range_ratio=0.0,
-                                  output_len=16, prompts=24, label="ttft"))
-        for i, c in enumerate(args.concurrency):
-            last = i == len(args.concurrency) - 1
-            kill = args.kill_replica_at if last else None
-            runs.append(serve_run(name, url, tokenizer, work, c, args, kill_at=kill,
+            runs.append(serve_run(name, url, tokenizer, work, 1, "128:0:16", prompts=24, label="ttft"))
+        plan = [(w, c) for w in args.workloads for c in args.concurrency]
+        for i, (workload, c) in enumerate(plan):
+            kill = args.kill_replica_at if i == len(plan) - 1 else None
+            runs.append(serve_run(name, url, tokenizer, work, c, workload, kill_at=kill,
                                   label="kill" if kill is not None else ""))
         return {"engine": engine, "runs": runs, "wall_s": time.perf_counter() - t0}
     finally:
@@ -322,7 +364,7 @@ def print_table(report: dict) -> None:
     from rich.table import Table
 
     table = Table(title="onecat serve under onecat bench serve (output tokens/s; latencies ms, median / p99)")
-    for column in ("model", "conc.", "ok/fail", "req/s", "output tok/s", "engine decode", "server/decode",
+    for column in ("model", "workload", "conc.", "ok/fail", "req/s", "output tok/s", "engine decode", "server/decode",
                    "engine workload", "server/workload", "TTFT", "TPOT", "ITL"):
         table.add_column(column, justify="left" if column == "model" else "right")
     for name, entry in report["models"].items():
@@ -330,12 +372,12 @@ def print_table(report: dict) -> None:
         for r in entry["runs"]:
             c, label = r["concurrency"], r.get("label", "")
             eng = None if label else engine.get(str(c))
-            work = None if label else entry["engine"].get("engine_workload_tok_s", {}).get(str(c))
+            work = None if label else entry["engine"]["engine_workload_tok_s"].get(f"{r['workload']}@{c}")
             ttft = f"{r['median_ttft_ms']:.1f} / {r['p99_ttft_ms']:.1f}"
             if label == "ttft":
                 ttft += f" (engine {entry['engine']['engine_ttft_128_ms']:.1f})"
             table.add_row(
-                name, f"{c} {label}".strip(), f"{r['completed']}/{r['failed']}", f"{r['request_throughput']:.2f}",
+                name, r["workload"], f"{c} {label}".strip(), f"{r['completed']}/{r['failed']}", f"{r['request_throughput']:.2f}",
                 f"{r['output_throughput']:.1f}", f"{eng:.1f}" if eng else "-",
                 f"{r['output_throughput'] / eng:.0%}" if eng else "-",
                 f"{work:.1f}" if work else "-", f"{r['output_throughput'] / work:.0%}" if work else "-",
@@ -351,9 +393,9 @@ def main() -> None:
     parser.add_argument("--models", default="27b,35b-a3b")
     parser.add_argument("--layers", type=int, default=None, help="fewer layers (smoke runs)")
     parser.add_argument("--concurrency", default="1,8,32,64")
-    parser.add_argument("--input-len", type=int, default=320)
-    parser.add_argument("--range-ratio", type=float, default=0.6, help="inputs of 128..512 tokens")
-    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--workloads", default="320:0.6:64",
+                        help="IN:RATIO:OUT,...: prompt tokens, their +- range ratio (also applied to the output), "
+                        "output tokens; 320:0.6:64 = prompts of 128-512 tokens, 25-103 out; 128:0:256 decode-bound")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--server-timeout", type=float, default=600.0)
     parser.add_argument("--out", default=None, help="write every figure to this JSON file")
@@ -373,7 +415,10 @@ def main() -> None:
     parser.add_argument("--engine-batches", default="1,8,32,64", help=argparse.SUPPRESS)
     parser.add_argument("--max-num-seqs", type=int, default=64, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    for workload in args.workloads:
+        parse_workload(workload)
     args.engine_batches = [int(b) for b in args.engine_batches.split(",")]
     if args.serve_model:
         serve_random_model(args)
@@ -386,8 +431,7 @@ def main() -> None:
         raise SystemExit("bench/serve_h200.py needs a CUDA GPU (--device cpu: a smoke run of the plumbing)")
     report = {"gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu", "torch": torch.__version__,
               "data_parallel_size": args.data_parallel_size,
-              "kernel_arch": os.environ.get("ONECAT_KERNEL_ARCH"), "input_len": args.input_len,
-              "range_ratio": args.range_ratio, "output_len": args.output_len, "models": {}}
+              "kernel_arch": os.environ.get("ONECAT_KERNEL_ARCH"), "workloads": args.workloads, "models": {}}
     with tempfile.TemporaryDirectory(prefix="onecat-serve-bench-") as tmp:
         work = Path(args.work or tmp)
         work.mkdir(parents=True, exist_ok=True)

@@ -475,3 +475,49 @@ def test_grammar_mask_crosses_to_the_core(core_set):
         assert last.finish_reason == "stop", (text, last)
         value = json.loads(text)
         assert set(value) == {"n"} and isinstance(value["n"], int)
+
+
+def sleeping_engine(config, replica, seconds):
+    """An ``engine_factory`` that never finishes building in time (a model still loading)."""
+    time.sleep(seconds)
+    raise RuntimeError("not reached in the test")
+
+
+@pytest.mark.timeout(120)
+def test_a_core_still_building_exits_when_its_api_process_dies(tmp_path):
+    """A core whose API process is SIGKILLed while the core builds its engine exits within
+    seconds instead of loading on and holding its GPU."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    spec = {"config": {"model": str(TRAINED), "device": "cpu"}, "index": 0,
+            "inputs": f"ipc://{tmp_path}/in", "outputs": f"ipc://{tmp_path}/out",
+            "factory": "test_engine_core:sleeping_engine", "factory_args": {"seconds": 600}}
+    parent_code = (
+        "import subprocess, sys, time\n"
+        f"core = subprocess.Popen([sys.executable, '-m', 'onecat.runtime.core.process', {json.dumps(spec)!r}])\n"
+        "print(core.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                        os.environ.get("PYTHONPATH")]))}
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True, env=env)
+    core = int(parent.stdout.readline())
+    time.sleep(3)  # the core is importing or building by now
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(core, 0)  # the orphan is reparented (not our child): probe it with signal 0
+        except ProcessLookupError:
+            return
+        with open(f"/proc/{core}/stat") as stat:
+            if stat.read().split(")")[-1].split()[0] == "Z":  # exited, not yet reaped by init
+                return
+        time.sleep(0.2)
+    os.kill(core, signal.SIGKILL)
+    pytest.fail("the engine core outlived its API process by 30 s")

@@ -110,6 +110,7 @@ class EngineCoreClient:
             "inputs": inputs,
             "outputs": outputs,
             "index": self.index,
+            "parent": os.getpid(),
             "threads": self.placement.threads,
             "log_level": self._log_level,
         }

@@ -28,6 +28,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections import OrderedDict
@@ -157,12 +158,31 @@ def _ready(engine: Any) -> Ready:
     )
 
 
+def exit_with_parent(parent: int, until: threading.Event) -> threading.Thread:
+    """A daemon thread that ends this process (exit status 1) when ``parent`` is no longer its
+    parent, checked every second until ``until`` is set: a core still building its engine
+    (minutes for a 27B) must not outlive an API process killed with SIGKILL and hold its GPU.
+    (Not ``PR_SET_PDEATHSIG``: that fires when the *thread* that spawned the core ends, and
+    replicas are started from short-lived threads.)"""
+    def watch() -> None:
+        while not until.wait(1.0):
+            if os.getppid() != parent:
+                logger.warning("the API process is gone; the engine core exits while starting")
+                os._exit(1)
+
+    thread = threading.Thread(target=watch, name="onecat-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 def main(argv: list[str]) -> int:
     """The process entry point; ``argv[0]`` is the JSON spec (module docstring)."""
     spec = json.loads(argv[0])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the API process's: it stops the cores
     log_to_stderr(spec.get("log_level", "info"), tag=f"[replica {spec['index']}] ")
-    parent = os.getppid()
+    parent = spec.get("parent", os.getppid())
+    started = threading.Event()
+    exit_with_parent(parent, started)
     context = zmq.Context()
     outputs = context.socket(zmq.PUSH)
     outputs.setsockopt(zmq.LINGER, 5000)
@@ -193,6 +213,7 @@ def main(argv: list[str]) -> int:
         outputs.close()
         context.term()
         return 1
+    started.set()  # the run loop checks the parent from here on
     outputs.send(messages.encoder.encode(_ready(engine)))
     try:
         EngineCore(engine, inputs, outputs, parent).run()
