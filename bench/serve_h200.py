@@ -248,6 +248,43 @@ def ttft_split(before: dict[str, float], after: dict[str, float]) -> dict[str, f
     return {"server_ms": server, "to_core_ms": server - queue - prefill, "queue_ms": queue, "prefill_ms": prefill}
 
 
+def raw_ttft_ms(url: str, model: str, prompts: list[str], max_tokens: int = 16) -> list[float]:
+    """Milliseconds to the first streamed text chunk of each prompt, one at a time, over a
+    kept-alive ``http.client`` connection (blocking sockets, no event loop: the client's own
+    share is tens of microseconds, so this is the server's time to first token as a client
+    sees it). Each stream is read to its end before the next request."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    times = []
+    try:
+        for prompt in prompts:
+            body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                               "temperature": 0, "ignore_eos": True}).encode()
+            start = time.perf_counter()
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            if response.status != 200:
+                raise SystemExit(f"TTFT probe: HTTP {response.status}: {response.read()[:300]!r}")
+            first = None
+            for line in response:
+                if line.strip() == b"data: [DONE]":
+                    break
+                if first is None and line.startswith(b"data:"):
+                    choices = json.loads(line[5:]).get("choices")
+                    if choices and choices[0].get("text"):
+                        first = time.perf_counter() - start
+            response.read()
+            if first is None:
+                raise SystemExit("TTFT probe: the stream carried no text")
+            times.append(1000 * first)
+    finally:
+        conn.close()
+    return times
+
+
 def kill_replica_later(url: str, delay: float, record: dict) -> threading.Thread:
     """A thread that SIGKILLs replica 0's engine-core process (its pid from /health) after
     ``delay`` seconds and notes when; the failover test of issue #41 on real replicas."""

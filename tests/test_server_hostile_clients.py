@@ -244,3 +244,22 @@ def test_drain_answers_503_on_new_connections(tiny_model):
         srv.stop()
     chunks = [json.loads(p) for p in sse_payloads(lines)]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_the_listening_socket_sends_small_writes_at_once():
+    """Connections the server accepts have Nagle's algorithm off: with it on, a response's
+    second write (the first SSE chunk after the headers) waited for the client's delayed
+    ACK, up to 40 ms a request (measured on CPU: GET /v1/models 44 ms, 0.7 ms without)."""
+    import socket
+
+    from onecat.runtime.server.launcher import _bind
+
+    listener = _bind("127.0.0.1", 0)
+    client = socket.create_connection(listener.getsockname())
+    accepted, _ = listener.accept()
+    try:
+        assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        assert listener.proto == socket.IPPROTO_TCP  # asyncio sets TCP_NODELAY itself on such sockets
+    finally:
+        for sock in (accepted, client, listener):
+            sock.close()

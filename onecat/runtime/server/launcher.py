@@ -33,10 +33,16 @@ _BACKSTOP = 5.0  # uvicorn cancels what is still open this long after the drain 
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port (port 0: a free port chosen by the OS)."""
+    """A listening TCP socket on host:port (port 0: a free port chosen by the OS).
+
+    Its protocol is named (``IPPROTO_TCP``, not 0) and it has ``TCP_NODELAY``: asyncio turns
+    Nagle's algorithm off only on accepted sockets of a named TCP protocol, and with Nagle on
+    a response's second write (the first SSE chunk after the headers, a body after its
+    status line) waited for the client's delayed ACK, up to 40 ms per request."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited by accepted sockets
     try:
         sock.bind((host, port))
     except OSError as exc:
