@@ -75,11 +75,20 @@ logger = logging.getLogger(__name__)
 DONE_EVENT = "data: [DONE]\n\n"
 PROMPT_TAIL_TOKENS = 16  # decoded to see whether the chat template opened a think block
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+INLINE_TOKENIZE_CHARS = 4096
+"""Prompts up to this many characters are tokenised on the event loop (``_tokenize``)."""
 
 
 def sse_event(payload: dict[str, Any]) -> str:
     """One server-sent event in OpenAI's framing: ``data: {compact json}`` and a blank line."""
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def messages_chars(messages: list[dict[str, Any]]) -> int:
+    """Characters of a chat's messages as the template sees them (content, tool calls,
+    anything else a message carries), to choose where to render and tokenise it."""
+    return sum(len(value) if isinstance(value, str) else len(repr(value))
+               for message in messages for value in message.values())
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -160,6 +169,15 @@ class OpenAIServing:
     async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` in the prompt thread pool (the event loop keeps serving meanwhile)."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
+
+    async def _tokenize(self, chars: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` (tokenising ``chars`` characters of text): on the event loop when the
+        text is short (``INLINE_TOKENIZE_CHARS``), where the two thread hops would cost more
+        than the work (on CPU, 0.27 ms to tokenise 120 words, 0.65 ms through the pool);
+        in the prompt thread pool otherwise."""
+        if chars <= INLINE_TOKENIZE_CHARS:
+            return fn(*args)
+        return await self._off_loop(fn, *args)
 
     # ----- request preparation -------------------------------------------------------------
 
@@ -256,7 +274,7 @@ class OpenAIServing:
         self.check_model(req.model)
         prompt = req.single_prompt()  # the engine checks token ids and empty prompts
         if isinstance(prompt, str):
-            prompt_ids = await self._off_loop(text_token_ids, self.engine.tokenizer, prompt)
+            prompt_ids = await self._tokenize(len(prompt), text_token_ids, self.engine.tokenizer, prompt)
         else:
             prompt_ids = list(prompt)
         max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
@@ -274,8 +292,9 @@ class OpenAIServing:
         template, template_kwargs = self.template_of(req)
         template_kwargs = {**template_kwargs, **plan.template_kwargs()}
         try:
-            prompt_ids = await self._off_loop(
-                chat_token_ids, self.engine.tokenizer, plan.messages, template_kwargs, template
+            prompt_ids = await self._tokenize(
+                messages_chars(plan.messages) + len(repr(template_kwargs.get("tools") or "")), chat_token_ids, self.engine.tokenizer, plan.messages,
+                template_kwargs, template,
             )
         except OnecatError as exc:
             raise bad_request(str(exc), param="messages") from exc
