@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from onecat.errors import OnecatError
-from onecat.kernels import build
+from onecat.kernels import build, kv_cache
 from onecat.kernels import flash_prefill as fp
-from onecat.kernels import kv_cache
 from onecat.runtime.context import ForwardContext, PrefillChunk, set_context
 from onecat.runtime.layers.attention import PagedAttention
 
