@@ -355,3 +355,58 @@ def test_runtime_layer_prefill_kernel_matches_its_torch_path(fmt):
     assert torch.isfinite(kernel).all()
     ref = torch_path.double()
     assert ((kernel.double() - ref).abs() <= 4e-3 * ref.abs() + 4e-3 * ref.pow(2).mean().sqrt()).all()
+
+
+# --- the engine -------------------------------------------------------------------------------
+
+
+WIDE_HEADS = {"head_dim": 256, "num_attention_heads": 6, "num_key_value_heads": 1}
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory):
+    """A tiny random Qwen3.5 whose attention has Qwen3.5's head dim (256), so that every
+    kernel path runs on it: the input kernel, the decode kernel's prep form and graphs, the
+    flash prefill kernel (the random tiny model has no MTP head: speculation over a quantized
+    cache is ``test_kv_cache_dtypes.py``'s, on the torch path)."""
+    from onecat.tiny import build_tiny_model
+
+    return build_tiny_model("qwen3_5", tmp_path_factory.mktemp("kvdtype-gpu") / "wide", config_overrides=WIDE_HEADS)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_engine_on_the_gpu_matches_the_cpu_engine_with_the_same_cache(wide_model, fmt):
+    """The CUDA engine (fp16, CUDA graphs, prefix cache on, a shared prefix that hits it)
+    against the CPU engine (fp32, the torch path) with the same
+    --kv-cache-dtype: logits within 2e-2 of the largest while the tokens agree, which may part
+    only at near ties (``assert_same_greedy_runs``, relative), every logit finite."""
+    from runtime_helpers import assert_same_greedy_runs, drain, record_logits
+
+    from onecat.runtime.config import EngineConfig
+    from onecat.runtime.engine import LLMEngine
+    from onecat.runtime.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(9)
+    prefix = torch.randint(3, 500, (40,), generator=gen).tolist()
+    prompts = {"a": prefix + [7, 8, 9], "b": torch.randint(3, 500, (300,), generator=gen).tolist(), "c": prefix + [11]}
+
+    def run(device):
+        engine = LLMEngine(EngineConfig(model=str(wide_model), device=device, max_num_seqs=4, max_model_len=1024,
+                                        kv_cache_memory_bytes=256 << 20, kv_cache_dtype=fmt))  # fmt: skip
+        logits = record_logits(engine)
+        tokens = {}
+        for wave in (["a", "b"], ["c"]):  # c hits a's cached prefix
+            for rid in wave:
+                engine.add_request(rid, prompts[rid], params)
+            for rid, outs in drain(engine).items():
+                tokens[rid] = [t for o in outs for t in o.new_token_ids]
+        stats = engine.stats()
+        rows = {rid: torch.stack([r.float().cpu() for r in rows]) for rid, rows in logits.items()}
+        return (tokens, rows), stats
+
+    (cpu, _), (gpu, stats) = run("cpu"), run("cuda")
+    assert stats["prefix_cache_hits"] > 0
+    for rows in gpu[1].values():
+        assert torch.isfinite(rows).all()
+    assert_same_greedy_runs(cpu, gpu, 2e-2, relative=True, label=f"{fmt} GPU vs CPU")
