@@ -245,7 +245,7 @@ class ModelRunner:
         if self.attention:
             kv_bytes = kv.numel() * kv.element_size() + (scales.numel() * scales.element_size() if scales is not None else 0)
             logger.info(
-                "KV cache: %d blocks of %d tokens = %d tokens (max model len %d) in %s (%s, %s per GPU)",
+                "KV cache: %d blocks of %d tokens = %d tokens (max model len %d) in %s (%s, %s per device)",
                 self.num_blocks, self.block_size, self.num_blocks * self.block_size, self.max_model_len,
                 self.kv_cache_dtype, kv_cache.storage_dtype(self.kv_cache_dtype, self.dtype), capacity.gib(kv_bytes),
             )  # fmt: skip
