@@ -55,7 +55,9 @@ def _kv_cache_dtype_option(ctx: click.Context, param: click.Parameter, value: st
 KV_CACHE_MEMORY_HELP = ("Exact bytes of each GPU's KV cache + GDN state pool (vLLM's flag: "
                         "--gpu-memory-utilization then does not size it): bytes, or 8G / 8GiB "
                         "(2^30), 8g / 8GB (10^9).")
-KV_CACHE_DTYPE_HELP = "KV cache element type (auto: the activations' dtype, fp16 on a GPU)."
+KV_CACHE_DTYPE_HELP = ("KV cache element type (vLLM's names): auto (the activations' dtype, fp16 on a GPU), "
+                       "fp8_e5m2 (the top byte of fp16) or int8 (a scale per token and KV head); the "
+                       "8-bit ones hold about twice the tokens.")
 
 
 @click.group()
@@ -437,6 +439,9 @@ def serve(artifact: str, host: str, port: int, api_key: str | None, served_model
         if kv_cache_memory_bytes is not None:
             server_args += ("--kv-cache-memory-bytes", str(kv_cache_memory_bytes))
         kv_cache_dtype = engine_flags.pop("kv_cache_dtype")
+        if kv_cache_dtype == "int8":
+            raise click.UsageError("--kv-cache-dtype int8 is onecat's own cache and vLLM has no int8 KV cache: "
+                                   "use --kv-cache-dtype fp8_e5m2 with --engine vllm, or --engine onecat")
         if kv_cache_dtype != "auto":
             server_args += ("--kv-cache-dtype", kv_cache_dtype)
         speculative_config = engine_flags.pop("speculative_config")

@@ -69,10 +69,20 @@ def test_bad_sizes_name_the_flag(text):
 
 
 def test_kv_cache_dtypes_come_from_one_registry():
-    assert capacity.kv_cache_dtype_choices() == list(capacity.KV_CACHE_DTYPES)
+    assert capacity.kv_cache_dtype_choices() == list(capacity.KV_CACHE_DTYPES) == ["auto", "fp8_e5m2", "int8"]
     assert capacity.kv_element_bytes("auto", 2) == 2 and capacity.kv_element_bytes("auto", 4) == 4
-    with pytest.raises(OnecatError, match="--kv-cache-dtype int8 is not supported.*auto"):
-        capacity.kv_element_bytes("int8", 2)
+    assert capacity.kv_element_bytes("fp8_e5m2", 2) == capacity.kv_element_bytes("int8", 4) == 1
+    assert capacity.kv_scale_bytes("auto") == capacity.kv_scale_bytes("fp8_e5m2") == 0
+    assert capacity.kv_scale_bytes("int8") == 4  # one fp32 scale per token and KV head
+    with pytest.raises(OnecatError, match="--kv-cache-dtype fp8_e4m3 is not supported.*auto"):
+        capacity.kv_element_bytes("fp8_e4m3", 2)
+    # 27B attention: 16 layers x 4 KV heads x 256, 16-token blocks
+    fp16 = capacity.kv_block_bytes(16, 4, 256, 16, 2)
+    assert fp16 == 16 * 16 * 2 * 4 * 256 * 2
+    assert capacity.kv_block_bytes(16, 4, 256, 16, 1) * 2 == fp16
+    assert capacity.kv_block_bytes(16, 4, 256, 16, 1, 4) == 16 * 16 * 2 * 4 * (256 + 4)
+    assert "--kv-cache-dtype fp8_e5m2" in capacity.fit_hints(1) and "--kv-cache-dtype int8" in capacity.fit_hints(1)
+    assert "--kv-cache-dtype" not in capacity.fit_hints(1, "int8")
 
 
 # --- the arithmetic ------------------------------------------------------------------------
@@ -124,9 +134,16 @@ def _storage_bytes(model: torch.nn.Module) -> int:
 
 @pytest.mark.parametrize("name", ["dense", "moe-packed"])
 @pytest.mark.parametrize(
-    "budget, seqs, caching", [(1 << 20, 8, True), (300_000, 64, True), (2 << 20, 4, False)]
+    "budget, seqs, caching, kv_dtype",
+    [
+        (1 << 20, 8, True, "auto"),
+        (300_000, 64, True, "auto"),
+        (2 << 20, 4, False, "auto"),
+        (1 << 20, 8, True, "fp8_e5m2"),
+        (1 << 20, 8, True, "int8"),
+    ],
 )
-def test_plan_matches_what_the_engine_allocates(models, name, budget, seqs, caching):
+def test_plan_matches_what_the_engine_allocates(models, name, budget, seqs, caching, kv_dtype):
     path = models[name]
     engine = LLMEngine(
         EngineConfig(
@@ -135,6 +152,7 @@ def test_plan_matches_what_the_engine_allocates(models, name, budget, seqs, cach
             kv_cache_memory_bytes=budget,
             max_num_seqs=seqs,
             enable_prefix_caching=caching,
+            kv_cache_dtype=kv_dtype,
         )
     )
     runner = engine.runner
@@ -145,6 +163,7 @@ def test_plan_matches_what_the_engine_allocates(models, name, budget, seqs, cach
         max_num_seqs=seqs,
         enable_prefix_caching=caching,
         dtype=torch.float32,  # the CPU engine's activations
+        kv_cache_dtype=kv_dtype,
     )
     cache = report.cache
     assert (cache.num_blocks, cache.num_slots, cache.num_checkpoints) == (
@@ -160,9 +179,33 @@ def test_plan_matches_what_the_engine_allocates(models, name, budget, seqs, cach
 
 
 def _cache_bytes(runner) -> int:
-    """Bytes of the engine's KV cache (one tensor, every layer a view) and GDN state tensors."""
+    """Bytes of the engine's KV cache (one tensor, every layer a view; an int8 cache's scales in
+    a second one) and GDN state tensors."""
     kv = runner.attention[0].k_cache.untyped_storage().nbytes() if runner.attention else 0
+    if runner.attention and runner.attention[0].k_scale is not None:
+        kv += runner.attention[0].k_scale.untyped_storage().nbytes()
     return kv + sum(t.untyped_storage().nbytes() for group in runner.state_groups for t in group)
+
+
+def test_8_bit_caches_hold_about_twice_the_tokens(models):
+    """The same exact budget: fp8_e5m2 and int8 blocks are about half as big (int8 pays 4
+    bytes per token and KV head for its scales), so the plan and the engine count ~2x the
+    blocks; the cache tensors are uint8 / int8."""
+    path = models["dense"]
+    tokens = {}
+    for kv_dtype in ("auto", "fp8_e5m2", "int8"):
+        report = plan_artifact(path, gpu_memory=None, kv_cache_memory_bytes=4 << 20, max_num_seqs=2,
+                               dtype=torch.float16, kv_cache_dtype=kv_dtype)  # fmt: skip
+        tokens[kv_dtype] = report.cache.capacity_tokens
+    engine = LLMEngine(EngineConfig(model=str(path), device="cpu", kv_cache_memory_bytes=4 << 20, max_num_seqs=2,
+                                    kv_cache_dtype="int8"))  # fmt: skip
+    head_dim = engine.runner.model_config.head_dim  # small here: the scales weigh 4 / head_dim
+    assert tokens["fp8_e5m2"] >= 1.99 * tokens["auto"]
+    assert tokens["int8"] >= 0.99 * 2 * head_dim / (head_dim + 4) * tokens["auto"]
+    assert tokens["int8"] < tokens["fp8_e5m2"]
+    layer = engine.runner.attention[0]
+    assert layer.k_cache.dtype == torch.int8 and layer.k_scale.dtype == torch.float32
+    assert layer.k_scale.shape == layer.k_cache.shape[:3]
 
 
 def test_the_engine_refuses_what_the_plan_refuses(models):
@@ -233,8 +276,11 @@ def test_plan_command_bad_inputs(models, tmp_path):
     path = str(models["dense"])
     bad = runner.invoke(main, ["plan", path, "--gpu-memory", "32XB"])
     assert bad.exit_code == 2 and "--gpu-memory '32XB' is not a size" in bad.output
-    bad = runner.invoke(main, ["plan", path, "--gpu-memory", "32GiB", "--kv-cache-dtype", "int8"])
-    assert bad.exit_code == 2 and "--kv-cache-dtype int8 is not supported" in bad.output
+    bad = runner.invoke(main, ["plan", path, "--gpu-memory", "32GiB", "--kv-cache-dtype", "fp8"])
+    assert bad.exit_code == 2 and "--kv-cache-dtype fp8 is not supported" in bad.output
+    for kv_dtype in ("fp8_e5m2", "int8"):
+        ok = runner.invoke(main, ["plan", path, "--gpu-memory", "32GiB", "--kv-cache-dtype", kv_dtype, "--json"])
+        assert ok.exit_code == 0 and json.loads(ok.stdout)["kv_cache_dtype"] == kv_dtype, ok.output
     missing = runner.invoke(main, ["plan", path])
     assert missing.exit_code == 1 and "--gpu-memory" in missing.output
     empty = tmp_path / "empty"
@@ -299,6 +345,10 @@ def test_vllm_gets_the_budget_in_bytes(tmp_path, monkeypatch):
     )
     assert calls and calls[0]["vllm_args"] == ("--kv-cache-memory-bytes", str(8 << 30))
     assert "kv_cache_memory_bytes" not in calls[0] and "kv_cache_dtype" not in calls[0]
+    CliRunner().invoke(main, ["serve", str(tmp_path), "--engine", "vllm", "--kv-cache-dtype", "fp8_e5m2"])
+    assert calls[1]["vllm_args"] == ("--kv-cache-dtype", "fp8_e5m2")
+    refused = CliRunner().invoke(main, ["serve", str(tmp_path), "--engine", "vllm", "--kv-cache-dtype", "int8"])
+    assert refused.exit_code == 2 and "vLLM has no int8 KV cache" in refused.output and len(calls) == 2
 
 
 # --- real shapes (meta device: nothing allocated) ------------------------------------------
@@ -352,3 +402,10 @@ def test_35b_a3b_shapes():
     assert exact.cache.shape.block_bytes == 16 * 20 << 10
     short = plan_capacity(cfg, packed, kv_cache_memory_bytes=4 << 30, **flags)
     assert not short.fits and "--max-model-len 262144" in short.problem
+    assert "--kv-cache-dtype int8" in short.problem
+    # an 8-bit cache: the same budget holds the 256k context (int8: 10 x 2 x 2 x (256 + 4) bytes a token)
+    for kv_dtype in ("fp8_e5m2", "int8"):
+        small = plan_capacity(cfg, packed, kv_cache_memory_bytes=4 << 30, kv_cache_dtype=kv_dtype, **flags)
+        assert small.fits and small.cache.capacity_tokens >= 1.9 * short.cache.capacity_tokens
+    int8 = plan_capacity(cfg, packed, kv_cache_memory_bytes=4 << 30, kv_cache_dtype="int8", **flags)
+    assert int8.cache.shape.block_bytes == 16 * 10 * 2 * 2 * (256 + 4)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from onecat.errors import OnecatError
-from onecat.kernels import build
+from onecat.kernels import build, kv_cache
 from onecat.kernels import flash_prefill as fp
 from onecat.runtime.context import ForwardContext, PrefillChunk, set_context
 from onecat.runtime.layers.attention import PagedAttention
@@ -186,7 +186,10 @@ def test_kernel_program_is_sm70_legal_and_does_not_spill():
         assert forbidden not in ptx
     assert "wmma.mma.sync.aligned.row.col.m16n16k16.f32.f32" in ptx
     resources = build.compile_program("flash_prefill", "sm_70").resources
-    assert {r.name for r in resources} == {f"flash_prefill_{v}_d{d}" for v in fp.VARIANTS for d in fp.HEAD_DIMS}
+    assert {r.name for r in resources} == {
+        f"flash_prefill{suffix}_{v}_d{d}" for suffix in kv_cache.KERNEL_SUFFIX.values() for v in fp.VARIANTS
+        for d in fp.HEAD_DIMS
+    }  # fmt: skip
     for r in resources:
         assert r.spill_stores == r.spill_loads == r.stack_bytes == 0, r
         assert r.registers * 256 <= 65536, r

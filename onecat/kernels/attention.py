@@ -10,6 +10,11 @@ With a ``gate`` (Qwen3.5's gated attention) the kernel that writes a sequence's 
 multiplies it by ``sigmoid(gate)`` first (one rounding to fp16), so no separate elementwise
 kernel runs before the output projection.
 
+The cache may be fp16 or 8-bit (``--kv-cache-dtype``, ``onecat.kernels.kv_cache``): uint8
+fp8_e5m2 codes, or int8 codes with fp32 scales ``[num_blocks, block_size, KVH]`` (``k_scale`` /
+``v_scale``); the split kernels ``*_fp8_*`` / ``*_int8_*`` (head dims
+:data:`QUANTIZED_HEAD_DIMS`) decode them in registers.
+
 :func:`paged_decode_attention_reference` is the same computation in torch (fp32), for CPUs
 and tests.
 """
@@ -22,12 +27,15 @@ import math
 import torch
 
 from onecat.errors import OnecatError
+from onecat.kernels import kv_cache
 from onecat.kernels.driver import PreparedLaunch
 from onecat.kernels.loader import get_kernel
 from onecat.kernels.workspace import stream_buffer
 
 HEAD_DIMS = (32, 64, 128, 256)
 """Head dimensions the kernel is built for."""
+QUANTIZED_HEAD_DIMS = (128, 256)
+"""Head dimensions of the 8-bit cache kernels (Qwen3.5's 256, the qwen3 / llama recipes' 128)."""
 _HEADS_PER_BLOCK = (1, 2, 4, 8)  # NG instances of the split kernel
 _THREADS = 128  # paged_attention.cu kThreads
 _CHUNK_TOKENS = 32  # kChunkTokens: the split granularity
@@ -35,16 +43,32 @@ MAX_SPLITS = 64
 """Most context ranges one sequence is cut into."""
 
 
-def supports(device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
-    """True when :func:`paged_decode_attention` runs this device, cache dtype, head dim and
-    KV block size (a power of two)."""
+def supports(
+    device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int, kv_format: str = "auto"
+) -> bool:
+    """True when :func:`paged_decode_attention` runs this device, query dtype, head dim, KV
+    block size (a power of two) and cache encoding (``kv_cache.FORMATS``: ``auto`` is an fp16
+    cache; the 8-bit ones at :data:`QUANTIZED_HEAD_DIMS`)."""
     return (
         device.type == "cuda"
         and dtype == torch.float16
-        and head_dim in HEAD_DIMS
+        and head_dim in (HEAD_DIMS if kv_format == "auto" else QUANTIZED_HEAD_DIMS)
+        and kv_format in kv_cache.FORMATS
         and block_size > 0
         and block_size & (block_size - 1) == 0
     )
+
+
+def _check_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> bool:
+    """An int8 cache has fp32 scales ``[num_blocks, block_size, KVH]`` (contiguous, on its
+    device); other caches need none."""
+    if kv_cache.cache_format(k_cache) != "int8":
+        return True
+    return all(
+        t is not None and t.dtype == kv_cache.SCALE_DTYPE and t.is_contiguous() and t.shape == k_cache.shape[:3]
+        and t.device == k_cache.device
+        for t in (k_scale, v_scale)
+    )  # fmt: skip
 
 
 FEW_KV_PAIRS = 8
@@ -82,11 +106,12 @@ class _Plan:
     """The two prepared launches of one (device, batch, heads, head dim, table shape, prep)."""
 
     def __init__(self, device_index: int, batch: int, num_heads: int, num_kv_heads: int,
-                 head_dim: int, width: int, block_size: int, splits: int | None, prep: bool = False) -> None:
+                 head_dim: int, width: int, block_size: int, splits: int | None, prep: bool = False,
+                 kv_format: str = "auto") -> None:
         group = num_heads // num_kv_heads
         ng = heads_per_block(group, batch * num_kv_heads)
         chunks = math.ceil(group / ng)
-        name = "paged_attention_split_prep" if prep else "paged_attention_split"
+        name = ("paged_attention_split_prep" if prep else "paged_attention_split") + kv_cache.KERNEL_SUFFIX[kv_format]
         split_kernel = get_kernel(f"{name}_d{head_dim}_g{ng}", device_index)
         reduce_kernel = get_kernel(f"paged_attention_reduce_d{head_dim}", device_index)
         blocks = batch * num_kv_heads * chunks
@@ -96,7 +121,7 @@ class _Plan:
         self.split = PreparedLaunch(
             split_kernel, (self.splits, num_kv_heads * chunks, batch), _THREADS,
             [p, ll, ll, p, p, p, i, p, p, p, p, i, i, i, i, ctypes.c_float, p, ll, ll,
-             p, p, p, p, ctypes.c_float, i, p, ll],
+             p, p, p, p, ctypes.c_float, i, p, ll, p, p],
         )  # fmt: skip
         self.reduce = (
             PreparedLaunch(reduce_kernel, (num_heads, batch, 1), head_dim, [p, i, p, p, p, i, i, i, p, ll, ll])
@@ -119,6 +144,8 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     splits: int | None = None,
     gate: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged keys and values.
 
@@ -132,22 +159,30 @@ def paged_decode_attention(
     number of context ranges per sequence (tests); by default it fills the GPU. With ``gate``
     (fp16 ``[B, H, D]``, any strides; Qwen3.5's output gate) the result is
     ``attention * sigmoid(gate)``, computed in fp32 and rounded to fp16 once.
+
+    An 8-bit cache (``kv_cache``): ``k_cache`` / ``v_cache`` uint8 (fp8_e5m2 codes) or int8
+    (codes, with ``k_scale`` / ``v_scale`` fp32 ``[num_blocks, block_size, KVH]``
+    contiguous), head dim in :data:`QUANTIZED_HEAD_DIMS`; the result is the attention over the
+    decoded keys and values (``kv_cache.decode``), with the same fp32 softmax and sums.
     """
     where = "onecat.kernels.attention.paged_decode_attention"
     batch, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
     width = block_tables.shape[-1]
-    if not supports(q.device, q.dtype, head_dim, block_size) or num_heads % num_kv_heads:
+    kv_format = kv_cache.cache_format(k_cache)
+    if not supports(q.device, q.dtype, head_dim, block_size, kv_format) or num_heads % num_kv_heads:
         raise OnecatError(
-            f"{where}: needs CUDA fp16 tensors, head dim in {HEAD_DIMS}, a power-of-two block "
-            f"size and query heads a multiple of KV heads; got {q.device} {q.dtype}, head dim "
-            f"{head_dim}, block size {block_size}, {num_heads} / {num_kv_heads} heads"
+            f"{where}: needs CUDA fp16 queries, head dim in {HEAD_DIMS} ({QUANTIZED_HEAD_DIMS} with an "
+            f"8-bit cache), a power-of-two block size and query heads a multiple of KV heads; got {q.device} "
+            f"{q.dtype}, {kv_format} cache, head dim {head_dim}, block size {block_size}, {num_heads} / "
+            f"{num_kv_heads} heads"
         )
     checks = [
         ("q", q.stride(2) == 1),
-        ("k_cache", k_cache.dtype == torch.float16 and k_cache.is_contiguous() and cache_dim == head_dim
-         and k_cache.data_ptr() % 16 == 0),
-        ("v_cache", v_cache.dtype == torch.float16 and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
+        ("k_cache", k_cache.dtype in (torch.float16, torch.uint8, torch.int8) and k_cache.is_contiguous()
+         and cache_dim == head_dim and k_cache.data_ptr() % 16 == 0),
+        ("k_scale / v_scale", _check_scales(k_cache, k_scale, v_scale)),
+        ("v_cache", v_cache.dtype == k_cache.dtype and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
          and v_cache.data_ptr() % 16 == 0),
         ("block_tables", block_tables.dtype == torch.int64 and block_tables.is_contiguous()
          and tuple(block_tables.shape) == (batch, width)),
@@ -171,7 +206,7 @@ def paged_decode_attention(
     if width == 0:
         return out.zero_()
     _launch(q, (q.stride(0), q.stride(1)), k_cache, v_cache, block_tables, context_lens, scale, num_heads, out,
-            splits, (gate_ptr, gate_sb, gate_sh))  # fmt: skip
+            splits, (gate_ptr, gate_sb, gate_sh), scales=(k_scale, v_scale))  # fmt: skip
     return out
 
 
@@ -179,19 +214,24 @@ def _launch(
     q: torch.Tensor, q_strides: tuple[int, int], k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, num_heads: int, out: torch.Tensor,
     splits: int | None, gate: tuple[int, int, int], prep: tuple | None = None,
+    scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> None:
     """The split (or split_prep, with ``prep`` = its extra arguments) and reduce launches on
-    validated inputs; ``q`` is the queries' or (prep) the qkv rows' base."""
+    validated inputs; ``q`` is the queries' or (prep) the qkv rows' base; ``scales`` an int8
+    cache's."""
     batch, width = block_tables.shape
     _, block_size, num_kv_heads, head_dim = k_cache.shape
+    kv_format = kv_cache.cache_format(k_cache)
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    key = (device_index, batch, num_heads, num_kv_heads, head_dim, width, block_size, splits, prep is not None)
+    key = (device_index, batch, num_heads, num_kv_heads, head_dim, width, block_size, splits, prep is not None,
+           kv_format)  # fmt: skip
     plan = _plans.get(key)
     if plan is None:
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         plan = _plans[key] = _Plan(device_index, batch, num_heads, num_kv_heads, head_dim, width, block_size, splits,
-                                   prep is not None)  # fmt: skip
+                                   prep is not None, kv_format)  # fmt: skip
+    scale_ptrs = [t.data_ptr() if t is not None and kv_format == "int8" else 0 for t in scales]
     stream = torch.cuda.current_stream(q.device).cuda_stream
     ws_acc = ws_ml = 0
     if plan.reduce is not None:
@@ -203,7 +243,7 @@ def _launch(
         stream, q.data_ptr(), *q_strides, k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), width, context_lens.data_ptr(), out.data_ptr(), ws_acc, ws_ml,
         num_heads, num_kv_heads, log2_block, plan.splits, scale * math.log2(math.e), *gate,
-        *(prep or (0, 0, 0, 0, 0.0, 0, 0, 0)),
+        *(prep or (0, 0, 0, 0, 0.0, 0, 0, 0)), *scale_ptrs,
     )  # fmt: skip
     if plan.reduce is not None:
         plan.reduce(
@@ -236,6 +276,8 @@ def paged_decode_attention_prep(
     num_heads: int,
     out: torch.Tensor | None = None,
     splits: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A decode step's gated attention straight from the merged qkv projection, in the split
     launch: ``onecat.kernels.attention_prep``'s work for each sequence's one new token
@@ -250,7 +292,9 @@ def paged_decode_attention_prep(
     lengths as :func:`paged_decode_attention`, the new token counted in its context (position
     ``context_len - 1``). One row per sequence: a row must not read a key another row of the
     same call writes (speculative drafts run the two launches instead). Returns fp16
-    ``[B, H, D]``: ``attention * sigmoid(gate)``, rounded once.
+    ``[B, H, D]``: ``attention * sigmoid(gate)``, rounded once. An 8-bit cache (and an int8
+    cache's ``k_scale`` / ``v_scale``) as :func:`paged_decode_attention`: the new key and value
+    are written encoded (``attention_prep``'s codes and scales) and read back decoded.
     """
     where = "onecat.kernels.attention.paged_decode_attention_prep"
     batch = qkv.shape[0]
@@ -260,13 +304,15 @@ def paged_decode_attention_prep(
          and qkv.shape[1] == 2 * (num_heads + num_kv_heads) * head_dim and qkv.stride(0) % 8 == 0
          and qkv.data_ptr() % 16 == 0),
         ("head shape", prep_fits(head_dim, rotary_dim) and num_heads % num_kv_heads == 0
-         and supports(qkv.device, k_cache.dtype, head_dim, block_size)),
+         and supports(qkv.device, qkv.dtype, head_dim, block_size, kv_cache.cache_format(k_cache))),
         ("positions", positions.dtype == torch.int64 and positions.shape == (batch,)),
         ("slot_mapping", slot_mapping.dtype == torch.int64 and slot_mapping.shape == (batch,)),
         ("inv_freq", inv_freq.dtype == torch.float32 and inv_freq.shape == (rotary_dim // 2,) and inv_freq.is_contiguous()),
         ("q_weight / k_weight", q_weight.shape == (head_dim,) and k_weight.shape == (head_dim,)),
-        ("k_cache / v_cache", k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
+        ("k_cache / v_cache", k_cache.dtype in (torch.float16, torch.uint8, torch.int8) and v_cache.dtype == k_cache.dtype
+         and k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
          and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0),
+        ("k_scale / v_scale", _check_scales(k_cache, k_scale, v_scale)),
         ("block_tables", block_tables.dtype == torch.int64 and block_tables.is_contiguous()
          and block_tables.dim() == 2 and block_tables.shape[0] == batch),
         ("context_lens", context_lens.dtype == torch.int64 and context_lens.is_contiguous()
@@ -289,7 +335,7 @@ def paged_decode_attention_prep(
             slot_mapping.data_ptr(), num_blocks * block_size)  # fmt: skip
     gate = (qkv.data_ptr() + 2 * head_dim, qkv.stride(0), 2 * head_dim)  # bytes: D halves in
     _launch(qkv, (qkv.stride(0), 2 * head_dim), k_cache, v_cache, block_tables, context_lens, scale, num_heads,
-            out, splits, gate, prep)  # fmt: skip
+            out, splits, gate, prep, scales=(k_scale, v_scale))  # fmt: skip
     return out
 
 
@@ -301,11 +347,13 @@ def paged_decode_attention_reference(
     context_lens: torch.Tensor,
     scale: float,
     gate: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`paged_decode_attention` in torch, one sequence at a time in fp32 (reads the
     context lengths on the host): the reference of the kernel's contract, any device. With
     ``gate`` ``[B, H, D]`` the fp32 result is multiplied by ``sigmoid(gate)`` before the one
-    rounding to ``q.dtype``."""
+    rounding to ``q.dtype``. An 8-bit cache is decoded first (``kv_cache.decode``, fp32)."""
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -315,8 +363,11 @@ def paged_decode_attention_reference(
         if length <= 0:
             continue
         blocks = block_tables[b, : math.ceil(length / block_size)]
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].float()
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].float()
+        int8 = kv_cache.cache_format(k_cache) == "int8"
+        k = kv_cache.decode(k_cache[blocks], k_scale[blocks] if int8 else None, torch.float32)
+        v = kv_cache.decode(v_cache[blocks], v_scale[blocks] if int8 else None, torch.float32)
+        k = k.reshape(-1, num_kv_heads, head_dim)[:length]
+        v = v.reshape(-1, num_kv_heads, head_dim)[:length]
         qb = q[b].float().view(num_kv_heads, group, head_dim)
         scores = torch.einsum("kgd,tkd->kgt", qb, k) * scale
         out[b] = torch.einsum("kgt,tkd->kgd", scores.softmax(-1), v).reshape(num_heads, head_dim)

@@ -3,7 +3,7 @@
 // work is token-wise).  Per token it splits the projection into heads, applies the per-head
 // RMSNorm with the (1 + w) weight to queries and keys, rotates their first rotary_dim
 // features (partial RoPE, rotate-half style) and writes keys and values straight into the
-// layer's paged KV cache.  It replaces ~10 small fused elementwise kernels and the two cache
+// layer's paged KV cache, encoded as the cache's --kv-cache-dtype says (kv_format).  It replaces ~10 small fused elementwise kernels and the two cache
 // scatters of the torch path.  Compiled by NVRTC 12 for compute_70 / sm_70; no torch headers.
 //
 // Data layout (row-major, innermost dimension contiguous):
@@ -17,8 +17,16 @@
 //   slot_mapping  int64 [T]              cache row of token t; a row outside [0, num_slots)
 //                                        (e.g. -1 for padding rows) writes no cache entry
 //   k_cache,
-//   v_cache       fp16 [num_slots][KVH][D]   one layer's cache ([num_blocks][block_size]
-//                                        flattened); null (num_slots 0) writes none
+//   v_cache       [num_slots][KVH][D]    one layer's cache ([num_blocks][block_size]
+//                                        flattened); null (num_slots 0) writes none.  Element
+//                                        by kv_format (w4a16_common.cuh, kv_cache.py):
+//                                        0 fp16; 1 fp8_e5m2, uint8 = the top byte of the fp16
+//                                        value (rounded to nearest even, saturated); 2 int8
+//                                        codes q = clamp(rne(x / s), -127, 127)
+//   k_scale,
+//   v_scale       fp32 [num_slots][KVH]  int8 only (else null): s = amax / 127 over the head's
+//                                        D fp16 values (the key after norm and RoPE, the value
+//                                        as it is)
 //   q_out         fp16 [T][H][D]         contiguous
 //   k_out, v_out  fp16 [T][KVH][D]       contiguous; optional (null: not written), for the
 //                                        prompt path that attends over the fresh keys
@@ -33,7 +41,8 @@
 // cos and sin of the fp32 angle are evaluated in double and rounded to fp32, and the
 // rotation's products and sums are rounded one by one (rope_angle, norm_feature and
 // rotate_feature in w4a16_common.cuh, shared with paged_attention.cu's prep form).  Values
-// are copied unchanged.
+// are copied unchanged.  The cache then holds the fp16 key / value, or its encoding (the codes
+// and scales are bit-equal to kv_cache.encode's of the same fp16 values).
 //
 // Thread mapping: block (token t, group of 4 heads), 128 threads = 4 warps, one warp per head
 // of the token's H + 2*KVH heads (query heads, then key heads, then value heads).  Lane l
@@ -41,7 +50,8 @@
 // load and store touches 32 consecutive halfs.  The sum of squares meets by xor shuffles; the
 // rotation's partner feature i +- r/2 lives in another lane, so each warp stages its normed
 // rotary features in its own slice of shared memory.  The block first fills a shared table of
-// cos / sin of the token's r/2 angles (shared by its heads).
+// cos / sin of the token's r/2 angles (shared by its heads).  An int8 cache row's amax meets by
+// xor shuffles over the warp (one warp holds the whole head); lane 0 writes the scale.
 #include "w4a16_common.cuh"
 
 namespace onecat_prep {
@@ -54,16 +64,50 @@ __device__ __forceinline__ float warp_sum(float v) {
   for (int offset = 16; offset; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;
 }
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int offset = 16; offset; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
+// One head's D fp16 features (lane l holds l + 32j, j < per_lane; the rest zero) into entry
+// `entry` (= slot * KVH + head) of a cache in encoding `format`.  Call from all 32 lanes.
+__device__ __forceinline__ void store_head(void* cache, float* scales, long long entry, const half (&x)[kMaxPerLane],
+                                          int per_lane, int head_dim, int format, int lane) {
+  if (format == onecat::kKvInt8) {
+    float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < kMaxPerLane; ++j) amax = fmaxf(amax, fabsf(__half2float(x[j])));
+    const float scale = onecat::int8_scale(warp_max(amax));
+    if (lane == 0) scales[entry] = scale;
+    unsigned char* row = static_cast<unsigned char*>(cache) + entry * head_dim;
+#pragma unroll
+    for (int j = 0; j < kMaxPerLane; ++j)
+      if (j < per_lane) row[lane + 32 * j] = (unsigned char)onecat::int8_encode(__half2float(x[j]), scale);
+  } else if (format == onecat::kKvFp8) {
+    unsigned char* row = static_cast<unsigned char*>(cache) + entry * head_dim;
+#pragma unroll
+    for (int j = 0; j < kMaxPerLane; ++j)
+      if (j < per_lane) row[lane + 32 * j] = (unsigned char)onecat::fp8_e5m2_encode(x[j]);
+  } else {
+    half* row = static_cast<half*>(cache) + entry * head_dim;
+#pragma unroll
+    for (int j = 0; j < kMaxPerLane; ++j)
+      if (j < per_lane) row[lane + 32 * j] = x[j];
+  }
+}
 }  // namespace onecat_prep
 
 extern "C" __global__ void __launch_bounds__(128)
     attention_prep(const half* __restrict__ qkv, long long qkv_stride,
                    const long long* __restrict__ positions, const float* __restrict__ q_weight,
                    const float* __restrict__ k_weight, const float* __restrict__ inv_freq, float eps,
-                   const long long* __restrict__ slot_mapping, half* __restrict__ k_cache,
-                   half* __restrict__ v_cache, long long num_slots, half* __restrict__ q_out,
+                   const long long* __restrict__ slot_mapping, void* __restrict__ k_cache,
+                   void* __restrict__ v_cache, long long num_slots, half* __restrict__ q_out,
                    half* __restrict__ k_out, half* __restrict__ v_out, int num_heads,
-                   int num_kv_heads, int head_dim, int rotary_dim) {
+                   int num_kv_heads, int head_dim, int rotary_dim, float* __restrict__ k_scale,
+                   float* __restrict__ v_scale, int kv_format) {
   using namespace onecat_prep;
   __shared__ float cos_table[kMaxDim / 2], sin_table[kMaxDim / 2];
   __shared__ float staged[kWarps][kMaxDim];
@@ -85,20 +129,19 @@ extern "C" __global__ void __launch_bounds__(128)
   const long long slot = slot_mapping[t];
   const bool to_cache = k_cache != nullptr && slot >= 0 && slot < num_slots;
 
-  // 2. values: copied as they are
+  // 2. values: copied as they are (encoded into the cache)
   if (head >= num_heads + num_kv_heads) {
     const int g = head - num_heads - num_kv_heads;
     const half* src = row + 2 * num_heads * head_dim + (num_kv_heads + g) * head_dim;
-    half* cache_row = to_cache ? v_cache + (slot * num_kv_heads + g) * head_dim : nullptr;
     half* out_row = v_out != nullptr ? v_out + (t * num_kv_heads + g) * head_dim : nullptr;
+    half v[kMaxPerLane];
 #pragma unroll
     for (int j = 0; j < kMaxPerLane; ++j) {
-      if (j < per_lane) {
-        const half v = src[lane + 32 * j];
-        if (cache_row) cache_row[lane + 32 * j] = v;
-        if (out_row) out_row[lane + 32 * j] = v;
-      }
+      v[j] = j < per_lane ? src[lane + 32 * j] : __float2half(0.f);
+      if (out_row && j < per_lane) out_row[lane + 32 * j] = v[j];
     }
+    if (to_cache)  // (warp-uniform: the token's slot)
+      store_head(v_cache, v_scale, slot * num_kv_heads + g, v, per_lane, head_dim, kv_format, lane);
     return;
   }
 
@@ -133,9 +176,10 @@ extern "C" __global__ void __launch_bounds__(128)
   } else {
     dst = k_out != nullptr ? k_out + (t * num_kv_heads + g) * head_dim : nullptr;
   }
-  half* cache_row = !is_query && to_cache ? k_cache + (slot * num_kv_heads + g) * head_dim : nullptr;
+  half outs[kMaxPerLane];
 #pragma unroll
   for (int j = 0; j < kMaxPerLane; ++j) {
+    outs[j] = __float2half(0.f);
     if (j < per_lane) {
       const int i = lane + 32 * j;
       float y = x[j];
@@ -147,7 +191,9 @@ extern "C" __global__ void __launch_bounds__(128)
       }
       const half out = __float2half_rn(y);
       if (dst) dst[i] = out;
-      if (cache_row) cache_row[i] = out;
+      outs[j] = out;
     }
   }
+  if (!is_query && to_cache)  // (warp-uniform)
+    store_head(k_cache, k_scale, slot * num_kv_heads + g, outs, per_lane, head_dim, kv_format, lane);
 }

@@ -1,7 +1,8 @@
 """The inputs of a gated full-attention layer in one launch (``attention_prep.cu``): split the
 merged qkv projection into heads, RMSNorm queries and keys with the ``(1 + w)`` weight, rotate
 their first ``rotary_dim`` features (partial RoPE) and write keys and values straight into
-the layer's paged KV cache, for every token of a step. It replaces the torch path's ~10 fused
+the layer's paged KV cache (fp16, or encoded as ``onecat.kernels.kv_cache`` says: fp8_e5m2
+codes, or int8 codes with a scale per token and KV head), for every token of a step. It replaces the torch path's ~10 fused
 elementwise kernels and two cache scatters (``runtime.models.qwen3_5.attention_inputs`` and
 ``PagedAttention._store``), which stay the reference and the path for CPUs, fp32 and other
 head sizes. A pass of one decode row per sequence does not launch it: the decode-attention
@@ -15,11 +16,14 @@ import ctypes
 import torch
 
 from onecat.errors import OnecatError
+from onecat.kernels import kv_cache
 from onecat.kernels.loader import get_kernel
 
 MAX_HEAD_DIM = 256
 """The largest head dimension the kernel holds in registers (8 features per lane)."""
 _WARPS = 4  # attention_prep.cu kWarps: heads per block
+FORMAT_CODES = {"auto": 0, "fp8_e5m2": 1, "int8": 2}
+"""The kernels' ``KvFormat`` codes (w4a16_common.cuh) of the cache encodings."""
 
 
 def supports(device: torch.device, dtype: torch.dtype, head_dim: int, rotary_dim: int) -> bool:
@@ -51,6 +55,8 @@ def prepare_attention_inputs(
     rotary_dim: int,
     fresh_kv: bool = False,
     q_out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Queries ready for attention, and keys and values written into the cache.
 
@@ -58,9 +64,11 @@ def prepare_attention_inputs(
     per query head ``D`` query then ``D`` gate features, then the keys, then the values.
     ``positions`` and ``slot_mapping`` int64 ``[T]``; ``q_weight``/``k_weight`` ``[D]`` (the
     norms' zero-centred weights, any float dtype, used in fp32); ``inv_freq`` fp32
-    ``[rotary_dim / 2]``. ``k_cache``/``v_cache`` fp16 ``[num_blocks, block_size, KVH, D]``
+    ``[rotary_dim / 2]``. ``k_cache``/``v_cache`` ``[num_blocks, block_size, KVH, D]``
     contiguous (one layer's cache), or both empty (the memory-profiling pass before the cache
-    exists: nothing is written). Token ``t``'s key and value go to cache row
+    exists: nothing is written): fp16, uint8 (fp8_e5m2 codes) or int8 (codes; then
+    ``k_scale`` / ``v_scale`` fp32 ``[num_blocks, block_size, KVH]`` contiguous receive the
+    scales), encoded as ``kv_cache.encode`` encodes the fp16 keys and values (bit-equal). Token ``t``'s key and value go to cache row
     ``slot_mapping[t]``; a row outside the cache (e.g. -1 for padding) writes nothing.
 
     Returns ``(q [T, H, D], k, v)`` fp16 contiguous: ``q`` normed and rotated (into ``q_out``
@@ -82,6 +90,10 @@ def prepare_attention_inputs(
     width = (2 * num_heads + 2 * num_kv_heads) * head_dim
     has_cache = k_cache.numel() > 0 or v_cache.numel() > 0
     cache_shape = (k_cache.shape[2], k_cache.shape[3]) if k_cache.dim() == 4 else None
+    kv_format = kv_cache.cache_format(k_cache)
+    int8 = has_cache and kv_format == "int8"
+    scale_ok = lambda t: (t is not None and t.dtype == kv_cache.SCALE_DTYPE and t.is_contiguous()  # noqa: E731
+                          and t.shape == k_cache.shape[:3] and t.device == qkv.device)  # fmt: skip
     checks = [
         ("heads", num_heads > 0 and num_kv_heads > 0),
         ("qkv", qkv.dim() == 2 and qkv.shape[1] == width and qkv.stride(1) == 1),
@@ -93,10 +105,12 @@ def prepare_attention_inputs(
         ("k_weight", k_weight.is_floating_point() and k_weight.shape == (head_dim,) and k_weight.device == qkv.device),
         ("inv_freq", inv_freq.dtype == torch.float32 and inv_freq.shape == (rotary_dim // 2,)
          and inv_freq.device == qkv.device),
-        ("k_cache", not has_cache or (k_cache.dtype == torch.float16 and k_cache.is_contiguous()
-         and cache_shape == (num_kv_heads, head_dim) and k_cache.device == qkv.device)),
-        ("v_cache", not has_cache or (v_cache.dtype == torch.float16 and v_cache.is_contiguous()
+        ("k_cache", not has_cache or (k_cache.dtype in (torch.float16, torch.uint8, torch.int8)
+         and k_cache.is_contiguous() and cache_shape == (num_kv_heads, head_dim) and k_cache.device == qkv.device)),
+        ("v_cache", not has_cache or (v_cache.dtype == k_cache.dtype and v_cache.is_contiguous()
          and v_cache.shape == k_cache.shape and v_cache.device == qkv.device)),
+        ("k_scale / v_scale (an int8 cache's fp32 [num_blocks, block_size, KVH] scales)",
+         not int8 or (scale_ok(k_scale) and scale_ok(v_scale))),
         ("q_out", q_out is None or (q_out.dtype == torch.float16 and q_out.is_contiguous()
          and q_out.shape == (tokens, num_heads, head_dim) and q_out.device == qkv.device)),
     ]  # fmt: skip
@@ -121,6 +135,8 @@ def prepare_attention_inputs(
         pointer(k_cache if has_cache else None), pointer(v_cache if has_cache else None),
         ctypes.c_longlong(num_slots), pointer(q_out), pointer(k_out), pointer(v_out),
         ctypes.c_int(num_heads), ctypes.c_int(num_kv_heads), ctypes.c_int(head_dim), ctypes.c_int(rotary_dim),
+        pointer(k_scale if int8 else None), pointer(v_scale if int8 else None),
+        ctypes.c_int(FORMAT_CODES[kv_format] if has_cache else 0),
     ]  # fmt: skip
     device_index = qkv.device.index if qkv.device.index is not None else torch.cuda.current_device()
     heads = num_heads + 2 * num_kv_heads

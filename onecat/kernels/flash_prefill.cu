@@ -14,9 +14,15 @@
 //
 // Data layout (row-major, innermost dimension contiguous; element strides, 16-byte rows):
 //   q        fp16 [T][H][D]      strides q_st (token), q_sh (head); T = rows of the flat batch
-//   k, v     paged: fp16 [num_blocks][bs][KVH][D], one layer's cache; key j of a sequence is
-//                   cache row  tables[table_offset + j / bs] * bs + j % bs
+//   k, v     paged: [num_blocks][bs][KVH][D], one layer's cache; key j of a sequence is
+//                   cache row  tables[table_offset + j / bs] * bs + j % bs.  Element by the
+//                   kernel's KV (--kv-cache-dtype, kv_cache.py): fp16 (flash_prefill_r*),
+//                   uint8 fp8_e5m2 codes (flash_prefill_fp8_r*: value = code << 8 as fp16,
+//                   exact) or int8 codes q (flash_prefill_int8_r*: value = q * s)
 //            fresh (tables == null, every P = 0): fp16 [T][KVH][D], key j at row q_start + j
+//                   (the fp16 kernels only)
+//   k_scale,
+//   v_scale  fp32 [num_blocks][bs][KVH]   the int8 cache's scales s (null otherwise)
 //   tables   int64 [...]         every sequence's block table, one after another
 //   seqs     int32 [S][4]        (q_start, L, P, table_offset) per sequence
 //   items    int32 [N][2]        (sequence, row tile) per work item, heaviest first
@@ -38,7 +44,10 @@
 //           reads 512 contiguous bytes of one or two cache rows); loads go to registers first
 //           and are stored to shared memory after the previous stage, so the global latency of
 //           V hides under Q K^T and that of the next K under the softmax and P V (Volta has
-//           no cp.async);
+//           no cp.async).  An 8-bit cache keeps the mapping with pieces of 8 codes (8 bytes;
+//           int8 also loads the key's fp32 scale): the raw codes wait in registers and are
+//           decoded to fp16 as they are stored (fp8 exactly; int8 as fp16(q * s), one
+//           rounding), so the shared-memory tile and all that follows is the fp16 kernel's;
 //   Q K^T   warp (rg, hf) computes S[16 rows][32 keys 32hf..] (two accumulators sharing each
 //           Q fragment) over D/16 steps, Q and K fragments loaded from shared memory;
 //   softmax thread t owns row t / 4 and columns 4(t%4) + 16c + {0..3}, c < 4 (the four
@@ -62,7 +71,7 @@
 //                          first 128 bytes of row r of S)
 //   alpha fp32 [64]        per-row rescale factor, at the end 1 / row sum
 // D = 256: 88,320 bytes (V100: 96 KB per block, one block per SM); D = 128: 55,552.
-#include <cuda_fp16.h>
+#include "w4a16_common.cuh"  // cuda_fp16.h and the KV-cache encodings
 
 namespace onecat_fap {
 constexpr int kRows = 64;     // query rows per block
@@ -133,11 +142,17 @@ __device__ __forceinline__ void load_acc(Acc& c, const float* p, int ld) {
                : "r"(shared_addr(p)), "r"(ld) : "memory");
 }
 
-// Where the 16-byte piece e of a 64 x D tile of keys comes from: key k0 + e / (D/8), features
+// One staged piece of a K / V tile (8 features of one key) as loaded: 8 fp16, or 8 codes of an
+// 8-bit cache and (int8) the key's scale.
+template <int KV> struct Piece { uint2 codes; float scale; };
+template <> struct Piece<onecat::kKvFp16> { uint4 halfs; };
+
+// Where the piece e of a 64 x D tile of keys comes from: key k0 + e / (D/8), features
 // 8 (e % (D/8)) ..; zero past the block's last key (those scores are masked, and a zero value
 // row keeps P V finite whatever the cache holds there).
-template <int D>
-__device__ __forceinline__ void load_tile(uint4 (&r)[Shape<D>::kPieces], const half* __restrict__ src,
+template <int D, int KV>
+__device__ __forceinline__ void load_tile(Piece<KV> (&r)[Shape<D>::kPieces], const void* __restrict__ src,
+                                          const float* __restrict__ scales,
                                           const long long* __restrict__ tables, int table_offset,
                                           int q_start, int k0, int n_keys, int kvh, int kv_heads,
                                           int log2_bs) {
@@ -146,7 +161,12 @@ __device__ __forceinline__ void load_tile(uint4 (&r)[Shape<D>::kPieces], const h
     const int e = threadIdx.x + kThreads * i;
     const int key = k0 + e / Shape<D>::kPiecesPerRow;
     const int piece = e % Shape<D>::kPiecesPerRow;
-    r[i] = make_uint4(0u, 0u, 0u, 0u);
+    if constexpr (KV == onecat::kKvFp16) {
+      r[i].halfs = make_uint4(0u, 0u, 0u, 0u);
+    } else {
+      r[i].codes = make_uint2(0u, 0u);
+      r[i].scale = 0.f;
+    }
     if (key < n_keys) {
       long long row;
       if (tables) {
@@ -155,27 +175,55 @@ __device__ __forceinline__ void load_tile(uint4 (&r)[Shape<D>::kPieces], const h
       } else {
         row = q_start + key;
       }
-      r[i] = __ldg(reinterpret_cast<const uint4*>(src + (row * kv_heads + kvh) * D) + piece);
+      const long long entry = row * kv_heads + kvh;  // (cache row, KV head)
+      if constexpr (KV == onecat::kKvFp16) {
+        r[i].halfs = __ldg(reinterpret_cast<const uint4*>(static_cast<const half*>(src) + entry * D) + piece);
+      } else {
+        r[i].codes = __ldg(reinterpret_cast<const uint2*>(static_cast<const unsigned char*>(src) + entry * D) + piece);
+        if constexpr (KV == onecat::kKvInt8) r[i].scale = __ldg(scales + entry);
+      }
     }
   }
 }
 
-template <int D>
-__device__ __forceinline__ void store_tile(half* tile, const uint4 (&r)[Shape<D>::kPieces]) {
+// 8 fp16 features of a staged piece: as loaded, or decoded (fp8: exact; int8: fp16(q * s))
+template <int KV>
+__device__ __forceinline__ uint4 piece_halfs(const Piece<KV>& p) {
+  if constexpr (KV == onecat::kKvFp16) {
+    return p.halfs;
+  } else if constexpr (KV == onecat::kKvFp8) {
+    const uint2 lo = onecat::fp8_e5m2_decode4(p.codes.x), hi = onecat::fp8_e5m2_decode4(p.codes.y);
+    return make_uint4(lo.x, lo.y, hi.x, hi.y);
+  } else {
+    half2 h[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const unsigned w = j < 2 ? p.codes.x : p.codes.y;
+      const int e = 2 * (j % 2);
+      h[j] = __floats2half2_rn(onecat::int8_decode(w, e, p.scale), onecat::int8_decode(w, e + 1, p.scale));
+    }
+    return make_uint4(*reinterpret_cast<const unsigned*>(&h[0]), *reinterpret_cast<const unsigned*>(&h[1]),
+                      *reinterpret_cast<const unsigned*>(&h[2]), *reinterpret_cast<const unsigned*>(&h[3]));
+  }
+}
+
+template <int D, int KV>
+__device__ __forceinline__ void store_tile(half* tile, const Piece<KV> (&r)[Shape<D>::kPieces]) {
 #pragma unroll
   for (int i = 0; i < Shape<D>::kPieces; ++i) {
     const int e = threadIdx.x + kThreads * i;
     *reinterpret_cast<uint4*>(tile + (e / Shape<D>::kPiecesPerRow) * Shape<D>::kLd +
-                              8 * (e % Shape<D>::kPiecesPerRow)) = r[i];
+                              8 * (e % Shape<D>::kPiecesPerRow)) = piece_halfs<KV>(r[i]);
   }
 }
 
-template <int D, int R>
+template <int D, int R, int KV>
 __device__ __forceinline__ void flash_prefill(
-    const half* __restrict__ q, long long q_st, long long q_sh, const half* __restrict__ k,
-    const half* __restrict__ v, const long long* __restrict__ tables, const int* __restrict__ seqs,
+    const half* __restrict__ q, long long q_st, long long q_sh, const void* __restrict__ k,
+    const void* __restrict__ v, const long long* __restrict__ tables, const int* __restrict__ seqs,
     const int* __restrict__ items, half* __restrict__ out, long long o_st, long long o_sh,
-    int kv_heads, int group, int log2_bs, float scale_log2) {
+    int kv_heads, int group, int log2_bs, float scale_log2, const float* __restrict__ k_scale,
+    const float* __restrict__ v_scale) {
   using Sh = Shape<D>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   half* q_s = reinterpret_cast<half*>(smem_raw);
@@ -210,8 +258,8 @@ __device__ __forceinline__ void flash_prefill(
     }
     *reinterpret_cast<uint4*>(q_s + row * Sh::kLd + 8 * piece) = value;
   }
-  uint4 staged[Sh::kPieces];
-  load_tile<D>(staged, k, tables, table_offset, q_start, 0, n_keys, kvh, kv_heads, log2_bs);
+  Piece<KV> staged[Sh::kPieces];
+  load_tile<D, KV>(staged, k, k_scale, tables, table_offset, q_start, 0, n_keys, kvh, kv_heads, log2_bs);
   __syncthreads();
   unsigned row_map = 0;
   {
@@ -241,8 +289,8 @@ __device__ __forceinline__ void flash_prefill(
   for (int t = 0; t < n_tiles; ++t) {
     const int k0 = t * kKeys;
     __syncthreads();  // the previous tile's P V is done with KV (and, at t = 0, the row map with S)
-    store_tile<D>(kv_s, staged);
-    load_tile<D>(staged, v, tables, table_offset, q_start, k0, n_keys, kvh, kv_heads, log2_bs);
+    store_tile<D, KV>(kv_s, staged);
+    load_tile<D, KV>(staged, v, v_scale, tables, table_offset, q_start, k0, n_keys, kvh, kv_heads, log2_bs);
     __syncthreads();
     {  // S = Q K^T for rows 16rg.. and keys 32hf..
       Acc s0, s1;
@@ -263,9 +311,9 @@ __device__ __forceinline__ void flash_prefill(
       store_acc(s_s + rg * 16 * kLdS + hf * 32 + 16, s1, kLdS);
     }
     __syncthreads();  // S complete; KV (K) free
-    store_tile<D>(kv_s, staged);
+    store_tile<D, KV>(kv_s, staged);
     if (t + 1 < n_tiles)
-      load_tile<D>(staged, k, tables, table_offset, q_start, k0 + kKeys, n_keys, kvh, kv_heads, log2_bs);
+      load_tile<D, KV>(staged, k, k_scale, tables, table_offset, q_start, k0 + kKeys, n_keys, kvh, kv_heads, log2_bs);
     {  // online softmax of row srow
       float x[16];
       const float* srow_p = s_s + srow * kLdS + 4 * quarter;
@@ -368,17 +416,28 @@ __device__ __forceinline__ void flash_prefill(
 }  // namespace onecat_fap
 
 // (one block per SM: a V100 has 96 KB of shared memory per SM and the d256 block takes 86 KB)
-#define FAP_KERNEL(NAME, D, R)                                                                 \
+// (KV: the cache's encoding, onecat::KvFormat; the 8-bit kernels read a paged cache only)
+#define FAP_KERNEL(NAME, D, R, KV)                                                             \
   extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                   \
-      const half* __restrict__ q, long long q_st, long long q_sh, const half* __restrict__ k,  \
-      const half* __restrict__ v, const long long* __restrict__ tables,                        \
+      const half* __restrict__ q, long long q_st, long long q_sh, const void* __restrict__ k,  \
+      const void* __restrict__ v, const long long* __restrict__ tables,                        \
       const int* __restrict__ seqs, const int* __restrict__ items, half* __restrict__ out,     \
-      long long o_st, long long o_sh, int kv_heads, int group, int log2_bs, float scale_log2) { \
-    onecat_fap::flash_prefill<D, R>(q, q_st, q_sh, k, v, tables, seqs, items, out, o_st, o_sh, \
-                                    kv_heads, group, log2_bs, scale_log2);                     \
+      long long o_st, long long o_sh, int kv_heads, int group, int log2_bs, float scale_log2,  \
+      const float* __restrict__ k_scale, const float* __restrict__ v_scale) {                  \
+    onecat_fap::flash_prefill<D, R, KV>(q, q_st, q_sh, k, v, tables, seqs, items, out, o_st,   \
+                                        o_sh, kv_heads, group, log2_bs, scale_log2, k_scale,   \
+                                        v_scale);                                              \
   }
 
-FAP_KERNEL(flash_prefill_r16_d128, 128, 16)
-FAP_KERNEL(flash_prefill_r16_d256, 256, 16)
-FAP_KERNEL(flash_prefill_r32_d128, 128, 32)
-FAP_KERNEL(flash_prefill_r32_d256, 256, 32)
+FAP_KERNEL(flash_prefill_r16_d128, 128, 16, onecat::kKvFp16)
+FAP_KERNEL(flash_prefill_r16_d256, 256, 16, onecat::kKvFp16)
+FAP_KERNEL(flash_prefill_r32_d128, 128, 32, onecat::kKvFp16)
+FAP_KERNEL(flash_prefill_r32_d256, 256, 32, onecat::kKvFp16)
+FAP_KERNEL(flash_prefill_fp8_r16_d128, 128, 16, onecat::kKvFp8)
+FAP_KERNEL(flash_prefill_fp8_r16_d256, 256, 16, onecat::kKvFp8)
+FAP_KERNEL(flash_prefill_fp8_r32_d128, 128, 32, onecat::kKvFp8)
+FAP_KERNEL(flash_prefill_fp8_r32_d256, 256, 32, onecat::kKvFp8)
+FAP_KERNEL(flash_prefill_int8_r16_d128, 128, 16, onecat::kKvInt8)
+FAP_KERNEL(flash_prefill_int8_r16_d256, 256, 16, onecat::kKvInt8)
+FAP_KERNEL(flash_prefill_int8_r32_d128, 128, 32, onecat::kKvInt8)
+FAP_KERNEL(flash_prefill_int8_r32_d256, 256, 32, onecat::kKvInt8)

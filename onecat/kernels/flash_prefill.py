@@ -6,7 +6,10 @@ of the same prompt) attends with the bottom-right causal offset: its query ``i``
 ``0 .. P + i``. The chunks of a step are ragged (each has its own ``L`` and ``P``) and run in
 one launch; the query heads of one KV head share each K / V tile (grouped-query attention
 without repeating K and V). wmma m16n16k16 tensor cores, fp32 online softmax; head dim 128
-or 256 (Qwen3.5's). The kernel file's header comment has the layout and thread mapping.
+or 256 (Qwen3.5's). The cache may be 8-bit (``--kv-cache-dtype``, ``onecat.kernels.kv_cache``:
+uint8 fp8_e5m2 codes, or int8 codes with fp32 scales per token and KV head): the kernels
+``flash_prefill_{fp8,int8}_*`` decode each K / V tile into the fp16 shared-memory tile. The
+kernel file's header comment has the layout and thread mapping.
 
 :class:`PrefillAttentionBatch` (:func:`prefill_attention_batch`) describes a step's chunks
 once; every attention layer of the step reuses it. :func:`flash_prefill_reference` is the
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from onecat.errors import OnecatError
+from onecat.kernels import kv_cache
 from onecat.kernels.attention import supports as paged_cache_supported
 from onecat.kernels.driver import PreparedLaunch
 from onecat.kernels.loader import get_kernel
@@ -49,11 +53,13 @@ def shared_bytes(head_dim: int) -> int:
     return 2 * ROWS * (head_dim + 8) * 2 + ROWS * 80 * 4 + ROWS * 4
 
 
-def supports(device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
-    """True when :func:`flash_prefill_attention` runs this device, dtype, head dim and KV block
-    size: the paged cache the decode kernel reads (``attention.supports``), at head dims 128
-    and 256."""
-    return head_dim in HEAD_DIMS and paged_cache_supported(device, dtype, head_dim, block_size)
+def supports(
+    device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int, kv_format: str = "auto"
+) -> bool:
+    """True when :func:`flash_prefill_attention` runs this device, query dtype, head dim, KV
+    block size and cache encoding (``kv_cache.FORMATS``): the paged cache the decode kernel
+    reads (``attention.supports``), at head dims 128 and 256."""
+    return head_dim in HEAD_DIMS and paged_cache_supported(device, dtype, head_dim, block_size, kv_format)
 
 
 def work_items(lengths: tuple[int, ...] | list[int], past: tuple[int, ...] | list[int], group: int) -> list[tuple[int, int]]:
@@ -150,8 +156,18 @@ def prefill_attention_batch(
                                  flat)  # fmt: skip
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PrefillAttentionBatch) -> None:
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PrefillAttentionBatch,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     where = "onecat.kernels.flash_prefill.flash_prefill_attention"
+    kv_format = kv_cache.cache_format(k)
+    if kv_format != "auto" and batch.tables is None:
+        raise OnecatError(f"{where}: an 8-bit ({kv_format}) k / v is a paged cache: the batch needs block tables")
+    if kv_format == "int8" and not all(
+        t is not None and t.dtype == kv_cache.SCALE_DTYPE and t.is_contiguous() and t.shape == k.shape[:3]
+        and t.device == k.device for t in (k_scale, v_scale)
+    ):  # fmt: skip
+        raise OnecatError(f"{where}: an int8 cache needs k_scale / v_scale fp32 [num_blocks, block_size, KVH] "
+                          "contiguous on its device")  # fmt: skip
     if q.dim() != 3 or k.dim() != (4 if batch.tables is not None else 3):
         raise OnecatError(f"{where}: q must be [T, H, D] and k / v [blocks, block_size, KVH, D] (or [T, KVH, D] "
                           f"without tables); got {tuple(q.shape)} and {tuple(k.shape)}")  # fmt: skip
@@ -180,6 +196,8 @@ def flash_prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,
     variant: str = DEFAULT_VARIANT,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of every chunk of ``batch`` in one launch.
 
@@ -192,22 +210,29 @@ def flash_prefill_attention(
     when given: features contiguous, strides as q's): the chunks' rows hold
     ``softmax(q k^T * scale + causal) v`` (fp32 softmax and sums, P rounded to fp16 for the
     P V product), the other rows are left as they were. ``variant``: one of :data:`VARIANTS`.
+
+    An 8-bit paged cache (``kv_cache``): ``k`` / ``v`` uint8 (fp8_e5m2 codes) or int8 (codes,
+    with ``k_scale`` / ``v_scale`` fp32 ``[num_blocks, block_size, KVH]`` contiguous); each
+    tile is decoded to fp16 (fp8 exactly, int8 as ``fp16(q * s)``) before the same math.
     """
     where = "onecat.kernels.flash_prefill.flash_prefill_attention"
     if variant not in VARIANTS:
         raise OnecatError(f"{where}: variant must be one of {VARIANTS}, got {variant!r}")
     block_size = k.shape[1] if k.dim() == 4 else 1
-    if not supports(q.device, q.dtype, q.shape[-1], block_size):
-        raise OnecatError(f"{where}: needs CUDA fp16, head dim in {HEAD_DIMS} and a power-of-two block size; got "
-                          f"{q.device} {q.dtype}, head dim {q.shape[-1]}, block size {block_size}")  # fmt: skip
-    _check_inputs(q, k, v, batch)
+    kv_format = kv_cache.cache_format(k)
+    if not supports(q.device, q.dtype, q.shape[-1], block_size, kv_format):
+        raise OnecatError(f"{where}: needs CUDA fp16 queries, head dim in {HEAD_DIMS} and a power-of-two block size; "
+                          f"got {q.device} {q.dtype}, head dim {q.shape[-1]}, block size {block_size}, "
+                          f"{kv_format} cache")  # fmt: skip
+    _check_inputs(q, k, v, batch, k_scale, v_scale)
     head_dim = q.shape[2]
     aligned = lambda t: (t.stride(-1) == 1 and t.stride(0) % 8 == 0 and t.stride(1) % 8 == 0  # noqa: E731
                          and t.data_ptr() % 16 == 0)  # fmt: skip
     if not aligned(q):
         q = q.contiguous()
     checks = [
-        ("k / v", k.dtype == v.dtype == torch.float16 and k.is_contiguous() and v.is_contiguous()
+        ("k / v", k.dtype == v.dtype and k.dtype in (torch.float16, torch.uint8, torch.int8)
+         and k.is_contiguous() and v.is_contiguous()
          and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0 and k.device == v.device == q.device),
         ("out", out is None or (out.dtype == torch.float16 and out.shape == q.shape and aligned(out))),
     ]  # fmt: skip
@@ -217,13 +242,15 @@ def flash_prefill_attention(
     if out is None:
         out = torch.empty(q.shape, dtype=torch.float16, device=q.device)
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    launch = _launch(device_index, f"flash_prefill_{variant}_d{head_dim}", head_dim, batch.num_items * k.shape[-2])
+    name = f"flash_prefill{kv_cache.KERNEL_SUFFIX[kv_format]}_{variant}_d{head_dim}"
+    launch = _launch(device_index, name, head_dim, batch.num_items * k.shape[-2])
+    int8 = kv_format == "int8"
     stream = torch.cuda.current_stream(q.device).cuda_stream
     launch(
         stream, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(),
         0 if batch.tables is None else batch.tables.data_ptr(), batch.seqs.data_ptr(), batch.items.data_ptr(),
         out.data_ptr(), out.stride(0), out.stride(1), k.shape[-2], batch.group, block_size.bit_length() - 1,
-        scale * math.log2(math.e),
+        scale * math.log2(math.e), k_scale.data_ptr() if int8 else 0, v_scale.data_ptr() if int8 else 0,
     )  # fmt: skip
     return out
 
@@ -241,19 +268,21 @@ def _launch(device_index: int, name: str, head_dim: int, blocks: int) -> Prepare
         p, ll, i = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
         kernel = get_kernel(name, device_index)
         launch = _launches[key] = PreparedLaunch(
-            kernel, (blocks, 1, 1), _THREADS, [p, ll, ll, p, p, p, p, p, p, ll, ll, i, i, i, ctypes.c_float],
+            kernel, (blocks, 1, 1), _THREADS, [p, ll, ll, p, p, p, p, p, p, ll, ll, i, i, i, ctypes.c_float, p, p],
             shared=shared_bytes(head_dim),
         )  # fmt: skip
     return launch
 
 
 def flash_prefill_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PrefillAttentionBatch, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PrefillAttentionBatch, scale: float,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`flash_prefill_attention` in torch, one sequence at a time in fp32 (any device;
-    the keys gathered through the batch's tables): the contract's reference. Rows outside the
-    chunks are zero; the result has ``q``'s dtype."""
-    _check_inputs(q, k, v, batch)
+    the keys gathered through the batch's tables and decoded, ``kv_cache.decode``, fp32): the
+    contract's reference. Rows outside the chunks are zero; the result has ``q``'s dtype."""
+    _check_inputs(q, k, v, batch, k_scale, v_scale)
+    int8 = kv_cache.cache_format(k) == "int8"
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, group = k.shape[-2], batch.group
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -265,8 +294,10 @@ def flash_prefill_reference(
         else:
             block_size = k.shape[1]
             table = batch.tables[offset : offset + math.ceil(total / block_size)].to(k.device)
-            keys = k[table].reshape(-1, num_kv_heads, head_dim)[:total]
-            values = v[table].reshape(-1, num_kv_heads, head_dim)[:total]
+            keys = kv_cache.decode(k[table], k_scale[table] if int8 else None, torch.float32)
+            values = kv_cache.decode(v[table], v_scale[table] if int8 else None, torch.float32)
+            keys = keys.reshape(-1, num_kv_heads, head_dim)[:total]
+            values = values.reshape(-1, num_kv_heads, head_dim)[:total]
         offset += batch.table_lengths[s]
         qs = q[start : start + length].float().view(length, num_kv_heads, group, head_dim)
         scores = torch.einsum("lkgd,tkd->kglt", qs, keys.float()) * scale

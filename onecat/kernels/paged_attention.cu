@@ -9,8 +9,13 @@
 // Data layout (row-major, innermost dimension contiguous):
 //   q             fp16 [B][H][D]     strides q_sb (sequence) and q_sh (head) in elements
 //   k_cache,
-//   v_cache       fp16 [num_blocks][bs][KVH][D]   one layer's cache; token t of sequence b is
-//                                    row  block_tables[b][t / bs] * bs + t % bs
+//   v_cache       [num_blocks][bs][KVH][D]   one layer's cache; token t of sequence b is
+//                                    row  block_tables[b][t / bs] * bs + t % bs.  Element by
+//                                    the kernel's KV (--kv-cache-dtype, kv_cache.py): fp16;
+//                                    uint8 fp8_e5m2 codes (the top byte of fp16: value =
+//                                    code << 8 as fp16, exact); int8 codes q
+//   k_scale,
+//   v_scale       fp32 [num_blocks][bs][KVH]   int8 only (else unused): value = q * s (fp32)
 //   block_tables  int64 [B][W]       only the first ceil(ctx / bs) entries of a row are read;
 //                                    the rest may hold anything (stale or scratch blocks)
 //   context_lens  int64 [B]          ctx: tokens of the sequence, the new one included
@@ -50,6 +55,10 @@
 //      each lane accumulates p_t * v_t for all NG heads in fp32 registers.
 // After the last tile the lanes that read different tokens of the same columns sum their
 // accumulators by xor shuffles, and the first token group writes them.
+// An 8-bit cache (kernels *_fp8_* / *_int8_*: KV = kKvFp8 / kKvInt8) keeps this mapping: a
+// lane's 8 elements are 8 bytes (one 8-byte load instead of 16), decoded to fp32 in registers
+// (fp8: each code is the high byte of its fp16; int8: code * the row's scale, one fp32 load per
+// token next to its codes), so everything after the load is the fp16 kernel's.
 //
 // Thread mapping of `reduce`: block (query head, sequence), D threads, thread d owns column d:
 // out = sum_s 2^(m_s - M) acc_s[d] / sum_s 2^(m_s - M) l_s with M = max_s m_s.
@@ -71,9 +80,12 @@
 //   - the block whose range ends at ctx (it holds the new token, position ctx - 1) also
 //     prepares that token's key and copies its value into cache row slot_mapping[b] (when it
 //     lies in [0, num_slots); the table must map position ctx - 1 there) before its first
-//     tile, and reads keys and values with ld.global.cg (L2, coherent with its own writes
-//     after the barrier) instead of the read-only path.  Blocks of other head chunks of the
-//     same KV head write the same bytes.
+//     tile, and reads keys and values (and scales) with ld.global.cg (L2, coherent with its
+//     own writes after the barrier) instead of the read-only path.  Blocks of other head
+//     chunks of the same KV head write the same bytes.  An 8-bit cache gets the codes of the
+//     fp16 key / value (attention_prep.cu's encoding, bit-equal): the kLanes1 lanes of a token
+//     group hold a head's D features, so an int8 row's amax meets by xor shuffles over them
+//     and lane part1 = 0 writes the scale.
 //   - the work is spread over the warps (items: the key, then the NG query heads), the
 //     roped queries go through shared memory, and every global load (the first tile's table
 //     entries included) is issued before the norms.
@@ -165,6 +177,95 @@ __device__ __forceinline__ uint4 load_kv(const half* p) {
   return load8(p);
 }
 
+// --- 8 cached elements of a lane, in the cache's encoding KV (onecat::KvFormat) ---------------
+template <int KV> struct KvRaw { using type = uint2; };  // 8 one-byte codes
+template <> struct KvRaw<onecat::kKvFp16> { using type = uint4; };  // 8 halfs
+
+// the raw 8 elements at element `index` of a cache (COHERENT as load_kv)
+template <int KV, bool COHERENT>
+__device__ __forceinline__ typename KvRaw<KV>::type load_raw(const void* cache, size_t index) {
+  if constexpr (KV == onecat::kKvFp16) {
+    return load_kv<COHERENT>(static_cast<const half*>(cache) + index);
+  } else {
+    const uint2* p = reinterpret_cast<const uint2*>(static_cast<const unsigned char*>(cache) + index);
+    if constexpr (COHERENT) return __ldcg(p);
+    return __ldg(p);
+  }
+}
+
+// the scale of cache entry `entry` (= row * KVH + KV head): int8 only, 1 otherwise
+template <int KV, bool COHERENT>
+__device__ __forceinline__ float load_scale(const float* scales, size_t entry) {
+  if constexpr (KV == onecat::kKvInt8) {
+    if constexpr (COHERENT) return __ldcg(scales + entry);
+    return __ldg(scales + entry);
+  } else {
+    return 1.f;
+  }
+}
+
+template <int KV>
+__device__ __forceinline__ typename KvRaw<KV>::type zero_raw() {
+  if constexpr (KV == onecat::kKvFp16) return make_uint4(0, 0, 0, 0);
+  else return make_uint2(0, 0);
+}
+
+// the 8 values as fp32
+template <int KV>
+__device__ __forceinline__ void unpack_kv(const typename KvRaw<KV>::type& raw, float scale, float (&f)[kVec]) {
+  if constexpr (KV == onecat::kKvFp16) {
+    unpack8(raw, f);
+  } else if constexpr (KV == onecat::kKvFp8) {
+    const uint2 lo = onecat::fp8_e5m2_decode4(raw.x), hi = onecat::fp8_e5m2_decode4(raw.y);
+    unpack8(make_uint4(lo.x, lo.y, hi.x, hi.y), f);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      f[e] = onecat::int8_decode(raw.x, e, scale);
+      f[4 + e] = onecat::int8_decode(raw.y, e, scale);
+    }
+  }
+}
+
+// Encodes 8 fp16 features (packed in x) of a head row; for int8 `scale` is the row's.
+template <int KV>
+__device__ __forceinline__ uint2 encode8(const uint4& x, float scale) {
+  const half* h = reinterpret_cast<const half*>(&x);
+  unsigned word[2] = {0u, 0u};
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) {
+    const unsigned code = KV == onecat::kKvInt8 ? onecat::int8_encode(__half2float(h[e]), scale)
+                                                : onecat::fp8_e5m2_encode(h[e]);
+    word[e / 4] |= code << (8 * (e % 4));
+  }
+  return make_uint2(word[0], word[1]);
+}
+
+// Writes a lane's 8 fp16 features (x, at element index `index` of the row of cache entry
+// `entry`) in the cache's encoding; for int8 the L lanes of the row (a token group) first meet
+// on the row's amax, and the lane holding features 0..7 (`first`) writes the scale.  Call
+// from all 32 lanes (the amax shuffles); `write` says which lanes store.
+template <int KV, int L>
+__device__ __forceinline__ void store_kv8(void* cache, float* scales, size_t entry, size_t index, const uint4& x,
+                                          bool write, bool first) {
+  if constexpr (KV == onecat::kKvFp16) {
+    if (write) *reinterpret_cast<uint4*>(static_cast<half*>(cache) + index) = x;
+  } else {
+    float scale = 0.f;
+    if constexpr (KV == onecat::kKvInt8) {
+      const half* h = reinterpret_cast<const half*>(&x);
+      float amax = 0.f;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) amax = fmaxf(amax, fabsf(__half2float(h[e])));
+#pragma unroll
+      for (int offset = 1; offset < L; offset <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+      scale = onecat::int8_scale(amax);
+      if (write && first) scales[entry] = scale;
+    }
+    if (write) *reinterpret_cast<uint2*>(static_cast<unsigned char*>(cache) + index) = encode8<KV>(x, scale);
+  }
+}
+
 // RMSNorm with (1 + w) and partial RoPE of one head held 8 features a lane: lane `part` of a
 // group of L lanes (L = D / 8, groups of the warp independent and alike) holds features
 // 8*part .. 8*part+7 in `raw`.  Returns them rounded as attention_prep.cu rounds them.  Call
@@ -212,9 +313,9 @@ __device__ __forceinline__ int chunk_of(int ctx, int num_splits) {
   return ((per + kChunkTokens - 1) / kChunkTokens) * kChunkTokens;
 }
 
-template <int D, int NG, bool PREP>
+template <int D, int NG, bool PREP, int KV>
 __device__ __forceinline__ void split(const half* __restrict__ q, long long q_sb, long long q_sh,
-                                      const half* k_cache, const half* v_cache,
+                                      const void* k_cache, const void* v_cache,
                                       const long long* __restrict__ block_tables, int width,
                                       const long long* __restrict__ context_lens,
                                       half* __restrict__ out, float* __restrict__ ws_acc,
@@ -226,7 +327,8 @@ __device__ __forceinline__ void split(const half* __restrict__ q, long long q_sb
                                       const float* __restrict__ k_weight,
                                       const float* __restrict__ inv_freq, float eps, int rotary_dim,
                                       const long long* __restrict__ slot_mapping,
-                                      long long num_slots) {
+                                      long long num_slots, const float* k_scale,
+                                      const float* v_scale) {
   static_assert(D % 32 == 0 && D >= 32 && D <= 256, "head dim: a multiple of 32 up to 256");
   constexpr int kLanes1 = D / kVec;          // lanes per key row (phase 1)
   constexpr int kTokens1 = 32 / kLanes1;     // tokens per warp step (phase 1)
@@ -307,15 +409,20 @@ __device__ __forceinline__ void split(const half* __restrict__ q, long long q_sb
       if (item == 0 ? !has_fresh : item - 1 >= heads) continue;  // warp-uniform
       const uint4 out8 = norm_rope8<kLanes1>(raw[j], part1, item == 0 ? k_weight : q_weight, eps, rotary_dim,
                                              rot_cos, rot_sin);
-      if (token1 != 0) continue;
       if (item > 0) {
-        *reinterpret_cast<uint4*>(&q_prepped[item - 1][part1 * kVec]) = out8;
-      } else if (slot >= 0 && slot < num_slots) {
-        *reinterpret_cast<uint4*>(const_cast<half*>(k_cache) + ((size_t)slot * num_kv_heads + kvh) * D + part1 * kVec) = out8;
+        if (token1 == 0) *reinterpret_cast<uint4*>(&q_prepped[item - 1][part1 * kVec]) = out8;
+      } else {  // the new key (all lanes: an int8 row's amax meets by shuffles)
+        const size_t entry = (size_t)slot * num_kv_heads + kvh;
+        store_kv8<KV, kLanes1>(const_cast<void*>(k_cache), const_cast<float*>(k_scale), entry,
+                               entry * D + part1 * kVec, out8, token1 == 0 && slot >= 0 && slot < num_slots,
+                               part1 == 0);
       }
     }
-    if (has_fresh && warp == 1 && token1 == 0 && slot >= 0 && slot < num_slots)
-      *reinterpret_cast<uint4*>(const_cast<half*>(v_cache) + ((size_t)slot * num_kv_heads + kvh) * D + part1 * kVec) = v_raw;
+    if (has_fresh && warp == 1) {  // the new value (warp-uniform)
+      const size_t entry = (size_t)slot * num_kv_heads + kvh;
+      store_kv8<KV, kLanes1>(const_cast<void*>(v_cache), const_cast<float*>(v_scale), entry, entry * D + part1 * kVec,
+                             v_raw, token1 == 0 && slot >= 0 && slot < num_slots, part1 == 0);
+    }
     __syncthreads();  // the new row is in the cache (L2) for this block's coherent loads below
 #pragma unroll
     for (int g = 0; g < NG; ++g) {
@@ -345,9 +452,9 @@ __device__ __forceinline__ void split(const half* __restrict__ q, long long q_sb
 #pragma unroll
     for (int e = 0; e < kVec; ++e) acc[g][e] = 0.f;
 
-  const size_t row_stride = (size_t)num_kv_heads * D;
-  const half* k_head = k_cache + (size_t)kvh * D + part1 * kVec;
-  const half* v_head = v_cache + (size_t)kvh * D + col;
+  const size_t row_stride = (size_t)num_kv_heads * D;  // elements per cache row
+  const size_t k_head = (size_t)kvh * D + part1 * kVec;  // element offsets in a row
+  const size_t v_head = (size_t)kvh * D + col;
 
   for (int t0 = begin; t0 < end; t0 += kTile) {
     const int n = min(kTile, end - t0);
@@ -358,17 +465,19 @@ __device__ __forceinline__ void split(const half* __restrict__ q, long long q_sb
 
     // 1. scores of the tile (warp-uniform loop: every lane takes part in the shuffles)
     for (int i0 = warp * kTokens1; i0 < n; i0 += kWarps * kTokens1 * kUnroll) {
-      uint4 raw[kUnroll];
+      typename KvRaw<KV>::type raw[kUnroll];
+      float ks[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int i = i0 + u * kWarps * kTokens1 + token1;
-        raw[u] = i < n ? load_kv<PREP>(k_head + (size_t)rows[i] * row_stride) : make_uint4(0, 0, 0, 0);
+        raw[u] = i < n ? load_raw<KV, PREP>(k_cache, k_head + (size_t)rows[i] * row_stride) : zero_raw<KV>();
+        ks[u] = i < n ? load_scale<KV, PREP>(k_scale, (size_t)rows[i] * num_kv_heads + kvh) : 0.f;
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int i = i0 + u * kWarps * kTokens1 + token1;
         float kv[kVec];
-        unpack8(raw[u], kv);
+        unpack_kv<KV>(raw[u], ks[u], kv);
         float dot[NG];
 #pragma unroll
         for (int g = 0; g < NG; ++g) {
@@ -420,18 +529,20 @@ __device__ __forceinline__ void split(const half* __restrict__ q, long long q_sb
       for (int e = 0; e < kVec; ++e) acc[g][e] *= a;
     }
     for (int i0 = 0; i0 < n; i0 += kTokens3 * kUnroll) {
-      uint4 raw[kUnroll];
+      typename KvRaw<KV>::type raw[kUnroll];
+      float vs[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int i = i0 + u * kTokens3 + token3;
-        raw[u] = i < n ? load_kv<PREP>(v_head + (size_t)rows[i] * row_stride) : make_uint4(0, 0, 0, 0);
+        raw[u] = i < n ? load_raw<KV, PREP>(v_cache, v_head + (size_t)rows[i] * row_stride) : zero_raw<KV>();
+        vs[u] = i < n ? load_scale<KV, PREP>(v_scale, (size_t)rows[i] * num_kv_heads + kvh) : 0.f;
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int i = i0 + u * kTokens3 + token3;
         if (i < n) {
           float vv[kVec];
-          unpack8(raw[u], vv);
+          unpack_kv<KV>(raw[u], vs[u], vv);
 #pragma unroll
           for (int g = 0; g < NG; ++g) {
             const float p = scores[g][i];
@@ -512,17 +623,18 @@ __device__ __forceinline__ void reduce(const long long* __restrict__ context_len
 }  // namespace onecat_attn
 
 #define ONECAT_SPLIT_PARAMS                                                                  \
-  const half *q, long long q_sb, long long q_sh, const half *k_cache, const half *v_cache,   \
+  const half *q, long long q_sb, long long q_sh, const void *k_cache, const void *v_cache,   \
       const long long *block_tables, int width, const long long *context_lens, half *out,    \
       float *ws_acc, float *ws_ml, int num_heads, int num_kv_heads, int log2_block,          \
       int num_splits, float scale_log2, const half *gate, long long g_sb, long long g_sh,    \
       const long long *positions, const float *q_weight, const float *k_weight,              \
       const float *inv_freq, float eps, int rotary_dim, const long long *slot_mapping,       \
-      long long num_slots
+      long long num_slots, const float *k_scale, const float *v_scale
 #define ONECAT_SPLIT_ARGS                                                                    \
   q, q_sb, q_sh, k_cache, v_cache, block_tables, width, context_lens, out, ws_acc, ws_ml,    \
       num_heads, num_kv_heads, log2_block, num_splits, scale_log2, gate, g_sb, g_sh,         \
-      positions, q_weight, k_weight, inv_freq, eps, rotary_dim, slot_mapping, num_slots
+      positions, q_weight, k_weight, inv_freq, eps, rotary_dim, slot_mapping, num_slots, k_scale, \
+      v_scale
 #define ONECAT_REDUCE_PARAMS                                                                 \
   const long long *context_lens, int width, half *out, const float *ws_acc,                 \
       const float *ws_ml, int num_heads, int log2_block, int num_splits, const half *gate,      \
@@ -531,71 +643,77 @@ __device__ __forceinline__ void reduce(const long long* __restrict__ context_len
   context_lens, width, out, ws_acc, ws_ml, num_heads, log2_block, num_splits, gate, g_sb, g_sh
 
 // One line per kernel (build.kernel_names reads these names): split (and split_prep) for head
-// dim D and NG query heads per block, reduce for head dim D.
+// dim D and NG query heads per block over an fp16 cache, reduce for head dim D; then
+// ONECAT_PA_SPLIT lines: the same over 8-bit caches (fp8_e5m2, int8) at head dims 128 and 256
+// (attention.QUANTIZED_HEAD_DIMS).
+#define ONECAT_PA_SPLIT(NAME, D, NG, PREP, KV)                                              \
+  extern "C" __global__ void __launch_bounds__(128, 1) NAME(ONECAT_SPLIT_PARAMS) {          \
+    onecat_attn::split<D, NG, PREP, KV>(ONECAT_SPLIT_ARGS);                                  \
+  }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_d32_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 1, false>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_d32_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 1, false, onecat::kKvFp16>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_d32_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 2, false>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_d32_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 2, false, onecat::kKvFp16>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_d32_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 4, false>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_d32_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 4, false, onecat::kKvFp16>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_d32_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 8, false>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_d32_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 8, false, onecat::kKvFp16>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_d64_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 1, false>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_d64_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 1, false, onecat::kKvFp16>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_d64_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 2, false>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_d64_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 2, false, onecat::kKvFp16>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_d64_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 4, false>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_d64_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 4, false, onecat::kKvFp16>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_d64_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 8, false>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_d64_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 8, false, onecat::kKvFp16>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_d128_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 1, false>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_d128_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 1, false, onecat::kKvFp16>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_d128_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 2, false>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_d128_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 2, false, onecat::kKvFp16>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_d128_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 4, false>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_d128_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 4, false, onecat::kKvFp16>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_d128_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 8, false>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_d128_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 8, false, onecat::kKvFp16>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_d256_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 1, false>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_d256_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 1, false, onecat::kKvFp16>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_d256_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 2, false>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_d256_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 2, false, onecat::kKvFp16>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_d256_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 4, false>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_d256_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 4, false, onecat::kKvFp16>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_d256_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 8, false>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_d256_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 8, false, onecat::kKvFp16>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_prep_d32_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 1, true>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_prep_d32_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 1, true, onecat::kKvFp16>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_prep_d32_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 2, true>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_prep_d32_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 2, true, onecat::kKvFp16>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_prep_d32_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 4, true>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_prep_d32_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 4, true, onecat::kKvFp16>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_prep_d32_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 8, true>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_prep_d32_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<32, 8, true, onecat::kKvFp16>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_prep_d64_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 1, true>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_prep_d64_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 1, true, onecat::kKvFp16>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_prep_d64_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 2, true>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_prep_d64_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 2, true, onecat::kKvFp16>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_prep_d64_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 4, true>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_prep_d64_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 4, true, onecat::kKvFp16>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_prep_d64_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 8, true>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_prep_d64_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<64, 8, true, onecat::kKvFp16>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_prep_d128_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 1, true>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_prep_d128_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 1, true, onecat::kKvFp16>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_prep_d128_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 2, true>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_prep_d128_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 2, true, onecat::kKvFp16>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_prep_d128_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 4, true>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_prep_d128_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 4, true, onecat::kKvFp16>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_prep_d128_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 8, true>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_prep_d128_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<128, 8, true, onecat::kKvFp16>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_prep_d256_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 1, true>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_prep_d256_g1(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 1, true, onecat::kKvFp16>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_prep_d256_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 2, true>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_prep_d256_g2(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 2, true, onecat::kKvFp16>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_prep_d256_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 4, true>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_prep_d256_g4(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 4, true, onecat::kKvFp16>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 1)
-paged_attention_split_prep_d256_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 8, true>(ONECAT_SPLIT_ARGS); }
+paged_attention_split_prep_d256_g8(ONECAT_SPLIT_PARAMS) { onecat_attn::split<256, 8, true, onecat::kKvFp16>(ONECAT_SPLIT_ARGS); }
 extern "C" __global__ void __launch_bounds__(256)
 paged_attention_reduce_d32(ONECAT_REDUCE_PARAMS) { onecat_attn::reduce<32>(ONECAT_REDUCE_ARGS); }
 extern "C" __global__ void __launch_bounds__(256)
@@ -604,3 +722,35 @@ extern "C" __global__ void __launch_bounds__(256)
 paged_attention_reduce_d128(ONECAT_REDUCE_PARAMS) { onecat_attn::reduce<128>(ONECAT_REDUCE_ARGS); }
 extern "C" __global__ void __launch_bounds__(256)
 paged_attention_reduce_d256(ONECAT_REDUCE_PARAMS) { onecat_attn::reduce<256>(ONECAT_REDUCE_ARGS); }
+ONECAT_PA_SPLIT(paged_attention_split_fp8_d128_g1, 128, 1, false, onecat::kKvFp8)
+ONECAT_PA_SPLIT(paged_attention_split_fp8_d128_g2, 128, 2, false, onecat::kKvFp8)
+ONECAT_PA_SPLIT(paged_attention_split_fp8_d128_g4, 128, 4, false, onecat::kKvFp8)
+ONECAT_PA_SPLIT(paged_attention_split_fp8_d128_g8, 128, 8, false, onecat::kKvFp8)
+ONECAT_PA_SPLIT(paged_attention_split_fp8_d256_g1, 256, 1, false, onecat::kKvFp8)
+ONECAT_PA_SPLIT(paged_attention_split_fp8_d256_g2, 256, 2, false, onecat::kKvFp8)
+ONECAT_PA_SPLIT(paged_attention_split_fp8_d256_g4, 256, 4, false, onecat::kKvFp8)
+ONECAT_PA_SPLIT(paged_attention_split_fp8_d256_g8, 256, 8, false, onecat::kKvFp8)
+ONECAT_PA_SPLIT(paged_attention_split_prep_fp8_d128_g1, 128, 1, true, onecat::kKvFp8)
+ONECAT_PA_SPLIT(paged_attention_split_prep_fp8_d128_g2, 128, 2, true, onecat::kKvFp8)
+ONECAT_PA_SPLIT(paged_attention_split_prep_fp8_d128_g4, 128, 4, true, onecat::kKvFp8)
+ONECAT_PA_SPLIT(paged_attention_split_prep_fp8_d128_g8, 128, 8, true, onecat::kKvFp8)
+ONECAT_PA_SPLIT(paged_attention_split_prep_fp8_d256_g1, 256, 1, true, onecat::kKvFp8)
+ONECAT_PA_SPLIT(paged_attention_split_prep_fp8_d256_g2, 256, 2, true, onecat::kKvFp8)
+ONECAT_PA_SPLIT(paged_attention_split_prep_fp8_d256_g4, 256, 4, true, onecat::kKvFp8)
+ONECAT_PA_SPLIT(paged_attention_split_prep_fp8_d256_g8, 256, 8, true, onecat::kKvFp8)
+ONECAT_PA_SPLIT(paged_attention_split_int8_d128_g1, 128, 1, false, onecat::kKvInt8)
+ONECAT_PA_SPLIT(paged_attention_split_int8_d128_g2, 128, 2, false, onecat::kKvInt8)
+ONECAT_PA_SPLIT(paged_attention_split_int8_d128_g4, 128, 4, false, onecat::kKvInt8)
+ONECAT_PA_SPLIT(paged_attention_split_int8_d128_g8, 128, 8, false, onecat::kKvInt8)
+ONECAT_PA_SPLIT(paged_attention_split_int8_d256_g1, 256, 1, false, onecat::kKvInt8)
+ONECAT_PA_SPLIT(paged_attention_split_int8_d256_g2, 256, 2, false, onecat::kKvInt8)
+ONECAT_PA_SPLIT(paged_attention_split_int8_d256_g4, 256, 4, false, onecat::kKvInt8)
+ONECAT_PA_SPLIT(paged_attention_split_int8_d256_g8, 256, 8, false, onecat::kKvInt8)
+ONECAT_PA_SPLIT(paged_attention_split_prep_int8_d128_g1, 128, 1, true, onecat::kKvInt8)
+ONECAT_PA_SPLIT(paged_attention_split_prep_int8_d128_g2, 128, 2, true, onecat::kKvInt8)
+ONECAT_PA_SPLIT(paged_attention_split_prep_int8_d128_g4, 128, 4, true, onecat::kKvInt8)
+ONECAT_PA_SPLIT(paged_attention_split_prep_int8_d128_g8, 128, 8, true, onecat::kKvInt8)
+ONECAT_PA_SPLIT(paged_attention_split_prep_int8_d256_g1, 256, 1, true, onecat::kKvInt8)
+ONECAT_PA_SPLIT(paged_attention_split_prep_int8_d256_g2, 256, 2, true, onecat::kKvInt8)
+ONECAT_PA_SPLIT(paged_attention_split_prep_int8_d256_g4, 256, 4, true, onecat::kKvInt8)
+ONECAT_PA_SPLIT(paged_attention_split_prep_int8_d256_g8, 256, 8, true, onecat::kKvInt8)

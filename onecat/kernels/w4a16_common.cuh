@@ -125,6 +125,47 @@ __device__ __forceinline__ float rotate_feature(float y, float partner, float c,
   return first_half ? __fsub_rn(__fmul_rn(y, c), __fmul_rn(partner, s)) : __fadd_rn(__fmul_rn(y, c), __fmul_rn(partner, s));
 }
 
+// --- KV-cache encodings (--kv-cache-dtype; onecat/kernels/kv_cache.py is the contract) -------
+// fp16 stores the value; fp8_e5m2 the top byte of its fp16 bit pattern; int8 a code per value
+// and one fp32 scale per (token, KV head) beside the codes.  Writers: attention_prep.cu and the
+// decode kernel's prep form; readers: paged_attention.cu and flash_prefill.cu (a template
+// parameter KV, so an fp16 cache compiles to exactly the code it had).
+enum KvFormat : int { kKvFp16 = 0, kKvFp8 = 1, kKvInt8 = 2 };
+
+// fp8_e5m2 code of an fp16 value: the bit pattern rounded to nearest even at bit 8 (the bias
+// 0x7f plus the kept lowest bit added to the dropped byte), its top byte; overflow and
+// infinities saturate to the largest finite code 0x7b (57344), NaN stays NaN (0x7f).
+__device__ __forceinline__ unsigned fp8_e5m2_encode(half x) {
+  const unsigned bits = __half_as_ushort(x);
+  const unsigned magnitude = bits & 0x7fffu;
+  unsigned code = (magnitude + 0x7fu + ((magnitude >> 8) & 1u)) >> 8;
+  if (code > 0x7bu) code = 0x7bu;
+  if (magnitude > 0x7c00u) code = 0x7fu;
+  return ((bits & 0x8000u) >> 8) | code;
+}
+
+// Four fp8_e5m2 codes (the bytes of w, lowest first) -> four fp16 (two packed pairs, lowest
+// first): each code becomes the high byte of its half.  __byte_perm(0, w, s) picks result byte
+// i by selector nibble i: 0 is a zero byte of the first operand, 4..7 are w's bytes 0..3.
+__device__ __forceinline__ uint2 fp8_e5m2_decode4(unsigned w) {
+  return make_uint2(__byte_perm(0u, w, 0x5040u), __byte_perm(0u, w, 0x7060u));
+}
+
+// int8: the scale of a head row with largest magnitude amax (fp32 division, as torch)
+__device__ __forceinline__ float int8_scale(float amax) { return amax / 127.f; }
+
+// int8 code of x: clamp(rne(x / s), -127, 127), 0 where s is not positive (an all-zero row)
+__device__ __forceinline__ unsigned int8_encode(float x, float scale) {
+  if (!(scale > 0.f)) return 0u;
+  const int q = max(-127, min(127, __float2int_rn(x / scale)));
+  return static_cast<unsigned>(q) & 0xffu;
+}
+
+// Byte e (0..3) of w as a signed int8 code, times the scale (fp32)
+__device__ __forceinline__ float int8_decode(unsigned w, int e, float scale) {
+  return static_cast<float>(static_cast<signed char>((w >> (8 * e)) & 0xffu)) * scale;
+}
+
 // One packed word (8 nibbles) -> 4 fp16 pairs (k0,k1) (k2,k3) (k4,k5) (k6,k7), dequantised.
 // Magic-number trick: OR-ing a nibble into the mantissa of the fp16 1024 (0x6400) gives
 // exactly 1024 + q (nibble at bits 0-3) or 1024 + 16q (nibble at bits 4-7), so

@@ -36,10 +36,23 @@ CHECKPOINT_SHARE = 8
 RECURRENT_STATE_BYTES = 4
 """The GDN recurrent state is fp32 whatever the activations' dtype."""
 
-KV_CACHE_DTYPES: dict[str, int | None] = {"auto": None}
-"""``--kv-cache-dtype`` choices -> bytes per cached key / value element (None: the
-activations' dtype, vLLM's ``auto``). Add a quantized cache here (e.g. ``"int8": 1``) and every
-flag, plan and planner takes it."""
+@dataclass(frozen=True)
+class KVCacheDtype:
+    """What one ``--kv-cache-dtype`` costs: bytes per cached key / value element (None: the
+    activations' dtype, vLLM's ``auto``) and bytes per cached token and KV head beside them
+    (the int8 cache's fp32 scale, one for the key and one for the value)."""
+
+    element_bytes: int | None
+    scale_bytes: int = 0
+
+
+KV_CACHE_DTYPES: dict[str, KVCacheDtype] = {
+    "auto": KVCacheDtype(None),
+    "fp8_e5m2": KVCacheDtype(1),  # the top byte of the fp16 value (onecat.kernels.kv_cache)
+    "int8": KVCacheDtype(1, 4),  # symmetric codes, one fp32 scale per token and KV head
+}
+"""``--kv-cache-dtype`` choices (vLLM's names) -> their :class:`KVCacheDtype`; the encodings
+are ``onecat.kernels.kv_cache``'s. Every flag, plan and planner takes what is listed here."""
 
 
 def kv_cache_dtype_choices() -> list[str]:
@@ -62,16 +75,24 @@ def check_kv_cache_dtype(name: str) -> str:
 def kv_element_bytes(kv_cache_dtype: str, activation_bytes: int) -> int:
     """Bytes of one cached key or value element for ``kv_cache_dtype`` (``activation_bytes``:
     the model's activation element size, used by ``auto``)."""
-    size = KV_CACHE_DTYPES[check_kv_cache_dtype(kv_cache_dtype)]
+    size = KV_CACHE_DTYPES[check_kv_cache_dtype(kv_cache_dtype)].element_bytes
     return activation_bytes if size is None else size
 
 
+def kv_scale_bytes(kv_cache_dtype: str) -> int:
+    """Bytes stored per cached token and KV head beside the key's (or the value's) elements:
+    the int8 cache's scale, 0 for the others."""
+    return KV_CACHE_DTYPES[check_kv_cache_dtype(kv_cache_dtype)].scale_bytes
+
+
 def kv_block_bytes(
-    num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, element_bytes: int
+    num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, element_bytes: int,
+    scale_bytes: int = 0,
 ) -> int:
-    """Bytes of one KV block (keys and values of ``block_size`` tokens) over ``num_layers``
-    full-attention layers of one GPU."""
-    return num_layers * block_size * 2 * num_kv_heads * head_dim * element_bytes
+    """Bytes of one KV block (keys and values of ``block_size`` tokens, with ``scale_bytes``
+    per token, head and key / value beside them) over ``num_layers`` full-attention layers of
+    one GPU."""
+    return num_layers * block_size * 2 * num_kv_heads * (head_dim * element_bytes + scale_bytes)
 
 
 def gdn_state_bytes(
@@ -186,9 +207,11 @@ def fit_hints(tensor_parallel_size: int, kv_cache_dtype: str = "auto") -> str:
     """What to change when the caches do not fit: more GPUs, a smaller ``--kv-cache-dtype``
     (those of :data:`KV_CACHE_DTYPES` smaller than the current one), a larger budget, fewer
     sequences or a shorter context."""
-    current = KV_CACHE_DTYPES.get(kv_cache_dtype) or 2
+    current = KV_CACHE_DTYPES.get(kv_cache_dtype, KV_CACHE_DTYPES["auto"]).element_bytes or 2
     smaller = [
-        name for name, size in KV_CACHE_DTYPES.items() if size is not None and size < current
+        name
+        for name, kind in KV_CACHE_DTYPES.items()
+        if kind.element_bytes is not None and kind.element_bytes < current
     ]
     hints = [f"-tp {2 * tensor_parallel_size} (more GPUs)"]
     hints += [f"--kv-cache-dtype {name}" for name in smaller]
@@ -309,7 +332,10 @@ def model_cache_shape(
     dtype_bytes = model.model.embed_tokens.weight.element_size()
     attention = sum(isinstance(m, PagedAttention) for m in model.modules())
     element = kv_element_bytes(kv_cache_dtype, dtype_bytes)
-    block = kv_block_bytes(attention, cfg.num_key_value_heads, cfg.head_dim, block_size, element)
+    block = kv_block_bytes(
+        attention, cfg.num_key_value_heads, cfg.head_dim, block_size, element,
+        kv_scale_bytes(kv_cache_dtype),
+    )  # fmt: skip
     slot = sum(
         gdn_state_bytes(
             m.conv_dim,

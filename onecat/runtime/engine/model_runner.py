@@ -45,6 +45,7 @@ import math
 import torch
 
 from onecat.errors import OnecatError
+from onecat.kernels import kv_cache
 from onecat.kernels.workspace import to_device
 from onecat.runtime import capacity
 from onecat.runtime.capacity import MAX_STATE_CHECKPOINTS
@@ -227,12 +228,27 @@ class ModelRunner:
         cfg = self.model_config
         # one scratch block and one scratch slot beyond the pools, for CUDA-graph padding rows;
         # the state checkpoints' rows after the scratch slot
+        # (--kv-cache-dtype: fp8_e5m2 stores uint8 codes, int8 stores int8 codes and an fp32
+        # scale per token and KV head beside them; onecat.kernels.kv_cache)
         kv = torch.zeros(
             2, len(self.attention), self.num_blocks + 1, self.block_size,
-            cfg.num_key_value_heads, cfg.head_dim, dtype=self.dtype, device=self.device,
-        )
+            cfg.num_key_value_heads, cfg.head_dim, dtype=kv_cache.storage_dtype(self.kv_cache_dtype, self.dtype),
+            device=self.device,
+        )  # fmt: skip
+        scales = None
+        if capacity.kv_scale_bytes(self.kv_cache_dtype):
+            scales = torch.zeros(2, len(self.attention), self.num_blocks + 1, self.block_size, cfg.num_key_value_heads,
+                                 dtype=kv_cache.SCALE_DTYPE, device=self.device)  # fmt: skip
         for i, layer in enumerate(self.attention):
             layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]
+            layer.k_scale, layer.v_scale = (scales[0, i], scales[1, i]) if scales is not None else (None, None)
+        if self.attention:
+            kv_bytes = kv.numel() * kv.element_size() + (scales.numel() * scales.element_size() if scales is not None else 0)
+            logger.info(
+                "KV cache: %d blocks of %d tokens = %d tokens (max model len %d) in %s (%s, %s per device)",
+                self.num_blocks, self.block_size, self.num_blocks * self.block_size, self.max_model_len,
+                self.kv_cache_dtype, kv_cache.storage_dtype(self.kv_cache_dtype, self.dtype), capacity.gib(kv_bytes),
+            )  # fmt: skip
         # the GDN states of all layers of one shape live in one tensor (layer first), so that
         # copying or zeroing rows is a few launches whatever the depth
         rows = self.num_slots + 1 + self.num_checkpoints + self.num_draft_rows

@@ -21,6 +21,14 @@ layer's token-wise ``project``), elsewhere by each call itself. Then:
   KV head stacked as rows (K and V never repeated) and the query rows in blocks that bound
   the memory of the scores, so that long prompts fit.
 
+The cache may be quantized (``--kv-cache-dtype``, ``onecat.kernels.kv_cache``): ``fp8_e5m2``
+(uint8 codes, the top byte of fp16) or ``int8`` (codes with an fp32 scale per token and KV head
+in ``k_scale`` / ``v_scale`` ``[num_blocks, block_size, kv_heads]``). Every path writes the
+encoded keys and values and reads them back decoded: the kernels in registers or shared
+memory, the torch path through ``kv_cache.encode`` / ``decode``. A prompt chunk's own keys are
+read as the cache holds them (the torch path round-trips its fresh keys), so prompt and decode
+see the same values whichever path runs them.
+
 With an output ``gate`` (Qwen3.5's gated attention) :meth:`PagedAttention.forward` returns
 ``attention * sigmoid(gate)``: the decode kernel applies it where it writes its output (no
 separate elementwise kernel), the torch paths with :func:`sigmoid_gate`.
@@ -38,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from onecat.kernels import attention as attention_kernel
-from onecat.kernels import attention_prep, flash_prefill
+from onecat.kernels import attention_prep, flash_prefill, kv_cache
 from onecat.runtime.context import ForwardContext, get_context
 from onecat.runtime.layers.fusion import fused
 
@@ -66,13 +74,28 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # int8 caches: one fp32 scale per cached token and KV head [num_blocks, block_size, kv_heads]
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+
+    @property
+    def kv_format(self) -> str:
+        """The cache's encoding (``onecat.kernels.kv_cache.FORMATS``), from its element type."""
+        return kv_cache.cache_format(self.k_cache)
+
+    def _kernel_cache(self) -> bool:
+        """True when the allocated cache is one the CUDA kernels read: fp16, or 8-bit codes."""
+        cache = self.k_cache
+        return cache.dim() == 4 and cache.is_contiguous() and (
+            cache.dtype == torch.float16 or self.kv_format != "auto"
+        )
 
     def fuses_inputs(self, device: torch.device, dtype: torch.dtype, rotary_dim: int) -> bool:
         """True when the layer's inputs go through :meth:`prepare_inputs` for activations of
         this device and dtype (CUDA fp16, a head shape the kernel supports, the cache fp16 or
-        not allocated yet): the keys and values are then in the cache before :meth:`forward`."""
-        cache = self.k_cache
-        cache_fits = cache.numel() == 0 or (cache.dtype == torch.float16 and cache.dim() == 4 and cache.is_contiguous())
+        not allocated yet; or quantized): the keys and values are then in the cache before
+        :meth:`forward`."""
+        cache_fits = self.k_cache.numel() == 0 or self._kernel_cache()
         return cache_fits and attention_prep.supports(device, dtype, self.head_dim, rotary_dim)
 
     def prepare_inputs(
@@ -90,33 +113,39 @@ class PagedAttention(nn.Module):
         return attention_prep.prepare_attention_inputs(
             qkv, positions, q_weight, k_weight, inv_freq, eps, ctx.slot_mapping[:tokens], self.k_cache,
             self.v_cache, self.num_heads, self.num_kv_heads, self.head_dim, rotary_dim,
-            fresh_kv=ctx.num_decodes < tokens,
+            fresh_kv=ctx.num_decodes < tokens, k_scale=self.k_scale, v_scale=self.v_scale,
         )
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if self.k_cache.numel() == 0:
             return  # the memory-profiling pass runs before the cache exists
         shape = (-1, self.num_kv_heads, self.head_dim)
-        self.k_cache.view(shape).index_copy_(0, slot_mapping, k.to(self.k_cache.dtype))
-        self.v_cache.view(shape).index_copy_(0, slot_mapping, v.to(self.v_cache.dtype))
+        name = self.kv_format
+        for x, cache, scales in ((k, self.k_cache, self.k_scale), (v, self.v_cache, self.v_scale)):
+            data, scale = kv_cache.encode(x, name)
+            cache.view(shape).index_copy_(0, slot_mapping, data.to(cache.dtype))
+            if scale is not None:
+                scales.view(-1, self.num_kv_heads).index_copy_(0, slot_mapping, scale)
 
-    def _gather(self, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of the blocks in ``block_table [..., n]``: ``[..., n * bs, kvh, d]``."""
-        k = self.k_cache[block_table]
-        v = self.v_cache[block_table]
+    def _gather(self, block_table: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the blocks in ``block_table [..., n]``, decoded to ``dtype``:
+        ``[..., n * bs, kvh, d]``."""
         shape = (*block_table.shape[:-1], -1, self.num_kv_heads, self.head_dim)
+        quantized = self.kv_format == "int8"
+        k = kv_cache.decode(self.k_cache[block_table], self.k_scale[block_table] if quantized else None, dtype)
+        v = kv_cache.decode(self.v_cache[block_table], self.v_scale[block_table] if quantized else None, dtype)
         return k.reshape(shape), v.reshape(shape)
 
     def uses_decode_kernel(self) -> bool:
         """True when decode runs the paged-attention kernel: then a decode step's work and
         launches do not depend on the block-table width (CUDA graphs need not be keyed by it)."""
         return attention_kernel.supports(
-            self.k_cache.device, self.k_cache.dtype, self.head_dim, self.k_cache.shape[1]
-        ) if self.k_cache.dim() == 4 else False
+            self.k_cache.device, torch.float16, self.head_dim, self.k_cache.shape[1], self.kv_format
+        ) if self._kernel_cache() else False
 
     def decodes_from_qkv(self, qkv: torch.Tensor, rotary_dim: int) -> bool:
         """True when the current pass is decode rows only, one per sequence (no drafts), on the
-        CUDA decode kernel with an allocated fp16 cache and a head shape its ``split_prep``
+        CUDA decode kernel with an allocated fp16 (or 8-bit) cache and a head shape its ``split_prep``
         form takes: then :meth:`decode_from_qkv` replaces the input kernel and the decode
         launch."""
         ctx = get_context()
@@ -139,14 +168,15 @@ class PagedAttention(nn.Module):
         return attention_kernel.paged_decode_attention_prep(
             qkv, positions, q_weight, k_weight, inv_freq, eps, rotary_dim, ctx.slot_mapping[:rows],
             self.k_cache, self.v_cache, ctx.decode_block_tables, ctx.decode_context_lens, self.scale, self.num_heads,
+            k_scale=self.k_scale, v_scale=self.v_scale,
         )  # fmt: skip
 
     def _decode(self, q: torch.Tensor, ctx: ForwardContext, gate: torch.Tensor | None = None) -> torch.Tensor:
-        if q.dtype == self.k_cache.dtype and self.uses_decode_kernel() and (gate is None or gate.dtype == q.dtype):
+        if q.dtype == torch.float16 and self.uses_decode_kernel() and (gate is None or gate.dtype == q.dtype):
             q = q if q.stride(-1) == 1 else q.contiguous()
             return attention_kernel.paged_decode_attention(
                 q, self.k_cache, self.v_cache, ctx.decode_block_tables, ctx.decode_context_lens, self.scale,
-                gate=None if gate is None else gate.reshape(q.shape),
+                gate=None if gate is None else gate.reshape(q.shape), k_scale=self.k_scale, v_scale=self.v_scale,
             )
         out = self._decode_torch(q, ctx)
         return out if gate is None else sigmoid_gate(out, gate)
@@ -155,7 +185,7 @@ class PagedAttention(nn.Module):
         """Decode attention in torch: gather the table's blocks, mask, SDPA (CPU, fp32, tests)."""
         batch = q.shape[0]
         group = self.num_heads // self.num_kv_heads
-        k, v = self._gather(ctx.decode_block_tables)  # [B, L, kvh, d]
+        k, v = self._gather(ctx.decode_block_tables, q.dtype)  # [B, L, kvh, d]
         if ctx.decode_kv_mask is None:  # the same for every layer of this pass
             positions = torch.arange(k.shape[1], device=q.device)
             ctx.decode_kv_mask = positions[None, :] < ctx.decode_context_lens[:, None]
@@ -172,14 +202,14 @@ class PagedAttention(nn.Module):
 
     def uses_prefill_kernel(self, q: torch.Tensor) -> bool:
         """True when this pass's prompt chunks run the flash-attention prefill kernel: CUDA fp16
-        queries, a head dim it is built for, and an fp16 cache (or none yet: the memory
+        queries, a head dim it is built for, and an fp16 or 8-bit cache (or none yet: the memory
         profiling pass, whose chunks then read their fresh keys and values)."""
         cache = self.k_cache
         if cache.numel() == 0:
             return flash_prefill.supports(q.device, q.dtype, self.head_dim, 1)
         return (
-            cache.dim() == 4 and cache.dtype == q.dtype and cache.device == q.device
-            and flash_prefill.supports(q.device, q.dtype, self.head_dim, cache.shape[1])
+            self._kernel_cache() and cache.device == q.device
+            and flash_prefill.supports(q.device, q.dtype, self.head_dim, cache.shape[1], self.kv_format)
         )  # fmt: skip
 
     def _prefill_kernel(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
@@ -200,23 +230,29 @@ class PagedAttention(nn.Module):
             k_src, v_src = k.contiguous(), v.contiguous()
         else:
             k_src, v_src = self.k_cache, self.v_cache
-        return flash_prefill.flash_prefill_attention(q, k_src, v_src, batch, self.scale)
+        if fresh:
+            return flash_prefill.flash_prefill_attention(q, k_src, v_src, batch, self.scale)
+        return flash_prefill.flash_prefill_attention(q, k_src, v_src, batch, self.scale, k_scale=self.k_scale,
+                                                     v_scale=self.v_scale)  # fmt: skip
 
     def _prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_past: int, block_table
     ) -> torch.Tensor:
         """One prompt chunk in torch (the reference path: CPU, fp32, other head sizes): its
         queries over the whole context (the cache's blocks after cached tokens, else the fresh
-        ``k`` / ``v``) with an explicit causal mask, the query heads of one KV head stacked as
+        ``k`` / ``v`` as the cache holds them: round-tripped through a quantized encoding)
+        with an explicit causal mask, the query heads of one KV head stacked as
         rows (keys and values never repeated), in row blocks that keep the scores under
         :data:`PREFILL_SCORE_ELEMENTS`."""
         group = self.num_heads // self.num_kv_heads
         length, total = q.shape[0], num_past + q.shape[0]
         if num_past:
-            k_all, v_all = self._gather(block_table)
+            k_all, v_all = self._gather(block_table, q.dtype)
             k_all, v_all = k_all[:total], v_all[:total]
-        else:
+        elif self.k_cache.numel() == 0:  # the memory-profiling pass: no cache yet
             k_all, v_all = k, v
+        else:
+            k_all, v_all = kv_cache.roundtrip(k, self.kv_format), kv_cache.roundtrip(v, self.kv_format)
         keys, values = k_all.transpose(0, 1).to(q.dtype), v_all.transpose(0, 1).to(q.dtype)  # [kvh, S, d]
         queries = q.reshape(length, self.num_kv_heads, group, self.head_dim).permute(1, 2, 0, 3)
         rows = max(1, PREFILL_SCORE_ELEMENTS // (self.num_heads * total))
