@@ -39,6 +39,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -285,6 +286,25 @@ def raw_ttft_ms(url: str, model: str, prompts: list[str], max_tokens: int = 16) 
     return times
 
 
+def raw_probe(url: str, model: str, engine_ttft_ms: float, count: int = 24) -> dict:
+    """``raw_ttft_ms`` over ``count`` fresh 128-token prompts (after 4 warm-ups) with the
+    server's TTFT split, next to the engine alone's time to first token."""
+    import random
+
+    rng = random.Random(11)
+    prompts = [" ".join(f"w{rng.randrange(len(SPECIAL), VOCAB)}" for _ in range(128)) for _ in range(count + 4)]
+    raw_ttft_ms(url, model, prompts[:4])
+    before = step_counters(url)
+    times = raw_ttft_ms(url, model, prompts[4:])
+    split = ttft_split(before, step_counters(url))
+    median = statistics.median(times)
+    print(f"  raw-client TTFT: median {median:.2f} ms, engine alone {engine_ttft_ms:.2f} ms: the API process adds "
+          f"{median - engine_ttft_ms:+.2f} ms; split (mean ms) "
+          + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in (split or {}).items()), flush=True)
+    return {"median_ttft_ms": median, "ttfts_ms": times, "engine_ttft_ms": engine_ttft_ms,
+            "added_ms": median - engine_ttft_ms, "split": split}
+
+
 def kill_replica_later(url: str, delay: float, record: dict) -> threading.Thread:
     """A thread that SIGKILLs replica 0's engine-core process (its pid from /health) after
     ``delay`` seconds and notes when; the failover test of issue #41 on real replicas."""
@@ -382,6 +402,7 @@ def bench_model(name: str, args: argparse.Namespace, tokenizer: Path, work: Path
         runs = []
         if args.ttft_run:  # the API process's added time to first token: 128-token prompts, one at a time
             runs.append(serve_run(name, url, tokenizer, work, 1, "128:0:16", prompts=24, label="ttft"))
+            runs[-1]["raw_probe"] = raw_probe(url, f"random-{name}", engine["engine_ttft_128_ms"])
         plan = [(w, c) for w in args.workloads for c in args.concurrency]
         for i, (workload, c) in enumerate(plan):
             kill = args.kill_replica_at if i == len(plan) - 1 else None
@@ -456,7 +477,7 @@ def main() -> None:
     args.workloads = [w for w in args.workloads.split(",") if w]
     for workload in args.workloads:
         parse_workload(workload)
-    args.engine_batches = [int(b) for b in args.engine_batches.split(",")]
+    args.engine_batches = [int(b) for b in args.engine_batches.split(",") if b]
     if args.serve_model:
         serve_random_model(args)
         return
