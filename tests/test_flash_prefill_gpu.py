@@ -168,7 +168,7 @@ def test_the_layer_runs_decodes_and_ragged_chunks_with_the_gate():
         set_context(None)
     reference = PagedAttention(heads, kv_heads, dim, dim**-0.5)
     reference.k_cache, reference.v_cache = k_cache.float().nan_to_num(0), v_cache.float().nan_to_num(0)
-    fresh = [reference._gather(t)[i][p : p + n] for t, p, n in zip(tables, past, lengths, strict=True) for i in (0, 1)]
+    fresh = [reference._gather(t, torch.float32)[i][p : p + n] for t, p, n in zip(tables, past, lengths, strict=True) for i in (0, 1)]
     k_rows = torch.cat([torch.zeros(2, kv_heads, dim, device="cuda"), fresh[0], fresh[2]])
     v_rows = torch.cat([torch.zeros(2, kv_heads, dim, device="cuda"), fresh[1], fresh[3]])
     set_context(ForwardContext(slot_mapping=ctx.slot_mapping, num_decodes=2, decode_block_tables=ctx.decode_block_tables,

@@ -79,6 +79,19 @@ def poisoned_cache(shape: tuple[int, ...], fmt: str) -> tuple[torch.Tensor, torc
     return torch.full(shape, INT8_POISON, dtype=torch.int8, device="cuda"), scales
 
 
+def assert_codes_match(got: torch.Tensor, want: torch.Tensor, fmt: str, what: str) -> None:
+    """fp8 codes bit-equal to the torch encoder's; int8 codes within one step of them (the
+    kernel's and torch's fp32 division may round a value lying on a code boundary apart),
+    in at most 1% of the values."""
+    if fmt == "fp8_e5m2":
+        assert torch.equal(got, want), f"{what}: codes differ from the torch encoder's"
+        return
+    diff = (got.int() - want.int()).abs()
+    share = (diff > 0).float().mean().item()
+    assert diff.max().item() <= 1 and share <= 0.01, (
+        f"{what}: int8 codes differ from the torch encoder's by up to {diff.max().item()} in {share:.2%} of values")
+
+
 def check_written(cache, scales, slots, fresh, fmt, what):
     """Rows at ``slots`` hold ``kv_cache.encode(fresh)`` (codes bit-equal, scales within 1e-6
     relative); every other row its poison."""
@@ -87,7 +100,7 @@ def check_written(cache, scales, slots, fresh, fmt, what):
     valid = (slots >= 0) & (slots < flat.shape[0])
     rows = slots[valid]
     want, want_scales = kv_cache.encode(fresh[valid], fmt)
-    assert torch.equal(flat[rows], want), f"{what}: codes differ from the torch encoder's"
+    assert_codes_match(flat[rows], want, fmt, what)
     untouched = torch.ones(flat.shape[0], dtype=torch.bool, device="cuda")
     untouched[rows] = False
     poison = 0xFF if fmt == "fp8_e5m2" else INT8_POISON
@@ -228,7 +241,7 @@ def test_prep_form_writes_the_new_token_encoded_and_attends_over_it(fmt, splits,
     rms = k64.pow(2).mean(-1, keepdim=True).sqrt()
     assert ((new_k - k64).abs() <= step + 2e-3 * k64.abs() + 4e-3 * rms).all(), f"{what}: new keys"
     data, scales = kv_cache.encode(v64.half(), fmt)
-    assert torch.equal(flat(v_cache)[slots], data), f"{what}: new values' codes"
+    assert_codes_match(flat(v_cache)[slots], data, fmt, f"{what}: new values")
     if scales is not None:
         torch.testing.assert_close(flat(v_scale)[slots], scales, rtol=1e-6, atol=0)
     untouched = torch.ones(flat(k_cache).shape[0], dtype=torch.bool, device="cuda")
@@ -277,7 +290,8 @@ def run_prefill(fmt, lengths, past, num_heads, kv_heads, dim, seed=0, variant=No
     q, k16, v16, tables, starts = paged(lengths, past, num_heads, kv_heads, dim, seed)
     k_cache, k_scale = encode_cache(k16, fmt)
     v_cache, v_scale = encode_cache(v16, fmt)
-    k64, v64 = decoded(k_cache, k_scale), decoded(v_cache, v_scale)
+    # the kernel decodes each K/V tile into fp16 shared memory: it attends over fp16(q * s)
+    k64, v64 = (decoded(c, sc).half().double() for c, sc in ((k_cache, k_scale), (v_cache, v_scale)))
     scale = dim**-0.5
     batch = fp.prefill_attention_batch(starts, lengths, past, num_heads // kv_heads, q.device, tables)
     out = torch.full_like(q, float("nan"))
@@ -389,14 +403,14 @@ def test_engine_on_the_gpu_matches_the_cpu_engine_with_the_same_cache(wide_model
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(9)
     prefix = torch.randint(3, 500, (40,), generator=gen).tolist()
-    prompts = {"a": prefix + [7, 8, 9], "b": torch.randint(3, 500, (300,), generator=gen).tolist(), "c": prefix + [11]}
+    prompts = {"a": prefix + [7, 8, 9], "b": torch.randint(3, 500, (300,), generator=gen).tolist(), "c": prefix + [7, 8, 9, 11]}
 
     def run(device):
         engine = LLMEngine(EngineConfig(model=str(wide_model), device=device, max_num_seqs=4, max_model_len=1024,
-                                        kv_cache_memory_bytes=256 << 20, kv_cache_dtype=fmt))  # fmt: skip
+                                        kv_cache_memory_bytes=256 << 20, kv_cache_dtype=fmt, state_checkpoint_interval=16))  # fmt: skip
         logits = record_logits(engine)
         tokens = {}
-        for wave in (["a", "b"], ["c"]):  # c hits a's cached prefix
+        for wave in (["a", "b"], ["c"]):  # c continues a's prompt: hits its last full block
             for rid in wave:
                 engine.add_request(rid, prompts[rid], params)
             for rid, outs in drain(engine).items():
