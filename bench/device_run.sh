@@ -5,7 +5,7 @@
 #
 #   python -m onecat.cli build-kernels --arch sm_70 --out .ptx        # NVRTC 12 (pip)
 #   pip download --only-binary=:all: --no-deps --python-version 3.12 -d .whl \
-#       fastapi starlette uvicorn uvloop httptools pydantic pydantic-core annotated-types \
+#       fastapi starlette uvicorn pydantic pydantic-core annotated-types \
 #       typing-inspection typing-extensions annotated-doc opentelemetry-api pyzmq msgspec
 #
 # carry .ptx and .whl (the server's wheels, for `serve`), then run there:
