@@ -18,7 +18,7 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_siz
     params.validate()
     if not prompt_token_ids:
         raise RequestError("the prompt is empty")
-    if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:  # C loops: 8k ids in ~0.1 ms
+    if any(not 0 <= t < vocab_size for t in prompt_token_ids):
         raise RequestError(f"prompt token ids must be in 0..{vocab_size - 1}", param="prompt")
     if any(t >= vocab_size for t in params.logit_bias):
         raise RequestError(f"logit_bias token ids must be in 0..{vocab_size - 1}", param="logit_bias")
