@@ -63,8 +63,10 @@ for section in ${@:-tests e2e}; do
     attention) (cd bench && run 120 attention python3 attention.py --out "$out/attention.json") ;;
     e2e) (cd bench && run 600 e2e python3 e2e.py --models 27b,35b-a3b --batches 1,8,32 --hf-layers 8 --out "$out/e2e.json") ;;
     serve) (cd bench && run 600 serve python3 serve_h200.py --models 35b-a3b,27b --concurrency 1,8,32,64 --out "$out/serve.json") ;;
+    serve-dp2) (cd bench && run 300 serve-dp2 python3 serve_h200.py --models 35b-a3b --concurrency 64 \
+                  --workloads 320:0.6:64 --data-parallel-size 2 --kill-replica-at 3 --out "$out/serve_dp2.json") ;;
     serve-decode) (cd bench && run 400 serve-decode python3 serve_h200.py --models 35b-a3b,27b --concurrency 32 \
                      --workloads 128:0:256 --out "$out/serve_decode.json") ;;
-    *) echo "unknown section $section (tests, tp-tests, tp, profile, mixed, quantize, moe-tiles, moe-shapes, wmmar, serve32, router, ncu, gemv, norm, gdn, attention, e2e, serve, serve-decode)" >&2; exit 2 ;;
+    *) echo "unknown section $section (tests, tp-tests, tp, profile, mixed, quantize, moe-tiles, moe-shapes, wmmar, serve32, router, ncu, gemv, norm, gdn, attention, e2e, serve, serve-dp2, serve-decode)" >&2; exit 2 ;;
   esac
 done

@@ -10,7 +10,7 @@ concurrency as the batch size (``e2e.timed_decode``: 128-token prompts, greedy),
 driver's closed-loop workload, and the time to first token of a 128-token prompt. Then the
 server serves the replicas (the code path of ``onecat serve`` after loading).
 ``--ttft-run`` adds a run of 128-token prompts one at a time (the API process's added time
-to first token); ``--kill-replica-at S`` SIGKILLs replica 0 S seconds into the last run and
+to first token); ``--kill-replica-at S`` SIGKILLs replica 0 S seconds after the last run's warm-ups and
 reports what completed, what failed and the replicas' states after the restart. The driver runs
 ``onecat bench serve`` against it for each workload (``--workloads``; default random prompts
 of 128-512 tokens and 25-103 output tokens with ``ignore_eos``: the range ratio applies to both
@@ -305,17 +305,32 @@ def raw_probe(url: str, model: str, engine_ttft_ms: float, count: int = 24) -> d
             "added_ms": median - engine_ttft_ms, "split": split}
 
 
-def kill_replica_later(url: str, delay: float, record: dict) -> threading.Thread:
-    """A thread that SIGKILLs replica 0's engine-core process (its pid from /health) after
-    ``delay`` seconds and notes when; the failover test of issue #41 on real replicas."""
+def finished_requests(url: str) -> float:
+    """Requests the server has finished (``vllm:request_success_total``, every reason and replica)."""
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total"))
+
+
+def kill_replica_later(url: str, delay: float, warmups: int, record: dict) -> threading.Thread:
+    """A thread that SIGKILLs replica 0's engine-core process (its pid from /health) ``delay``
+    seconds after the driver's ``warmups`` warm-up requests have finished (so that the kill
+    lands among the measured requests, with requests running on replica 0), and notes how
+    many were in flight there; the failover test of issue #41 on real replicas."""
     import httpx
 
     def kill() -> None:
+        start = finished_requests(url)
+        while finished_requests(url) < start + warmups:
+            time.sleep(0.2)
         time.sleep(delay)
-        pid = httpx.get(url + "/health", timeout=10).json()["replicas"][0]["pid"]
-        os.kill(pid, signal.SIGKILL)
-        record.update(killed_pid=pid, killed_at_s=delay)
-        print(f"  killed replica 0 (pid {pid}) {delay:g} s into the run", flush=True)
+        replica = httpx.get(url + "/health", timeout=10).json()["replicas"][0]
+        os.kill(replica["pid"], signal.SIGKILL)
+        record.update(killed_pid=replica["pid"], killed_after_warmups_s=delay, in_flight_at_kill=replica["in_flight"])
+        print(f"  killed replica 0 (pid {replica['pid']}, {replica['in_flight']} requests in flight) {delay:g} s "
+              "after the warm-ups", flush=True)
 
     thread = threading.Thread(target=kill, daemon=True)
     thread.start()
@@ -349,7 +364,7 @@ def serve_run(name: str, url: str, tokenizer: Path, work: Path, c: int, workload
              "--metric-percentiles", "50,99", "--result-json", str(result_json), "--no-progress"]
     before = step_counters(url)
     failover: dict = {}
-    killer = kill_replica_later(url, kill_at, failover) if kill_at is not None else None
+    killer = kill_replica_later(url, kill_at, c, failover) if kill_at is not None else None
     done = subprocess.run(bench, capture_output=True, text=True)
     if killer is not None:
         killer.join()
@@ -464,7 +479,7 @@ def main() -> None:
     parser.add_argument("--ttft-run", action="store_true",
                         help="also one run of 128-token prompts at concurrency 1 (the server's added TTFT)")
     parser.add_argument("--kill-replica-at", type=float, default=None, metavar="SECONDS",
-                        help="SIGKILL replica 0 this long into the last concurrency's run (failover)")
+                        help="SIGKILL replica 0 this long after the last run's warm-ups (failover)")
     # the server process (started by the driver)
     parser.add_argument("--serve-model", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
