@@ -32,6 +32,7 @@ import os
 import torch
 from gdn_prefill import median_ms  # bench/: CUDA-event median after two warm-ups
 
+from onecat.benchmarks.report import write_result_json
 from onecat.kernels import attention as attention_kernel
 from onecat.kernels import flash_prefill as fp
 from onecat.kernels import kv_cache
@@ -190,11 +191,9 @@ def main() -> None:
         "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": DIM, "block": BLOCK},
         "rows": decode_rows(args.context, gen) + prefill_rows(args.context, gen),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
+    print(json.dumps(result, indent=2))
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        write_result_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from onecat.benchmarks.report import write_result_json
 from onecat.runtime.config import EngineConfig
 from onecat.runtime.context import ForwardContext, PrefillChunk, set_context
 from onecat.runtime.engine import LLMEngine
@@ -148,11 +149,9 @@ def main() -> None:
         "torch": torch.__version__,
         "models": [run(family, args.windows, args.chunk, args.generate) for family in args.family],
     }  # fmt: skip
-    text = json.dumps(result, indent=2)
-    print(text)
+    print(json.dumps(result, indent=2))
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        write_result_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from bench_helpers import load_bench
 
 
 def load_summary_module():
-    spec = importlib.util.spec_from_file_location("ab_summary", BENCH / "ab_summary.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("ab_summary", "ab_summary")
 
 
 def write_run(path: Path, b1: float, b32: float) -> None:

@@ -6,21 +6,14 @@ the tokens' codes in every layer, whatever the rest of the hidden state."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import torch
+from bench_helpers import load_bench
 
 from onecat.pack.volta_layout import dequantize_volta
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-
 
 def load_e2e():
-    spec = importlib.util.spec_from_file_location("bench_e2e", BENCH / "e2e.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("e2e")
 
 
 def test_random_moe_model_routes_with_guaranteed_margins():

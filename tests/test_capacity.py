@@ -5,13 +5,12 @@ shapes on the meta device, no weights allocated)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
+from bench_helpers import load_bench
 from click.testing import CliRunner
 from runtime_helpers import write_awq_checkpoint
 
@@ -27,7 +26,6 @@ from onecat.runtime.quant_plan import QuantPlan
 from onecat.tiny import build_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 @pytest.fixture(scope="module")
@@ -355,10 +353,7 @@ def test_vllm_gets_the_budget_in_bytes(tmp_path, monkeypatch):
 
 
 def _bench_shape(name: str) -> ModelConfig:
-    spec = importlib.util.spec_from_file_location("bench_e2e", BENCH / "e2e.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    raw = module.text_config(name)
+    raw = load_bench("e2e").text_config(name)
     raw["max_position_embeddings"] = 262144  # the released models'
     return ModelConfig.from_dict(raw)
 

@@ -11,12 +11,11 @@ The CUDA kernels are tested against these references in ``test_kv_cache_dtypes_g
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from bench_helpers import load_bench
 from click.testing import CliRunner
 from runtime_helpers import drain, record_logits
 from test_prefix_cache import assert_same_greedy_runs, engine_for, run_waves, shared_prefix_waves
@@ -35,15 +34,11 @@ from onecat.tiny import build_tiny_model
 from onecat.tiny_train import fixture_dir, heldout_text
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 QUANTIZED = ("fp8_e5m2", "int8")
 
 
 def _bench_quality():
-    spec = importlib.util.spec_from_file_location("kv_cache_quality", BENCH / "kv_cache_quality.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("kv_cache_quality", "kv_cache_quality")
 
 
 # --- the encodings --------------------------------------------------------------------------
