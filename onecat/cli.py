@@ -656,6 +656,12 @@ def bench() -> None:
 @click.option("--random-output-len", type=int, default=128, show_default=True)
 @click.option("--random-range-ratio", type=float, default=0.0, show_default=True,
               help="Lengths drawn from [L*(1-r), L*(1+r)].")
+@click.option("--random-prefix-len", type=int, default=0, show_default=True,
+              help="A random prefix of this many tokens, the same for the whole run, before each "
+                   "random prompt (prompt = prefix + --random-input-len tokens).")
+@click.option("--random-prefix-share", type=float, default=1.0, show_default=True,
+              help="Share of the requests that carry the prefix, spread evenly; the others get as "
+                   "many fresh random tokens instead (onecat's; 1.0 is vLLM's behaviour).")
 @click.option("--custom-output-len", type=int, default=256, show_default=True)
 @click.option("--sharegpt-output-len", type=int, default=None,
               help="Fixed output length (default: the reply's length).")

@@ -19,7 +19,9 @@ from onecat.benchmarks.datasets import (
     custom_requests,
     dataset_name_for,
     load_tokenizer,
+    prefix_carriers,
     random_requests,
+    sample_requests,
     sharegpt_requests,
 )
 from onecat.benchmarks.metrics import (
@@ -144,6 +146,50 @@ def test_random_prompts_without_a_tokenizer_are_words():
         random_requests(2, 30, 5, range_ratio=1.0)
     with pytest.raises(OnecatError, match="input-len"):
         random_requests(2, 0, 5)
+
+
+def test_prefix_carriers_spread_the_share_evenly():
+    assert prefix_carriers(6, 0.5) == [False, True] * 3
+    assert prefix_carriers(4, 1.0) == [True] * 4 and prefix_carriers(4, 0.0) == [False] * 4
+    spread = prefix_carriers(100, 0.3)
+    assert sum(spread) == 30 and all(sum(spread[i : i + 10]) == 3 for i in range(0, 100, 10))
+
+
+def test_random_prefix_is_shared_by_the_share_of_requests(tokenizer):
+    """vLLM's --random-prefix-len: one prefix per run before each random part (prompt = prefix
+    + drawn length); onecat's --random-prefix-share: half the requests carry it, the others as
+    many fresh random tokens instead (same lengths)."""
+    prefix_len, input_len = 24, 40
+    requests = random_requests(16, input_len, 8, seed=5, tokenizer=tokenizer, prefix_len=prefix_len,
+                               prefix_share=0.5)
+    assert requests == random_requests(16, input_len, 8, seed=5, tokenizer=tokenizer, prefix_len=prefix_len,
+                                       prefix_share=0.5)
+    ids = [tokenizer.encode(r.prompt, add_special_tokens=False) for r in requests]
+    assert [r.prompt_len for r in requests] == [len(i) for i in ids] == [prefix_len + input_len] * 16
+    carriers, others = ids[1::2], ids[0::2]
+    head = carriers[0][: prefix_len - 1]  # the last prefix token may merge with the next one
+    assert all(i[: prefix_len - 1] == head for i in carriers)
+    assert all(i[: prefix_len - 1] != head for i in others)
+    assert len({tuple(i[:prefix_len - 1]) for i in others}) == len(others)  # fresh per request
+    assert len({r.prompt for r in requests}) == 16
+    everyone = random_requests(8, input_len, 8, seed=5, tokenizer=tokenizer, prefix_len=prefix_len)
+    assert len({tuple(tokenizer.encode(r.prompt, add_special_tokens=False)[: prefix_len - 1])
+                for r in everyone}) == 1  # share 1.0 (vLLM): every request
+    # no prefix: the prompts drawn before the option existed
+    assert random_requests(8, input_len, 8, seed=5, tokenizer=tokenizer, prefix_len=0, prefix_share=0.5) == \
+        random_requests(8, input_len, 8, seed=5, tokenizer=tokenizer)
+
+
+def test_random_prefix_without_a_tokenizer_and_its_errors():
+    requests = sample_requests("random", 4, random_input_len=10, random_output_len=3, random_prefix_len=6,
+                               random_prefix_share=0.5, seed=2)
+    words = [r.prompt.split() for r in requests]
+    assert [r.prompt_len for r in requests] == [len(w) for w in words] == [16] * 4
+    assert words[1][:6] == words[3][:6] and words[0][:6] != words[1][:6] and words[2][:6] != words[1][:6]
+    with pytest.raises(OnecatError, match="random-prefix-len"):
+        random_requests(2, 10, 3, prefix_len=-1)
+    with pytest.raises(OnecatError, match="random-prefix-share"):
+        random_requests(2, 10, 3, prefix_len=4, prefix_share=1.5)
 
 
 def test_jsonl_prompts(tmp_path, tokenizer):

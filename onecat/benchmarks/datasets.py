@@ -8,6 +8,13 @@ ShareGPT-format JSON (``sharegpt``), with the semantics of ``vllm bench serve``.
   re-encoded, truncated or padded and tried again (as vLLM does) so the server sees the
   intended token count; without one it is that many common English words (about one
   token each in the usual BPE vocabularies) and the server's usage gives the real count.
+  ``prefix_len`` (vLLM's ``--random-prefix-len``): one random prefix of that many tokens,
+  drawn once per run, before the random part of each prompt (a prompt is then
+  ``prefix_len`` + its drawn length tokens). ``prefix_share`` (onecat's
+  ``--random-prefix-share``, default 1: vLLM's behaviour) is the share of requests that carry
+  it, spread evenly over the run (request ``i`` carries it when ``floor((i + 1) * share)``
+  exceeds ``floor(i * share)``); the others get as many fresh random tokens in its place, so
+  the share changes what a prefix cache can reuse, not the prompt lengths.
 - custom: one JSON object per line; the prompt is the string in ``field``.
 - sharegpt: a JSON list of ``{"conversations": [{"from": "human", "value": ...},
   {"from": "gpt", "value": ...}, ...]}``; the first human turn is the prompt and the
@@ -94,6 +101,8 @@ def random_requests(
     range_ratio: float = 0.0,
     seed: int = 0,
     tokenizer: Any | None = None,
+    prefix_len: int = 0,
+    prefix_share: float = 1.0,
 ) -> list[SampleRequest]:
     """``num_requests`` synthetic prompts (see the module docstring), reproducible by seed."""
     if not 0.0 <= range_ratio < 1.0:
@@ -102,25 +111,46 @@ def random_requests(
         raise OnecatError(
             f"--random-input-len and --random-output-len must be >= 1; got {input_len}, {output_len}"
         )
+    if prefix_len < 0:
+        raise OnecatError(f"--random-prefix-len must be >= 0; got {prefix_len}")
+    if not 0.0 <= prefix_share <= 1.0:
+        raise OnecatError(f"--random-prefix-share must be in [0, 1]; got {prefix_share}")
     rng = np.random.default_rng(seed)
     num_special = int(tokenizer.num_special_tokens_to_add()) if tokenizer is not None else 0
     in_low, in_high = length_range(max(0, input_len - num_special), range_ratio, minimum=1)
     out_low, out_high = length_range(output_len, range_ratio, minimum=1)
     input_lens = rng.integers(in_low, in_high + 1, size=num_requests)
     output_lens = rng.integers(out_low, out_high + 1, size=num_requests)
+    carries = prefix_carriers(num_requests, prefix_share) if prefix_len else [False] * num_requests
     if tokenizer is None:
         words = np.array(WORDS)
+        prefix = words[rng.integers(0, len(words), size=prefix_len)].tolist() if prefix_len else []
+
+        def text(n: int, shared: bool) -> str:
+            head = prefix if shared or not prefix_len else words[rng.integers(0, len(words), size=prefix_len)].tolist()
+            return " ".join(head + words[rng.integers(0, len(words), size=n)].tolist())
+
         return [
-            SampleRequest(" ".join(words[rng.integers(0, len(words), size=n)]), int(n), int(m))
-            for n, m in zip(input_lens, output_lens, strict=True)
+            SampleRequest(text(int(n), shared), prefix_len + int(n), int(m))
+            for n, m, shared in zip(input_lens, output_lens, carries, strict=True)
         ]
     allowed = whole_text_tokens(tokenizer)
+    prefix_ids = allowed[rng.integers(0, len(allowed), size=prefix_len)].tolist() if prefix_len else []
     requests = []
-    for n, m in zip(input_lens, output_lens, strict=True):
-        ids = allowed[rng.integers(0, len(allowed), size=n)].tolist()
-        text, length = fit_to_length(tokenizer, ids, int(n), allowed, rng)
+    for n, m, shared in zip(input_lens, output_lens, carries, strict=True):
+        fresh = not shared and prefix_len
+        head = allowed[rng.integers(0, len(allowed), size=prefix_len)].tolist() if fresh else prefix_ids
+        ids = head + allowed[rng.integers(0, len(allowed), size=n)].tolist()
+        text, length = fit_to_length(tokenizer, ids, prefix_len + int(n), allowed, rng)
         requests.append(SampleRequest(text, length + num_special, int(m)))
     return requests
+
+
+def prefix_carriers(num_requests: int, share: float) -> list[bool]:
+    """Which requests carry the shared prefix, evenly spread: request ``i``
+    when ``floor((i + 1) * share) > floor(i * share)`` (share 0.5: every second one, from the
+    second; 1: all; 0: none)."""
+    return [math.floor((i + 1) * share) > math.floor(i * share) for i in range(num_requests)]
 
 
 def whole_text_tokens(tokenizer: Any) -> np.ndarray:
@@ -294,6 +324,8 @@ def sample_requests(
     random_input_len: int = 1024,
     random_output_len: int = 128,
     random_range_ratio: float = 0.0,
+    random_prefix_len: int = 0,
+    random_prefix_share: float = 1.0,
     custom_output_len: int = 256,
     sharegpt_output_len: int | None = None,
     seed: int = 0,
@@ -305,7 +337,7 @@ def sample_requests(
     dataset_name = dataset_name_for(dataset_name, dataset_path)
     if dataset_name == "random":
         return random_requests(num_requests, random_input_len, random_output_len,
-                               random_range_ratio, seed, tokenizer)
+                               random_range_ratio, seed, tokenizer, random_prefix_len, random_prefix_share)
     if dataset_name not in DATASETS:
         raise OnecatError(f"--dataset-name {dataset_name!r}: choose one of {', '.join(DATASETS)}")
     if not dataset_path:

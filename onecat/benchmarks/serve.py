@@ -69,6 +69,8 @@ class BenchServeConfig:
     random_input_len: int = 1024
     random_output_len: int = 128
     random_range_ratio: float = 0.0
+    random_prefix_len: int = 0
+    random_prefix_share: float = 1.0  # onecat's: the share of requests that carry the prefix
     custom_output_len: int = 256
     sharegpt_output_len: int | None = None
     seed: int = 0
@@ -127,6 +129,7 @@ def run_bench_serve(config: BenchServeConfig, console: Console | None = None) ->
         dataset_name, config.num_prompts, dataset_path=config.dataset_path,
         prompt_field=config.prompt_field, random_input_len=config.random_input_len,
         random_output_len=config.random_output_len, random_range_ratio=config.random_range_ratio,
+        random_prefix_len=config.random_prefix_len, random_prefix_share=config.random_prefix_share,
         custom_output_len=config.custom_output_len, sharegpt_output_len=config.sharegpt_output_len,
         seed=config.seed, tokenizer=tokenizer,
     )
