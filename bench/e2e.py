@@ -253,18 +253,24 @@ def timed_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: int, see
 
 
 def workload_requests(count: int, input_len: int, output_len: int, range_ratio: float, vocab: int,
-                      seed: int) -> list[tuple[list[int], int]]:
+                      seed: int, prefix_len: int = 0, prefix_share: float = 1.0) -> list[tuple[list[int], int]]:
     """``count`` (prompt, output length) pairs drawn as ``onecat bench serve``'s random dataset
     draws them: both lengths uniform in ``[floor(L * (1 - r)), ceil(L * (1 + r))]``
-    (``length_range``, as vLLM's), so that the engine alone runs the served workload."""
-    from onecat.benchmarks.datasets import length_range
+    (``length_range``, as vLLM's), and with ``prefix_len`` one random prefix before the prompts
+    of the requests ``prefix_carriers(count, prefix_share)`` picks, as many fresh tokens before
+    the others (``--random-prefix-len`` / ``--random-prefix-share``), so that the engine alone
+    runs the served workload."""
+    from onecat.benchmarks.datasets import length_range, prefix_carriers
 
     rng = torch.Generator().manual_seed(seed)
     in_low, in_high = length_range(input_len, range_ratio, minimum=1)
     out_low, out_high = length_range(output_len, range_ratio, minimum=1)
     inputs = torch.randint(in_low, in_high + 1, (count,), generator=rng).tolist()
     outputs = torch.randint(out_low, out_high + 1, (count,), generator=rng).tolist()
-    return [(random_prompt(n, vocab, seed + 1 + i), m) for i, (n, m) in enumerate(zip(inputs, outputs, strict=True))]
+    prefix = random_prompt(prefix_len, vocab, seed - 1) if prefix_len else []
+    carries = prefix_carriers(count, prefix_share)
+    return [((prefix if shared else random_prompt(prefix_len, vocab, -(seed + 1 + i))) + random_prompt(n, vocab, seed + 1 + i), m)
+            for i, (n, m, shared) in enumerate(zip(inputs, outputs, carries, strict=True))]
 
 
 def timed_workload(engine: LLMEngine, requests: list[tuple[list[int], int]], concurrency: int) -> dict:
