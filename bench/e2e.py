@@ -37,8 +37,10 @@ torch SDPA's FlashAttention-2 or memory-efficient backend through the runtime's
 TTFT; best of 3 at 2k, of 2 at 8k, one run above), then ``--long-decode-steps`` decode steps
 timed at that context (after 2 untimed ones), then aborted. Prompt attentions interleave per
 length; every prompt is fresh (no prefix-cache hit). The SDPA backends run with the KV cache
-dtypes of ``--sdpa-kv-cache-dtypes`` only (default: the first of ``--kv-cache-dtype``), and
-dtypes after the first only up to ``--kv-dtype-max-len`` tokens, to fit a device call. The
+dtypes of ``--sdpa-kv-cache-dtypes`` only (default: ``auto`` if listed, else the first of
+``--kv-cache-dtype``: the base the others are compared with), the other dtypes only up to
+``--kv-dtype-max-len`` tokens (to fit a device call; list them first, so that a time limit
+cuts the base's longest rows rather than them). The
 model is built once; each KV dtype gets a fresh engine on it. A row that fails (out of memory,
 no SDPA kernel for the shapes) records its error and the run goes on. ``--memory-cap-gib``
 limits torch's allocator (``set_per_process_memory_fraction``): a 128k-token prompt within a
@@ -404,6 +406,11 @@ def parse_list(text: str, allowed, flag: str) -> list[str]:
     return names
 
 
+def base_dtype(kv_cache_dtypes: list[str]) -> str:
+    """The KV cache dtype the others are compared with: ``auto`` when listed, else the first."""
+    return "auto" if "auto" in kv_cache_dtypes else kv_cache_dtypes[0]
+
+
 def long_repeats(length: int) -> int:
     """Runs per row, the best kept: 3 at 2k tokens and below, 2 up to 8k, then 1."""
     return 3 if length <= 2048 else 2 if length <= 8192 else 1
@@ -520,7 +527,7 @@ def bench_long(name: str, args, save) -> dict:
           f"{'on (batch-1 decode graph, piecewise prompt graphs)' if result['cuda_graphs'] else 'off (eager)'}",
           flush=True)
     seeds = itertools.count(5000)  # a seed per prompt: prompts of one seed share a prefix (a cache hit)
-    for d, kv_dtype in enumerate(args.kv_cache_dtypes):
+    for kv_dtype in args.kv_cache_dtypes:
         config = long_engine_config(name, args, kv_dtype)
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -542,7 +549,8 @@ def bench_long(name: str, args, save) -> dict:
               f"{info['cache_tokens_per_gib']:.0f} tokens/GiB; onecat prompt attention: {info['onecat_prompt_path']}",
               flush=True)
         attentions = [a for a in args.prompt_attentions if a == "onecat" or kv_dtype in args.sdpa_kv_cache_dtypes]
-        lengths = [n for n in args.long_prompts if d == 0 or n <= args.kv_dtype_max_len]
+        lengths = [n for n in args.long_prompts if kv_dtype == base_dtype(args.kv_cache_dtypes)
+                   or n <= args.kv_dtype_max_len]
         for attention in attentions:  # warm-up: a fresh chunk and one after cached tokens
             try:
                 with prompt_attention(attention):
@@ -593,14 +601,14 @@ def long_row_text(row: dict) -> str:
 
 def long_summary(result: dict) -> dict:
     """The issue's ratios from the rows (where both sides were measured): prefill and decode at
-    each length over 2k (onecat, the first KV dtype), onecat over each SDPA backend per length,
-    each KV dtype's decode and cache capacity over the first dtype's."""
+    each length over the shortest (onecat, the base KV dtype: ``base_dtype``), onecat over each
+    SDPA backend per length, each KV dtype's prefill, decode and cache capacity over the base's."""
     rows = {(r["kv_cache_dtype"], r["prompt_attention"], r["length"]): r for r in result["rows"] if "ttft_s" in r}
-    dtypes = list(result["engines"])
     summary: dict = {}
-    if not dtypes:
+    if not result["engines"]:
         return summary
-    base = dtypes[0]
+    base = base_dtype(list(result["engines"]))
+    dtypes = [base] + [d for d in result["engines"] if d != base]
     lengths = sorted({r["length"] for r in result["rows"]})
     short = min(lengths)
     ref = rows.get((base, "onecat", short))
@@ -743,9 +751,10 @@ def main() -> None:
                       help=f"comma-separated, of {', '.join(PROMPT_ATTENTIONS)} (torch SDPA backends: bench only)")
     long.add_argument("--kv-cache-dtype", default="auto", help="comma-separated KV cache dtypes, an engine each")
     long.add_argument("--sdpa-kv-cache-dtypes", default=None,
-                      help="KV cache dtypes the SDPA prompt attentions also run with (default: the first)")
+                      help="KV cache dtypes the SDPA prompt attentions also run with (default: auto if listed, "
+                      "else the first)")
     long.add_argument("--kv-dtype-max-len", type=int, default=None,
-                      help="longest prompt for the KV cache dtypes after the first (default: all)")
+                      help="longest prompt for the KV cache dtypes other than that one (default: all)")
     long.add_argument("--long-decode-steps", type=int, default=32, help="timed decode steps after each prompt")
     long.add_argument("--long-eager", action="store_true", help="no CUDA graphs for the long prompts")
     long.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="the engines' exact cache budget")
@@ -761,7 +770,7 @@ def main() -> None:
 
     args.kv_cache_dtypes = parse_list(args.kv_cache_dtype, KV_CACHE_DTYPES, "--kv-cache-dtype")
     args.sdpa_kv_cache_dtypes = (parse_list(args.sdpa_kv_cache_dtypes, KV_CACHE_DTYPES, "--sdpa-kv-cache-dtypes")
-                                 if args.sdpa_kv_cache_dtypes else args.kv_cache_dtypes[:1])
+                                 if args.sdpa_kv_cache_dtypes else [base_dtype(args.kv_cache_dtypes)])
     args.kv_dtype_max_len = args.kv_dtype_max_len or max(args.long_prompts, default=0)
     if args.long_only and not args.long_prompts:
         raise SystemExit("--long-only needs --long-prompts")

@@ -62,7 +62,7 @@ def test_long_prompt_matrix_smoke():
     args = argparse.Namespace(
         layers=None, vocab=256, device="cpu", long_prompts=[40, 72], prefill_len=32, long_decode_steps=2,
         long_eager=False, kv_cache_memory_bytes=None, prompt_attentions=["onecat", "sdpa-math", "sdpa-mem"],
-        kv_cache_dtypes=["auto", "int8"], sdpa_kv_cache_dtypes=["auto"], kv_dtype_max_len=40,
+        kv_cache_dtypes=["int8", "auto"], sdpa_kv_cache_dtypes=["auto"], kv_dtype_max_len=40,
     )
     saves = []
     result = e2e.bench_long("smoke", args, lambda: saves.append(1))
