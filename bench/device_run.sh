@@ -14,6 +14,15 @@
 #
 # To compare two revisions, use bench/ab_prepare.sh instead (interleaved runs in one call).
 #
+# Issue 42 item 4 (long prompts) in two calls of at most 600 s (limits: 580 s each):
+#
+#   bash bench/device_run.sh long-prompts          # = long-27b long-35b: bench/e2e.py --long-only
+#   bash bench/device_run.sh long-serve long-32gb  # the long-document serving workload; 128k in 31 GiB
+#
+# (`long` runs all four in one call, for a machine without that limit.) Every part writes its
+# JSON after each row, so a part cut by its limit keeps what it measured. The KV dtypes other
+# than fp16 run first and up to 32k tokens (their targets: capacity, decode at 32k).
+#
 # Sections run in the order given (default: tests e2e), each under its own time limit, so one
 # slow part cannot eat the others' time; results (JSON and logs) go to $OUT or ./device-out.
 set -u
@@ -32,7 +41,17 @@ run() {  # run SECONDS NAME COMMAND...: log to $out/NAME.log, print its tail
   echo "(exit $?)"
   tail -n 25 "$out/$name.log"
 }
+sections=()
 for section in ${@:-tests e2e}; do
+  case $section in
+    long) sections+=(long-27b long-35b long-serve long-32gb) ;;
+    long-prompts) sections+=(long-27b long-35b) ;;
+    *) sections+=("$section") ;;
+  esac
+done
+long_e2e="--long-only --long-prompts 2048,8192,32768,65536,131072 --prompt-attention onecat,sdpa-flash,sdpa-mem
+  --kv-cache-dtype fp8_e5m2,int8,auto --kv-dtype-max-len 32768 --long-decode-steps 32"
+for section in "${sections[@]}"; do
   case $section in
     tests) run 600 gpu-tests python3 -m pytest -q -p no:cacheprovider -m gpu tests --ignore=tests/test_runtime_tp.py ;;
     tp-tests) NCCL_NVLS_ENABLE=0 TORCHDYNAMO_DISABLE=1 run 600 tp-tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_runtime_tp.py ;;
@@ -67,6 +86,14 @@ for section in ${@:-tests e2e}; do
                   --workloads 320:0.6:64 --data-parallel-size 2 --kill-replica-at 3 --out "$out/serve_dp2.json") ;;
     serve-decode) (cd bench && run 400 serve-decode python3 serve_h200.py --models 35b-a3b,27b --concurrency 32 \
                      --workloads 128:0:256 --out "$out/serve_decode.json") ;;
-    *) echo "unknown section $section (tests, tp-tests, tp, profile, mixed, quantize, moe-tiles, moe-shapes, wmmar, serve32, router, ncu, gemv, norm, gdn, attention, e2e, serve, serve-dp2, serve-decode)" >&2; exit 2 ;;
+    long-27b) (cd bench && run 330 long-27b python3 e2e.py --models 27b $long_e2e --out "$out/long_27b.json") ;;
+    long-35b) (cd bench && run 250 long-35b python3 e2e.py --models 35b-a3b $long_e2e --out "$out/long_35b.json") ;;
+    long-32gb) (cd bench && run 100 long-32gb python3 e2e.py --models 27b --long-only --long-prompts 131072 \
+                  --prompt-attention onecat --memory-cap-gib 31 --long-decode-steps 16 --out "$out/long_32gb.json") ;;
+    long-serve) (cd bench && run 330 long-serve python3 serve_h200.py --models 35b-a3b,27b --concurrency 8,32 \
+                   --workloads longdoc --out "$out/long_serve.json"
+                 run 150 long-serve-kv python3 serve_h200.py --models 35b-a3b --concurrency 32 --workloads longdoc \
+                   --kv-cache-dtype int8,fp8_e5m2 --out "$out/long_serve_kv.json") ;;
+    *) echo "unknown section $section (tests, tp-tests, tp, profile, mixed, quantize, moe-tiles, moe-shapes, wmmar, serve32, router, ncu, gemv, norm, gdn, attention, e2e, serve, serve-dp2, serve-decode, long, long-prompts, long-27b, long-35b, long-32gb, long-serve)" >&2; exit 2 ;;
   esac
 done

@@ -7,8 +7,7 @@ projections in fp16 as in AWQ checkpoints) -- no checkpoint, no download. Measur
 the engine (scheduler, paged KV, GDN state slots, CUDA graphs, sampling):
 
 - batch-1 decode tokens/s, batch-8 and batch-32 decode throughput (128-token prompts),
-- prefill tokens/s of one 2048-token prompt, and with ``--long-prompts`` the time to the
-  first token of one prompt per given length (chunked by ``--prefill-len``),
+- prefill tokens/s of one 2048-token prompt,
 - the batch-1 roofline: bytes read per decoded token (weights touched, GDN state read and
   written, KV read) over the device copy bandwidth measured in the same run,
 - transformers' fp16 model of the same shape (random init on the same GPU): batch-1 decode
@@ -24,12 +23,39 @@ the engine (scheduler, paged KV, GDN state slots, CUDA graphs, sampling):
 
 ``--hf-layers N`` builds transformers' model with N layers (same layer-type pattern) and
 scales its per-token time to full depth linearly (said in the output).
+
+Long prompts (issue 42, item 4; ``--long-prompts 2048,8192,32768,65536,131072``, after the
+figures above or alone with ``--long-only``): per model, per KV cache dtype
+(``--kv-cache-dtype auto,fp8_e5m2,int8``) an engine of batch 1 (``max_num_seqs`` 1, KV blocks
+for the longest prompt plus the decode steps, chunks of ``--prefill-len``, CUDA graphs unless
+``--long-eager``: the batch-1 decode graph and the piecewise prompt graphs, whose attention
+cores run eagerly), and per length and prompt attention (``--prompt-attention
+onecat,sdpa-flash,sdpa-mem``: onecat's flash prefill kernel, the runtime's default on CUDA;
+torch SDPA's FlashAttention-2 or memory-efficient backend through the runtime's
+``prompt_attention_sdpa``, one call per chunk with repeated K/V, the pre-kernel path;
+``sdpa-math`` too) one greedy request: the time to its first token (prefill tok/s = length /
+TTFT; best of 3 at 2k, of 2 at 8k, one run above), then ``--long-decode-steps`` decode steps
+timed at that context (after 2 untimed ones), then aborted. Prompt attentions interleave per
+length; every prompt is fresh (no prefix-cache hit). The SDPA backends run with the KV cache
+dtypes of ``--sdpa-kv-cache-dtypes`` only (default: ``auto`` if listed, else the first of
+``--kv-cache-dtype``: the base the others are compared with), the other dtypes only up to
+``--kv-dtype-max-len`` tokens (to fit a device call; list them first, so that a time limit
+cuts the base's longest rows rather than them). The
+model is built once; each KV dtype gets a fresh engine on it. A row that fails (out of memory,
+no SDPA kernel for the shapes) records its error and the run goes on. ``--memory-cap-gib``
+limits torch's allocator (``set_per_process_memory_fraction``): a 128k-token prompt within a
+32 GB card's memory. ``--device cpu --layers 2 --vocab 512 --long-only`` is a smoke run of the
+plumbing (the torch reference path instead of the kernel; ``sdpa-mem`` does not exist on CPU).
+
+    python bench/e2e.py --models 27b,35b-a3b --long-only --long-prompts 2048,8192,32768,65536,131072 \
+        --prompt-attention onecat,sdpa-flash,sdpa-mem --kv-cache-dtype auto,fp8_e5m2,int8 --out long.json
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import math
 import time
@@ -69,6 +95,11 @@ SHAPES = {
         num_key_value_heads=2, linear_num_key_heads=16, linear_num_value_heads=32, num_experts=256,
         num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
         **COMMON,
+    ),
+    # not a Qwen3.5 size: CPU smoke runs of the benchmarks' plumbing (with --vocab)
+    "smoke": dict(
+        model_type="qwen3_5_text", hidden_size=256, num_hidden_layers=4, intermediate_size=512,
+        num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4, **COMMON,
     ),
 }
 
@@ -224,18 +255,24 @@ def timed_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: int, see
 
 
 def workload_requests(count: int, input_len: int, output_len: int, range_ratio: float, vocab: int,
-                      seed: int) -> list[tuple[list[int], int]]:
+                      seed: int, prefix_len: int = 0, prefix_share: float = 1.0) -> list[tuple[list[int], int]]:
     """``count`` (prompt, output length) pairs drawn as ``onecat bench serve``'s random dataset
     draws them: both lengths uniform in ``[floor(L * (1 - r)), ceil(L * (1 + r))]``
-    (``length_range``, as vLLM's), so that the engine alone runs the served workload."""
-    from onecat.benchmarks.datasets import length_range
+    (``length_range``, as vLLM's), and with ``prefix_len`` one random prefix before the prompts
+    of the requests ``prefix_carriers(count, prefix_share)`` picks, as many fresh tokens before
+    the others (``--random-prefix-len`` / ``--random-prefix-share``), so that the engine alone
+    runs the served workload."""
+    from onecat.benchmarks.datasets import length_range, prefix_carriers
 
     rng = torch.Generator().manual_seed(seed)
     in_low, in_high = length_range(input_len, range_ratio, minimum=1)
     out_low, out_high = length_range(output_len, range_ratio, minimum=1)
     inputs = torch.randint(in_low, in_high + 1, (count,), generator=rng).tolist()
     outputs = torch.randint(out_low, out_high + 1, (count,), generator=rng).tolist()
-    return [(random_prompt(n, vocab, seed + 1 + i), m) for i, (n, m) in enumerate(zip(inputs, outputs, strict=True))]
+    prefix = random_prompt(prefix_len, vocab, seed - 1) if prefix_len else []
+    carries = prefix_carriers(count, prefix_share)
+    return [((prefix if shared else random_prompt(prefix_len, vocab, -(seed + 1 + i))) + random_prompt(n, vocab, seed + 1 + i), m)
+            for i, (n, m, shared) in enumerate(zip(inputs, outputs, carries, strict=True))]
 
 
 def timed_workload(engine: LLMEngine, requests: list[tuple[list[int], int]], concurrency: int) -> dict:
@@ -350,11 +387,258 @@ def time_to_first_token(engine: LLMEngine, length: int, seed: int = 7) -> float:
     return time.perf_counter() - start
 
 
-def bench_onecat(name: str, args, bandwidth: float) -> dict:
+# ----- long prompts (issue 42, item 4) ------------------------------------------------------
+
+PROMPT_ATTENTIONS = {"onecat": None, "sdpa-flash": "FLASH_ATTENTION", "sdpa-mem": "EFFICIENT_ATTENTION",
+                     "sdpa-math": "MATH"}
+"""``--prompt-attention`` names: onecat's own choice (the flash prefill kernel on CUDA fp16,
+the torch reference path elsewhere), or one torch SDPA backend (``SDPBackend`` member)."""
+LONG_WARM_UP_DECODE = 2
+"""Untimed decode steps after the first token, before the timed ones."""
+
+
+def parse_list(text: str, allowed, flag: str) -> list[str]:
+    """Comma-separated names, each one of ``allowed``; SystemExit naming ``flag`` otherwise."""
+    names = [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in allowed]
+    if unknown or not names:
+        raise SystemExit(f"{flag}: {','.join(unknown) or text!r}: choose from {', '.join(allowed)}")
+    return names
+
+
+def base_dtype(kv_cache_dtypes: list[str]) -> str:
+    """The KV cache dtype the others are compared with: ``auto`` when listed, else the first."""
+    return "auto" if "auto" in kv_cache_dtypes else kv_cache_dtypes[0]
+
+
+def long_repeats(length: int) -> int:
+    """Runs per row, the best kept: 3 at 2k tokens and below, 2 up to 8k, then 1."""
+    return 3 if length <= 2048 else 2 if length <= 8192 else 1
+
+
+def prompt_attention(name: str):
+    """The runtime's switch for prompt attention ``name`` (a context manager)."""
+    from contextlib import nullcontext
+
+    from torch.nn.attention import SDPBackend
+
+    from onecat.runtime.layers.attention import prompt_attention_sdpa
+
+    backend = PROMPT_ATTENTIONS[name]
+    return nullcontext() if backend is None else prompt_attention_sdpa(getattr(SDPBackend, backend))
+
+
+def long_engine_config(name: str, args, kv_cache_dtype: str) -> EngineConfig:
+    """Batch 1, KV blocks for the longest prompt and its decode steps (plus a spare chunk)."""
+    max_len = max(args.long_prompts) + LONG_WARM_UP_DECODE + args.long_decode_steps + 16
+    block = 16
+    return EngineConfig(
+        model=f"random-{name}", device=args.device, max_num_seqs=1, max_model_len=max_len,
+        max_num_batched_tokens=args.prefill_len, kv_block_size=block,
+        num_kv_blocks=-(-(max_len + args.prefill_len) // block), enforce_eager=args.long_eager or args.device != "cuda",
+        kv_cache_dtype=kv_cache_dtype, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+    )
+
+
+def close_engine(engine: LLMEngine) -> None:
+    """Free an engine built on a model that the next engine reuses: its graphs, and the caches
+    and states it gave the model's layers (the next engine plans its memory without them)."""
+    runner = engine.runner
+    runner.release_graphs()
+    for layer in runner.attention:
+        layer.k_cache, layer.v_cache, layer.k_scale, layer.v_scale = torch.empty(0), torch.empty(0), None, None
+    for layer in runner.gdn:
+        layer.conv_state, layer.recurrent_state = torch.empty(0), torch.empty(0)
+    engine.close()
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def long_request(engine: LLMEngine, length: int, seed: int, decode_steps: int) -> dict:
+    """One greedy request of a fresh ``length``-token prompt: seconds to its first token, then
+    the decode tokens/s over ``decode_steps`` steps at that context (after
+    ``LONG_WARM_UP_DECODE`` untimed steps; none timed when ``decode_steps`` is 0); aborted
+    after. RuntimeError when the request fails in the engine."""
+    rid = f"long{length}-{seed}"
+    vocab = engine.runner.model_config.vocab_size
+    params = SamplingParams(max_tokens=decode_steps + LONG_WARM_UP_DECODE + 8, temperature=0.0, ignore_eos=True)
+
+    def step() -> int:
+        tokens = 0
+        for out in engine.step():
+            if out.request_id == rid:
+                if out.finish_reason == "error":
+                    raise RuntimeError(f"the request failed in the engine: {out.error}")
+                tokens += len(out.new_token_ids)
+        return tokens
+
+    engine.add_request(rid, random_prompt(length, vocab, seed), params)
+    try:
+        sync()
+        start = time.perf_counter()
+        while not step():
+            pass
+        sync()
+        ttft = time.perf_counter() - start
+        result = {"ttft_s": ttft, "prefill_tok_s": length / ttft}
+        if decode_steps:
+            for _ in range(LONG_WARM_UP_DECODE):
+                step()
+            sync()
+            start, tokens = time.perf_counter(), 0
+            for _ in range(decode_steps):
+                tokens += step()
+            sync()
+            result.update(decode_tok_s=tokens / (time.perf_counter() - start), decode_tokens=tokens)
+        return result
+    finally:
+        engine.abort_request(rid)
+        while engine.has_unfinished_requests():
+            engine.step()
+
+
+def cache_tokens_per_gib(engine: LLMEngine) -> float:
+    """Tokens of context one GiB of this engine's KV cache holds (all full-attention layers)."""
+    runner = engine.runner
+    return runner.block_size * 2**30 / runner.block_bytes()
+
+
+def bench_long(name: str, args, save) -> dict:
+    """The long-prompt matrix of one model (module docstring): rows of (KV cache dtype, length,
+    prompt attention) with TTFT, prefill and decode tok/s; ``save()`` after every row."""
     raw = text_config(name, args.layers)
-    longest = max(args.long_prompts, default=0)
-    raw["max_position_embeddings"] = max(raw["max_position_embeddings"], longest + 64)
-    cfg = ModelConfig.from_dict(raw)
+    if args.vocab:
+        raw["vocab_size"] = args.vocab
+    raw["max_position_embeddings"] = max(raw["max_position_embeddings"], max(args.long_prompts) + 1024)
+    dtype = torch.float16 if args.device == "cuda" else torch.float32
+    t0 = time.perf_counter()
+    with torch.device(args.device):
+        model = Qwen3_5ForCausalLM(ModelConfig.from_dict(raw), QuantPlan(default=GROUP), dtype)
+    fill_random(model)
+    sync()
+    result = {"model": name, "layers": raw["num_hidden_layers"], "build_s": time.perf_counter() - t0,
+              "device": args.device, "cuda_graphs": args.device == "cuda" and not args.long_eager,
+              "prefill_chunk": args.prefill_len, "decode_steps": args.long_decode_steps, "engines": {}, "rows": []}
+    print(f"  {name}: built in {result['build_s']:.1f} s; long prompts with CUDA graphs "
+          f"{'on (batch-1 decode graph, piecewise prompt graphs)' if result['cuda_graphs'] else 'off (eager)'}",
+          flush=True)
+    seeds = itertools.count(5000)  # a seed per prompt: prompts of one seed share a prefix (a cache hit)
+    for kv_dtype in args.kv_cache_dtypes:
+        config = long_engine_config(name, args, kv_dtype)
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        try:
+            engine = LLMEngine.from_model(config, model)
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory under --memory-cap-gib: record, go on
+            result["engines"][kv_dtype] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"  {name} {kv_dtype}: engine failed: {exc}", flush=True)
+            save()
+            continue
+        probe = torch.empty(1, model.config.num_attention_heads, model.config.head_dim, device=args.device, dtype=dtype)
+        layer = engine.runner.attention[0]
+        info = {"setup_s": time.perf_counter() - t0, "num_kv_blocks": engine.runner.num_blocks,
+                "cache_tokens_per_gib": cache_tokens_per_gib(engine),
+                "onecat_prompt_path": "flash_prefill kernel" if layer.uses_prefill_kernel(probe) else "torch reference"}
+        result["engines"][kv_dtype] = info
+        print(f"  {name} {kv_dtype}: engine set up in {info['setup_s']:.1f} s, {info['num_kv_blocks']} KV blocks, "
+              f"{info['cache_tokens_per_gib']:.0f} tokens/GiB; onecat prompt attention: {info['onecat_prompt_path']}",
+              flush=True)
+        attentions = [a for a in args.prompt_attentions if a == "onecat" or kv_dtype in args.sdpa_kv_cache_dtypes]
+        lengths = [n for n in args.long_prompts if kv_dtype == base_dtype(args.kv_cache_dtypes)
+                   or n <= args.kv_dtype_max_len]
+        for attention in attentions:  # warm-up: a fresh chunk and one after cached tokens
+            try:
+                with prompt_attention(attention):
+                    long_request(engine, 2 * args.prefill_len + 16, next(seeds), 2)
+            except Exception as exc:  # noqa: BLE001 - the rows below record it
+                print(f"  {name} {kv_dtype} {attention}: warm-up failed: {exc}", flush=True)
+        for length in lengths:
+            for attention in attentions:
+                row = {"model": name, "kv_cache_dtype": kv_dtype, "prompt_attention": attention, "length": length}
+                runs = []
+                if args.device == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                try:
+                    for r in range(long_repeats(length)):
+                        with prompt_attention(attention):
+                            runs.append(long_request(engine, length, next(seeds), args.long_decode_steps if r == 0 else 0))
+                except Exception as exc:  # noqa: BLE001 - out of memory, no SDPA kernel: record, go on
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                    free_memory()
+                if runs:
+                    best = min(runs, key=lambda run: run["ttft_s"])
+                    row.update(ttft_s=best["ttft_s"], prefill_tok_s=best["prefill_tok_s"], runs=len(runs))
+                    if "decode_tok_s" in runs[0]:
+                        row["decode_tok_s"] = runs[0]["decode_tok_s"]
+                if args.device == "cuda":
+                    row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                result["rows"].append(row)
+                print("  " + long_row_text(row), flush=True)
+                save()
+        close_engine(engine)
+        del engine, layer
+        free_memory()
+    del model
+    free_memory()
+    result["summary"] = long_summary(result)
+    return result
+
+
+def long_row_text(row: dict) -> str:
+    head = f"{row['model']} {row['kv_cache_dtype']:>8} {row['prompt_attention']:>10} {row['length']:>7} tokens:"
+    if "ttft_s" not in row:
+        return f"{head} FAILED {row.get('error')}"
+    text = f"{head} first token after {row['ttft_s'] * 1e3:8.0f} ms ({row['prefill_tok_s']:6.0f} tok/s)"
+    if "decode_tok_s" in row:
+        text += f", decode {row['decode_tok_s']:6.1f} tok/s"
+    return text + (f" [error in a repeat: {row['error']}]" if "error" in row else "")
+
+
+def long_summary(result: dict) -> dict:
+    """The issue's ratios from the rows (where both sides were measured): prefill and decode at
+    each length over the shortest (onecat, the base KV dtype: ``base_dtype``), onecat over each
+    SDPA backend per length, each KV dtype's prefill, decode and cache capacity over the base's."""
+    rows = {(r["kv_cache_dtype"], r["prompt_attention"], r["length"]): r for r in result["rows"] if "ttft_s" in r}
+    summary: dict = {}
+    if not result["engines"]:
+        return summary
+    base = base_dtype(list(result["engines"]))
+    dtypes = [base] + [d for d in result["engines"] if d != base]
+    lengths = sorted({r["length"] for r in result["rows"]})
+    short = min(lengths)
+    ref = rows.get((base, "onecat", short))
+    for length in lengths:
+        row = rows.get((base, "onecat", length))
+        if row is None:
+            continue
+        if ref is not None and length != short:
+            summary[f"prefill_{length}_over_{short}"] = row["prefill_tok_s"] / ref["prefill_tok_s"]
+            if "decode_tok_s" in row and "decode_tok_s" in ref:
+                summary[f"decode_{length}_over_{short}"] = row["decode_tok_s"] / ref["decode_tok_s"]
+        for attention in PROMPT_ATTENTIONS:
+            other = rows.get((base, attention, length))
+            if attention != "onecat" and other is not None:
+                summary[f"prefill_{length}_onecat_over_{attention}"] = row["prefill_tok_s"] / other["prefill_tok_s"]
+        for kv_dtype in dtypes[1:]:
+            other = rows.get((kv_dtype, "onecat", length))
+            if other is not None and "decode_tok_s" in other and "decode_tok_s" in row:
+                summary[f"decode_{length}_{kv_dtype}_over_{base}"] = other["decode_tok_s"] / row["decode_tok_s"]
+            if other is not None:
+                summary[f"prefill_{length}_{kv_dtype}_over_{base}"] = other["prefill_tok_s"] / row["prefill_tok_s"]
+    for kv_dtype in dtypes[1:]:
+        a, b = result["engines"][kv_dtype], result["engines"][base]
+        if "cache_tokens_per_gib" in a and "cache_tokens_per_gib" in b:
+            summary[f"cache_tokens_{kv_dtype}_over_{base}"] = a["cache_tokens_per_gib"] / b["cache_tokens_per_gib"]
+    return summary
+
+
+def bench_onecat(name: str, args, bandwidth: float) -> dict:
+    cfg = ModelConfig.from_dict(text_config(name, args.layers))
     t0 = time.perf_counter()
     with torch.device(DEVICE):
         model = Qwen3_5ForCausalLM(cfg, QuantPlan(default=GROUP), torch.float16)
@@ -363,9 +647,9 @@ def bench_onecat(name: str, args, bandwidth: float) -> dict:
     build_s = time.perf_counter() - t0
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     engine_cfg = EngineConfig(
-        model=f"random-{name}", max_num_seqs=args.max_num_seqs, max_model_len=max(4096, longest + 64),
-        max_num_batched_tokens=args.prefill_len, num_kv_blocks=max(args.kv_blocks, (longest + 64) // 16 + 64),
-        enforce_eager=args.eager, device=DEVICE,
+        model=f"random-{name}", max_num_seqs=args.max_num_seqs, max_model_len=4096,
+        max_num_batched_tokens=args.prefill_len, num_kv_blocks=args.kv_blocks, enforce_eager=args.eager,
+        device=DEVICE,
     )
     t0 = time.perf_counter()
     engine = LLMEngine.from_model(engine_cfg, model)
@@ -387,11 +671,6 @@ def bench_onecat(name: str, args, bandwidth: float) -> dict:
         result.update(graph_matches_eager(engine, args.prompt_len))
     result["prefill_tok_s"] = timed_prefill(engine, args.prefill_len, args.prefill_repeats)
     print(f"  {name} prefill: {result['prefill_tok_s']:.0f} tok/s", flush=True)
-    for length in args.long_prompts:
-        seconds = time_to_first_token(engine, length)
-        result[f"ttft_{length}_s"], result[f"prefill_{length}_tok_s"] = seconds, length / seconds
-        print(f"  {name} prompt of {length} tokens: first token after {seconds * 1e3:.0f} ms "
-              f"({length / seconds:.0f} tok/s)", flush=True)
     if "decode_b1_tok_s" in result:
         result["roofline_fraction_b1"] = result["decode_b1_tok_s"] / result["roofline_tok_s"]
     result["graphs"] = sorted(engine.runner.graphs)
@@ -464,27 +743,69 @@ def main() -> None:
     parser.add_argument("--hf-layers", type=int, default=None, help="transformers depth (scaled)")
     parser.add_argument("--hf-decode-steps", type=int, default=8)
     parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--long-prompts", default="", help="prompt lengths to time the first token of, e.g. 512,8192,32768")
     parser.add_argument("--out", default=None)
+    long = parser.add_argument_group("long prompts (issue 42; see the module docstring)")
+    long.add_argument("--long-prompts", default="", help="prompt lengths, e.g. 2048,8192,32768,65536,131072")
+    long.add_argument("--long-only", action="store_true", help="only the long-prompt matrix")
+    long.add_argument("--prompt-attention", default="onecat",
+                      help=f"comma-separated, of {', '.join(PROMPT_ATTENTIONS)} (torch SDPA backends: bench only)")
+    long.add_argument("--kv-cache-dtype", default="auto", help="comma-separated KV cache dtypes, an engine each")
+    long.add_argument("--sdpa-kv-cache-dtypes", default=None,
+                      help="KV cache dtypes the SDPA prompt attentions also run with (default: auto if listed, "
+                      "else the first)")
+    long.add_argument("--kv-dtype-max-len", type=int, default=None,
+                      help="longest prompt for the KV cache dtypes other than that one (default: all)")
+    long.add_argument("--long-decode-steps", type=int, default=32, help="timed decode steps after each prompt")
+    long.add_argument("--long-eager", action="store_true", help="no CUDA graphs for the long prompts")
+    long.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="the engines' exact cache budget")
+    long.add_argument("--memory-cap-gib", type=float, default=None,
+                      help="cap torch's allocator at this many GiB (e.g. 31: a 32 GB card)")
+    long.add_argument("--device", default="cuda", help="cpu: a smoke run of the long part (with --long-only)")
+    long.add_argument("--vocab", type=int, default=None, help="smaller vocabulary (CPU smoke runs)")
     args = parser.parse_args()
-    args.batches = [int(b) for b in args.batches.split(",")]
+    args.batches = [int(b) for b in args.batches.split(",") if b]
     args.long_prompts = [int(n) for n in args.long_prompts.split(",") if n]
-    if not torch.cuda.is_available():
-        raise SystemExit("bench/e2e.py needs a CUDA GPU")
-    from onecat.kernels import loader
+    args.prompt_attentions = parse_list(args.prompt_attention, PROMPT_ATTENTIONS, "--prompt-attention")
+    from onecat.runtime.capacity import KV_CACHE_DTYPES
 
-    bandwidth = copy_bandwidth()
-    report = {
-        "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-        "kernel_target": loader.choose_target(0), "copy_bandwidth_gb_s": bandwidth / 1e9, "runs": [],
-    }
-    print(json.dumps({k: v for k, v in report.items() if k != "runs"}), flush=True)
+    args.kv_cache_dtypes = parse_list(args.kv_cache_dtype, KV_CACHE_DTYPES, "--kv-cache-dtype")
+    args.sdpa_kv_cache_dtypes = (parse_list(args.sdpa_kv_cache_dtypes, KV_CACHE_DTYPES, "--sdpa-kv-cache-dtypes")
+                                 if args.sdpa_kv_cache_dtypes else [base_dtype(args.kv_cache_dtypes)])
+    args.kv_dtype_max_len = args.kv_dtype_max_len or max(args.long_prompts, default=0)
+    if args.long_only and not args.long_prompts:
+        raise SystemExit("--long-only needs --long-prompts")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench/e2e.py needs a CUDA GPU (--device cpu --long-only: a smoke run of the long part)")
+    if args.device != "cuda" and not args.long_only:
+        raise SystemExit("--device cpu runs the long part only: add --long-only")
+    if args.memory_cap_gib and args.device == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total))
+    report = {"torch": torch.__version__, "runs": [], "long": []}
+    if args.device == "cuda":
+        from onecat.kernels import loader
+
+        report.update(gpu=torch.cuda.get_device_name(0), kernel_target=loader.choose_target(0),
+                      memory_cap_gib=args.memory_cap_gib)
+        if not args.long_only:
+            report["copy_bandwidth_gb_s"] = copy_bandwidth() / 1e9
+    print(json.dumps({k: v for k, v in report.items() if k not in ("runs", "long")}), flush=True)
+
     def save() -> None:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=2)
 
     for name in args.models.split(","):
+        if args.long_prompts:
+            t0 = time.perf_counter()
+            report["long"].append(bench_long(name, args, save))
+            report["long"][-1]["wall_s"] = time.perf_counter() - t0
+            print(json.dumps(report["long"][-1]["summary"]), flush=True)
+            save()
+        if args.long_only:
+            continue
+        bandwidth = report["copy_bandwidth_gb_s"] * 1e9
         t0 = time.perf_counter()
         ours = bench_onecat(name, args, bandwidth)
         ours["wall_s"] = time.perf_counter() - t0

@@ -19,6 +19,13 @@ concurrency (greedy like the engine figures, ``prompts_per_run`` prompts after `
 warm-up requests) and prints one table. The TTFT run also splits the server's time to first
 token by the stamps behind vLLM's histograms (``ttft_split``).
 
+Long documents (issue 42, item 4): ``--workloads longdoc`` (= ``6144:0:256:2048:0.5``:
+8k-token prompts, a shared 2048-token prefix on every second request, fresh tokens in its place
+on the others, 256 out; ``IN:RATIO:OUT:PREFIX:SHARE``) with ``LONG_PROMPTS_PER_SLOT`` requests a
+slot and at most ``LONG_WARMUPS`` warm-ups, the engine alone on the same mix
+(``e2e.workload_requests``); ``--max-model-len`` is raised to the longest request;
+``--kv-cache-dtype auto,int8,fp8_e5m2`` starts a server per dtype and model.
+
 Why build in the server process instead of ``onecat serve ARTIFACT``: a packed 27B written
 to disk is ~14 GB (minutes to write and to load, disk the GPU machine may not spare), while
 random weights generated on the GPU take seconds; what is measured, the server and the
@@ -101,6 +108,8 @@ def random_engine(config, replica: int, model: str, layers: int | None, tokenize
     if replica != 0:
         return engine
     figures = {"model": model, "layers": raw["num_hidden_layers"], "setup_s": time.perf_counter() - t0,
+               "kv_cache_dtype": config.kv_cache_dtype, "max_model_len": engine.max_model_len,
+               "kv_cache_tokens": engine.runner.num_blocks * engine.runner.block_size,
                "engine_decode_tok_s": {}, "engine_workload_tok_s": {}, "engine_workload": {},
                "engine_ttft_128_ms": engine_ttft_ms(engine, 128)}
     print(f"  engine TTFT, 128-token prompt alone: {figures['engine_ttft_128_ms']:.2f} ms", flush=True)
@@ -108,9 +117,10 @@ def random_engine(config, replica: int, model: str, layers: int | None, tokenize
         figures["engine_decode_tok_s"][batch] = e2e.timed_decode(engine, batch, 128, 24, 1000 * batch)
         print(f"  engine batch {batch}: {figures['engine_decode_tok_s'][batch]:.1f} tok/s", flush=True)
         for workload in workloads:  # the closed-loop workloads the driver sends over HTTP, on the engine alone
-            input_len, range_ratio, output_len = parse_workload(workload)
-            requests = e2e.workload_requests(prompts_per_run(batch, range_ratio), input_len, output_len,
-                                             range_ratio, VOCAB, 7 * batch)
+            input_len, range_ratio, output_len, prefix_len, share = parse_workload(workload)
+            count = prompts_per_run(batch, range_ratio, prompt_tokens(workload))
+            requests = e2e.workload_requests(count, input_len, output_len, range_ratio, VOCAB, 7 * batch,
+                                             prefix_len, share)
             result = e2e.timed_workload(engine, requests, batch)
             figures["engine_workload_tok_s"][f"{workload}@{batch}"] = result["output_tok_s"]
             figures["engine_workload"][f"{workload}@{batch}"] = result
@@ -132,20 +142,60 @@ def engine_ttft_ms(engine, prompt_len: int, runs: int = 9) -> float:
     return 1000 * statistics.median(times[1:])
 
 
-def parse_workload(text: str) -> tuple[int, float, int]:
-    """``"IN:RATIO:OUT"`` (e.g. ``320:0.6:64``: prompts of 320 tokens +-60%, 64 +-60% out) as
-    (input_len, range_ratio, output_len); SystemExit naming the flag when malformed."""
+NAMED_WORKLOADS = {"longdoc": "6144:0:256:2048:0.5"}
+"""``--workloads`` names: ``longdoc`` is issue 42's long-document workload, 8k-token prompts
+(6144 random tokens after 2048 more: the shared prefix on every second request, fresh tokens
+on the others), 256 out."""
+LONG_PROMPT_TOKENS = 4096
+"""Workloads with prompts of at least this many tokens run ``LONG_PROMPTS_PER_SLOT`` requests a
+slot and at most ``LONG_WARMUPS`` warm-ups (a long run's prefill would not fit a device call)."""
+LONG_PROMPTS_PER_SLOT = 2
+LONG_WARMUPS = 4
+
+
+def parse_workload(text: str) -> tuple[int, float, int, int, float]:
+    """``"IN:RATIO:OUT[:PREFIX[:SHARE]]"`` (e.g. ``320:0.6:64``: prompts of 320 tokens +-60%, 64
+    +-60% out; ``6144:0:256:2048:0.5``: 6144 tokens after a shared 2048-token prefix on half the
+    requests, ``onecat bench serve --random-prefix-len / --random-prefix-share``), or a name of
+    ``NAMED_WORKLOADS``, as (input_len, range_ratio, output_len, prefix_len, prefix_share);
+    SystemExit naming the flag when malformed."""
+    fields = NAMED_WORKLOADS.get(text, text).split(":")
     try:
-        input_len, ratio, output_len = text.split(":")
-        return int(input_len), float(ratio), int(output_len)
+        if not 3 <= len(fields) <= 5:
+            raise ValueError
+        prefix_len = int(fields[3]) if len(fields) > 3 else 0
+        share = float(fields[4]) if len(fields) > 4 else 1.0
+        if prefix_len < 0 or not 0 <= share <= 1:
+            raise ValueError
+        return int(fields[0]), float(fields[1]), int(fields[2]), prefix_len, share
     except ValueError:
-        raise SystemExit(f"--workloads: {text!r} is not IN:RATIO:OUT (e.g. 320:0.6:64)") from None
+        raise SystemExit(f"--workloads: {text!r} is not IN:RATIO:OUT[:PREFIX[:SHARE]] (e.g. 320:0.6:64, "
+                         f"6144:0:256:2048:0.5) nor one of {', '.join(NAMED_WORKLOADS)}") from None
 
 
-def prompts_per_run(concurrency: int, range_ratio: float) -> int:
+def prompt_tokens(workload: str) -> int:
+    """The longest prompt of a workload, in tokens."""
+    from onecat.benchmarks.datasets import length_range
+
+    input_len, ratio, _, prefix_len, _ = parse_workload(workload)
+    return prefix_len + length_range(input_len, ratio, minimum=1)[1]
+
+
+def longest_sequence(workloads: list[str]) -> int:
+    """Tokens of the longest request of any workload (prompt + output)."""
+    from onecat.benchmarks.datasets import length_range
+
+    return max(prompt_tokens(w) + length_range(parse_workload(w)[2], parse_workload(w)[1], minimum=1)[1]
+               for w in workloads)
+
+
+def prompts_per_run(concurrency: int, range_ratio: float, prompt_len: int = 0) -> int:
     """Requests in one run: ``PROMPTS_PER_SLOT`` per slot, half that when every request has the
-    same lengths (the batch then drains all at once: no tail to amortise)."""
+    same lengths (the batch then drains all at once: no tail to amortise), and
+    ``LONG_PROMPTS_PER_SLOT`` for prompts of ``LONG_PROMPT_TOKENS`` or more."""
     per_slot = PROMPTS_PER_SLOT if range_ratio else PROMPTS_PER_SLOT // 2
+    if prompt_len >= LONG_PROMPT_TOKENS:
+        per_slot = LONG_PROMPTS_PER_SLOT
     return max(8, per_slot * concurrency)
 
 
@@ -159,7 +209,8 @@ def serve_random_model(args: argparse.Namespace) -> None:
 
     name = f"random-{args.serve_model}"
     config = EngineConfig(model=args.tokenizer, served_model_name=name, device=args.device,
-                          max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+                          max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                          kv_cache_dtype=args.kv_cache_dtype)
     factory = {"model": args.serve_model, "layers": args.layers, "tokenizer": args.tokenizer,
                "engine_json": args.engine_json, "engine_batches": args.engine_batches,
                "workloads": args.workloads}
@@ -351,16 +402,20 @@ def wait_replicas_up(url: str, timeout: float) -> dict:
 
 def serve_run(name: str, url: str, tokenizer: Path, work: Path, c: int, workload: str, *,
               prompts: int | None = None, label: str = "", kill_at: float | None = None) -> dict:
-    """One ``onecat bench serve`` run at concurrency ``c`` of ``workload`` (``IN:RATIO:OUT``)."""
-    input_len, range_ratio, output_len = parse_workload(workload)
-    prompts = prompts or prompts_per_run(c, range_ratio)
+    """One ``onecat bench serve`` run at concurrency ``c`` of ``workload`` (``parse_workload``)."""
+    input_len, range_ratio, output_len, prefix_len, share = parse_workload(workload)
+    long = prompt_tokens(workload) >= LONG_PROMPT_TOKENS
+    prompts = prompts or prompts_per_run(c, range_ratio, prompt_tokens(workload))
     tag = f"{name}-c{c}-{workload.replace(':', '_')}{label}"
     result_json = work / f"{tag}.json"
     bench = [sys.executable, "-m", "onecat.cli", "bench", "serve", "--base-url", url,
              "--tokenizer", str(tokenizer), "--dataset-name", "random",
              "--random-input-len", str(input_len), "--random-range-ratio", str(range_ratio),
              "--random-output-len", str(output_len), "--num-prompts", str(prompts),
-             "--max-concurrency", str(c), "--num-warmups", str(c), "--temperature", "0",
+             "--random-prefix-len", str(prefix_len), "--random-prefix-share", str(share),
+             *(["--seed", str(c)] if prefix_len or long else []),  # no run hits another run's prompts
+             "--max-concurrency", str(c), "--num-warmups", str(min(c, LONG_WARMUPS) if long else c),
+             "--temperature", "0",
              "--metric-percentiles", "50,99", "--result-json", str(result_json), "--no-progress"]
     before = step_counters(url)
     failover: dict = {}
@@ -391,15 +446,17 @@ def serve_run(name: str, url: str, tokenizer: Path, work: Path, c: int, workload
             "failover": failover or None}
 
 
-def bench_model(name: str, args: argparse.Namespace, tokenizer: Path, work: Path) -> dict:
-    """Start the server for ``name``, run ``onecat bench serve`` for each workload at each
-    concurrency, stop."""
+def bench_model(name: str, args: argparse.Namespace, tokenizer: Path, work: Path, kv_cache_dtype: str = "auto") -> dict:
+    """Start the server for ``name`` (its KV cache in ``kv_cache_dtype``), run ``onecat bench
+    serve`` for each workload at each concurrency, stop."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    engine_json, log = work / f"{name}-engine.json", work / f"{name}-server.log"
+    tag = name if kv_cache_dtype == "auto" else f"{name}-{kv_cache_dtype}"
+    engine_json, log = work / f"{tag}-engine.json", work / f"{tag}-server.log"
+    max_model_len = max(args.max_model_len, longest_sequence(args.workloads) + 16)
     command = [sys.executable, str(Path(__file__).resolve()), "--serve-model", name, "--port", str(port),
-               "--tokenizer", str(tokenizer), "--engine-json", str(engine_json),
-               "--max-num-seqs", str(max(args.concurrency, default=1)), "--max-model-len", str(args.max_model_len),
+               "--tokenizer", str(tokenizer), "--engine-json", str(engine_json), "--kv-cache-dtype", kv_cache_dtype,
+               "--max-num-seqs", str(max(args.concurrency, default=1)), "--max-model-len", str(max_model_len),
                "--engine-batches", ",".join(map(str, args.concurrency)), "--workloads", ",".join(args.workloads),
                "--data-parallel-size", str(args.data_parallel_size), "--device", args.device]
     if args.layers:
@@ -411,7 +468,8 @@ def bench_model(name: str, args: argparse.Namespace, tokenizer: Path, work: Path
     try:
         wait_ready(proc, url, log, args.server_timeout)
         engine = json.loads(engine_json.read_text())
-        print(f"{name}: server up in {time.perf_counter() - t0:.0f} s; engine "
+        print(f"{tag}: server up in {time.perf_counter() - t0:.0f} s ({kv_cache_dtype} KV cache, "
+              f"{engine['kv_cache_tokens']} tokens, max model len {engine['max_model_len']}); engine "
               + ", ".join(f"b{b} {v:.0f}" for b, v in engine["engine_decode_tok_s"].items()) + " tok/s",
               flush=True)
         runs = []
@@ -421,9 +479,9 @@ def bench_model(name: str, args: argparse.Namespace, tokenizer: Path, work: Path
         plan = [(w, c) for w in args.workloads for c in args.concurrency]
         for i, (workload, c) in enumerate(plan):
             kill = args.kill_replica_at if i == len(plan) - 1 else None
-            runs.append(serve_run(name, url, tokenizer, work, c, workload, kill_at=kill,
+            runs.append(serve_run(tag, url, tokenizer, work, c, workload, kill_at=kill,
                                   label="kill" if kill is not None else ""))
-        return {"engine": engine, "runs": runs, "wall_s": time.perf_counter() - t0}
+        return {"engine": engine, "runs": runs, "kv_cache_dtype": kv_cache_dtype, "wall_s": time.perf_counter() - t0}
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -467,9 +525,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="fewer layers (smoke runs)")
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--workloads", default="320:0.6:64",
-                        help="IN:RATIO:OUT,...: prompt tokens, their +- range ratio (also applied to the output), "
-                        "output tokens; 320:0.6:64 = prompts of 128-512 tokens, 25-103 out; 128:0:256 decode-bound")
-    parser.add_argument("--max-model-len", type=int, default=2048)
+                        help="IN:RATIO:OUT[:PREFIX[:SHARE]],...: prompt tokens, their +- range ratio (also applied "
+                        "to the output), output tokens, a shared prefix's tokens before the prompt and the share of "
+                        "requests carrying it (the others: fresh tokens); 320:0.6:64 = prompts of 128-512 tokens, "
+                        "25-103 out; 128:0:256 decode-bound; longdoc = 6144:0:256:2048:0.5 (8k-token prompts)")
+    parser.add_argument("--max-model-len", type=int, default=2048,
+                        help="at least; raised to the longest request of --workloads")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="comma-separated KV cache dtypes (auto, fp8_e5m2, int8): a server each, per model")
     parser.add_argument("--server-timeout", type=float, default=600.0)
     parser.add_argument("--out", default=None, help="write every figure to this JSON file")
     parser.add_argument("--work", default=None, help="keep the server logs and per-run JSON here")
@@ -492,6 +555,14 @@ def main() -> None:
     args.workloads = [w for w in args.workloads.split(",") if w]
     for workload in args.workloads:
         parse_workload(workload)
+    from onecat.runtime.capacity import KV_CACHE_DTYPES
+
+    args.kv_cache_dtypes = [d for d in args.kv_cache_dtype.split(",") if d]
+    for kv_dtype in args.kv_cache_dtypes:
+        if kv_dtype not in KV_CACHE_DTYPES:
+            raise SystemExit(f"--kv-cache-dtype {kv_dtype}: choose from {', '.join(KV_CACHE_DTYPES)}")
+    if args.serve_model:
+        args.kv_cache_dtype = args.kv_cache_dtypes[0]
     args.engine_batches = [int(b) for b in args.engine_batches.split(",") if b]
     if args.serve_model:
         serve_random_model(args)
@@ -504,15 +575,18 @@ def main() -> None:
         raise SystemExit("bench/serve_h200.py needs a CUDA GPU (--device cpu: a smoke run of the plumbing)")
     report = {"gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu", "torch": torch.__version__,
               "data_parallel_size": args.data_parallel_size,
-              "kernel_arch": os.environ.get("ONECAT_KERNEL_ARCH"), "workloads": args.workloads, "models": {}}
+              "kernel_arch": os.environ.get("ONECAT_KERNEL_ARCH"), "workloads": args.workloads,
+              "kv_cache_dtypes": args.kv_cache_dtypes, "models": {}}
     with tempfile.TemporaryDirectory(prefix="onecat-serve-bench-") as tmp:
         work = Path(args.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
         tokenizer = build_word_tokenizer(work / "tokenizer")
         for name in args.models.split(","):
-            report["models"][name] = bench_model(name, args, tokenizer, work)
-            if args.out:
-                write_result_json(args.out, report)
+            for kv_dtype in args.kv_cache_dtypes:
+                key = name if kv_dtype == "auto" else f"{name}/{kv_dtype}"
+                report["models"][key] = bench_model(name, args, tokenizer, work, kv_dtype)
+                if args.out:
+                    write_result_json(args.out, report)
     print_table(report)
 
 

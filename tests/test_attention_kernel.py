@@ -239,3 +239,41 @@ def test_a_32k_token_prompt_runs_with_bounded_attention_scores(monkeypatch):
     assert len(tokens) == 4 and not engine.has_unfinished_requests()
     assert max(largest) <= attention_layer.PREFILL_SCORE_ELEMENTS
     assert len(largest) > 16 * 2  # chunks after cached tokens were split into query blocks
+
+
+@pytest.mark.parametrize("backend", ["MATH", "FLASH_ATTENTION"])
+@pytest.mark.parametrize("num_heads, kv_heads, past", [(4, 2, 0), (6, 1, 13), (8, 8, 5)])
+def test_prompt_attention_sdpa_matches_the_reference_path(monkeypatch, backend, num_heads, kv_heads, past):
+    """The benchmarks' switch (``prompt_attention_sdpa``): one SDPA call per prompt chunk under
+    the given backend (CPU: math and flash exist) gives the reference path's output, for a
+    fresh chunk (upper-left mask) and after cached tokens (lower-right), through ``forward``
+    with its output gate; the switch is off again after the block."""
+    from torch.nn.attention import SDPBackend
+
+    from onecat.runtime.layers import attention as attention_layer
+
+    torch.manual_seed(1)
+    dim, block, length = 16, 4, 11
+    layer = PagedAttention(num_heads, kv_heads, dim, dim**-0.5)
+    layer.k_cache = torch.randn(8, block, kv_heads, dim)
+    layer.v_cache = torch.randn(8, block, kv_heads, dim)
+    table = torch.tensor([5, 2, 7, 0, 3, 6, 1])
+    q = torch.randn(length, num_heads, dim)
+    k, v = torch.randn(length, kv_heads, dim), torch.randn(length, kv_heads, dim)
+    gate = torch.randn(length, num_heads * dim)
+    slots = torch.stack([table[p // block] * block + p % block for p in range(past, past + length)])
+    ctx = ForwardContext(slot_mapping=slots, prefills=[PrefillChunk(0, length, past, table, 0)])
+    set_context(ctx)
+    try:
+        expected = layer(q, k, v, gate=gate)
+        calls = []
+        for name in ("causal_lower_right", "causal_upper_left"):
+            mask = getattr(attention_layer, name)
+            monkeypatch.setattr(attention_layer, name, lambda *a, mask=mask, name=name: calls.append(name) or mask(*a))
+        with attention_layer.prompt_attention_sdpa(getattr(SDPBackend, backend)):
+            got = layer(q, k, v, gate=gate)
+    finally:
+        set_context(None)
+    assert attention_layer._prompt_sdpa_backend is None
+    assert calls == ["causal_lower_right" if past else "causal_upper_left"]
+    assert torch.allclose(got, expected, atol=1e-5)

@@ -37,13 +37,22 @@ A pass of decode rows only, one per sequence, skips the input kernel on CUDA:
 :meth:`PagedAttention.decode_from_qkv` runs the decode kernel's ``split_prep`` form, which
 norms and rotates the queries and the new key itself and writes the new key and value into
 the cache (:meth:`PagedAttention.decodes_from_qkv` says when).
+
+Benchmarks compare the prefill kernel with torch SDPA's backends through
+:func:`prompt_attention_sdpa` (no user-facing switch): inside it every prompt chunk runs one
+SDPA call under the given backend, as the runtime's CUDA path did before the kernel.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 from onecat.kernels import attention as attention_kernel
 from onecat.kernels import attention_prep, flash_prefill, kv_cache
@@ -54,6 +63,28 @@ PREFILL_SCORE_ELEMENTS = 1 << 25
 """Most attention scores one torch call may hold for a prompt chunk (its query rows are split
 into blocks under it): a 2048-token chunk of a 32k-token prompt would otherwise hold 24 heads
 x 2048 x 32768 fp32 scores, 6.4 GB, at once. The CUDA kernel holds no scores in memory."""
+
+_prompt_sdpa_backend: SDPBackend | None = None
+"""Set by :func:`prompt_attention_sdpa` only (benchmarks); None: the runtime's own choice."""
+
+
+@contextmanager
+def prompt_attention_sdpa(backend: SDPBackend | None) -> Iterator[None]:
+    """Benchmarks only (``bench/e2e.py --prompt-attention``): inside, every prompt chunk, on any
+    device, runs ONE torch SDPA call under ``backend`` (``sdpa_kernel([backend])``) instead of
+    the flash prefill kernel or the reference path: 4-D inputs, each KV head's keys and values
+    repeated for its query heads, an upper-left causal mask for a fresh chunk and the
+    lower-right ``CausalBias`` after cached tokens (nothing materialised), the context's keys
+    gathered from the paged cache (decoded from an 8-bit encoding): the runtime's CUDA path
+    before the kernel, without its split over KV heads. A backend that cannot take the call
+    raises (torch's "No available kernel") rather than falling back. None: the runtime's own
+    choice. Not thread-safe: a module-wide switch for the engines of this process."""
+    global _prompt_sdpa_backend
+    previous, _prompt_sdpa_backend = _prompt_sdpa_backend, backend
+    try:
+        yield
+    finally:
+        _prompt_sdpa_backend = previous
 
 
 @fused
@@ -235,6 +266,38 @@ class PagedAttention(nn.Module):
         return flash_prefill.flash_prefill_attention(q, k_src, v_src, batch, self.scale, k_scale=self.k_scale,
                                                      v_scale=self.v_scale)  # fmt: skip
 
+    def _context_kv(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_past: int, block_table
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[num_past + L, KVH, D]`` a chunk of ``L`` tokens attends over: the
+        cache's blocks after cached tokens, else the fresh ``k`` / ``v`` as the cache holds them
+        (round-tripped through a quantized encoding; as given before the cache exists)."""
+        total = num_past + q.shape[0]
+        if num_past:
+            k_all, v_all = self._gather(block_table, q.dtype)
+            return k_all[:total], v_all[:total]
+        if self.k_cache.numel() == 0:  # the memory-profiling pass: no cache yet
+            return k, v
+        return kv_cache.roundtrip(k, self.kv_format), kv_cache.roundtrip(v, self.kv_format)
+
+    def _prefill_sdpa(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_past: int, block_table, backend: SDPBackend
+    ) -> torch.Tensor:
+        """One prompt chunk as one SDPA call under ``backend`` (:func:`prompt_attention_sdpa`)."""
+        group = self.num_heads // self.num_kv_heads
+        length = q.shape[0]
+        k_all, v_all = self._context_kv(q, k, v, num_past, block_table)
+        causal = (causal_lower_right if num_past else causal_upper_left)(length, k_all.shape[0])
+        with sdpa_kernel([backend]):
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None],
+                k_all.to(q.dtype).transpose(0, 1).repeat_interleave(group, dim=0)[None],
+                v_all.to(q.dtype).transpose(0, 1).repeat_interleave(group, dim=0)[None],
+                attn_mask=causal,
+                scale=self.scale,
+            )
+        return out[0].transpose(0, 1)
+
     def _prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_past: int, block_table
     ) -> torch.Tensor:
@@ -246,13 +309,7 @@ class PagedAttention(nn.Module):
         :data:`PREFILL_SCORE_ELEMENTS`."""
         group = self.num_heads // self.num_kv_heads
         length, total = q.shape[0], num_past + q.shape[0]
-        if num_past:
-            k_all, v_all = self._gather(block_table, q.dtype)
-            k_all, v_all = k_all[:total], v_all[:total]
-        elif self.k_cache.numel() == 0:  # the memory-profiling pass: no cache yet
-            k_all, v_all = k, v
-        else:
-            k_all, v_all = kv_cache.roundtrip(k, self.kv_format), kv_cache.roundtrip(v, self.kv_format)
+        k_all, v_all = self._context_kv(q, k, v, num_past, block_table)
         keys, values = k_all.transpose(0, 1).to(q.dtype), v_all.transpose(0, 1).to(q.dtype)  # [kvh, S, d]
         queries = q.reshape(length, self.num_kv_heads, group, self.head_dim).permute(1, 2, 0, 3)
         rows = max(1, PREFILL_SCORE_ELEMENTS // (self.num_heads * total))
@@ -278,7 +335,8 @@ class PagedAttention(nn.Module):
         ctx = get_context()
         if not stored:
             self._store(k, v, ctx.slot_mapping)
-        if ctx.prefills and self.uses_prefill_kernel(q):
+        backend = _prompt_sdpa_backend
+        if ctx.prefills and backend is None and self.uses_prefill_kernel(q):
             # the chunks follow the decode rows (the runner's flat batch)
             out = self._prefill_kernel(q, k, v, ctx)
             decodes = ctx.num_decodes
@@ -293,6 +351,9 @@ class PagedAttention(nn.Module):
             outputs.append(self._decode(q[: ctx.num_decodes], ctx, decode_gate))
         for chunk in ctx.prefills:
             part = slice(chunk.start, chunk.start + chunk.length)
-            out = self._prefill(q[part], k[part], v[part], chunk.num_past, chunk.block_table)
+            if backend is None:
+                out = self._prefill(q[part], k[part], v[part], chunk.num_past, chunk.block_table)
+            else:
+                out = self._prefill_sdpa(q[part], k[part], v[part], chunk.num_past, chunk.block_table, backend)
             outputs.append(out if gate is None else sigmoid_gate(out, gate[part]))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
