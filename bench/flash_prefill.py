@@ -11,9 +11,7 @@ not timed). Also one chunk of 2048 tokens after 30720 cached tokens (chunked pre
 bottom-right causal mask; SDPA gets the lower-right ``CausalBias``). Each figure is the
 median of CUDA-event timings of eager calls after a warm-up; TFLOP/s count the visible
 (query, key) pairs only (4 * D flops each). A V100 has no FlashAttention-2: that column is
-a reference point on the H200. The kernel variants named by ``--variants`` (default: every one of
-``flash_prefill.VARIANTS``) are timed, and each one's largest difference from SDPA's output is
-reported. The kernel runs the compute_70 PTX when ``ONECAT_KERNEL_ARCH=70``.
+a reference point on the H200. Every kernel variant (``flash_prefill.VARIANTS``) is timed. The kernel runs the compute_70 PTX when ``ONECAT_KERNEL_ARCH=70``.
 Prints one JSON object (and writes it to ``--out``).
 """
 
@@ -37,9 +35,9 @@ HEADS, KV_HEADS, DIM, BLOCK = 24, 4, 256, 16
 REPS = 5
 
 
-def case(length: int, past: int, gen: torch.Generator, variants: tuple[str, ...] = fp.VARIANTS) -> dict:
-    """One row: the kernel's ``variants`` and both SDPA backends on a chunk of ``length`` tokens
-    after ``past`` cached ones."""
+def case(length: int, past: int, gen: torch.Generator) -> dict:
+    """One row: the kernel and both SDPA backends on a chunk of ``length`` tokens after
+    ``past`` cached ones."""
     total = past + length
     blocks = math.ceil(total / BLOCK)
     k_cache = torch.randn(blocks, BLOCK, KV_HEADS, DIM, generator=gen, device="cuda").half()
@@ -72,8 +70,9 @@ def case(length: int, past: int, gen: torch.Generator, variants: tuple[str, ...]
     pairs = length * past + length * (length + 1) // 2
     flops = 4 * DIM * HEADS * pairs
     row = {"length": length, "past": past, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": DIM}
-    for variant in variants:
+    for variant in fp.VARIANTS:
         row[f"onecat_{variant}_ms"] = median_ms(ours(variant), REPS)
+    ours(fp.DEFAULT_VARIANT)()
     reference = None
     for name, backend in (("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION), ("sdpa_flash2", SDPBackend.FLASH_ATTENTION)):
         try:
@@ -82,7 +81,7 @@ def case(length: int, past: int, gen: torch.Generator, variants: tuple[str, ...]
         except RuntimeError as exc:  # a backend that refuses the shape or mask
             row[f"{name}_ms"] = None
             row[f"{name}_error"] = str(exc).splitlines()[0][:200]
-    ours_keys = [f"onecat_{variant}" for variant in variants]
+    ours_keys = [f"onecat_{variant}" for variant in fp.VARIANTS]
     for key in (*ours_keys, "sdpa_efficient", "sdpa_flash2"):
         ms = row.get(f"{key}_ms")
         row[f"{key}_tflops"] = None if not ms else round(flops / ms / 1e9, 1)
@@ -91,10 +90,8 @@ def case(length: int, past: int, gen: torch.Generator, variants: tuple[str, ...]
             ms = row.get(f"{key}_ms")
             row[f"{mine}_speedup_vs_{key}"] = None if not ms else round(ms / row[f"{mine}_ms"], 3)
     if reference is not None:
-        for variant in variants:
-            out.fill_(float("nan"))
-            ours(variant)()
-            row[f"onecat_{variant}_max_abs_diff_vs_sdpa"] = (out.float() - reference.float()).abs().max().item()
+        err = (out.float() - reference.float()).abs().max().item()
+        row[f"onecat_{fp.DEFAULT_VARIANT}_max_abs_diff_vs_sdpa"] = err
     return row
 
 
@@ -105,18 +102,12 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--chunk-after", type=int, nargs=2, default=[2048, 30720], metavar=("LENGTH", "PAST"),
                         help="one chunked-prefill case: LENGTH new tokens after PAST cached ones (0 0: none)")
-    parser.add_argument("--variants", default=",".join(fp.VARIANTS),
-                        help=f"comma-separated kernel variants to time (default: all of {','.join(fp.VARIANTS)})")
     args = parser.parse_args()
-    variants = tuple(v for v in args.variants.split(",") if v)
-    unknown = [v for v in variants if v not in fp.VARIANTS]
-    if unknown or not variants:
-        parser.error(f"--variants: unknown {unknown}; known: {','.join(fp.VARIANTS)}")
     gen = torch.Generator(device="cuda").manual_seed(0)
     cases = [(n, 0) for n in args.lengths] + ([tuple(args.chunk_after)] if args.chunk_after[0] else [])
     rows = []
     for length, past in cases:
-        rows.append(case(length, past, gen, variants))
+        rows.append(case(length, past, gen))
         torch.cuda.empty_cache()
     result = {
         "date": datetime.date.today().isoformat(),

@@ -139,8 +139,7 @@ def test_batch_meta_and_argument_checks():
     assert fp.supports(torch.device("cuda"), torch.float16, 256, 16)
     assert not fp.supports(torch.device("cuda"), torch.float16, 64, 16)
     assert not fp.supports(torch.device("cpu"), torch.float16, 256, 16)
-    assert all(fp.shared_bytes(d, v) <= 96 * 1024 for d in fp.HEAD_DIMS for v in fp.VARIANTS)
-    assert fp.shared_bytes(256, "w8") == 85248 and fp.shared_bytes(256) == 88320
+    assert fp.shared_bytes(256) <= 96 * 1024
 
 
 @pytest.mark.parametrize(
@@ -192,12 +191,8 @@ def test_kernel_program_is_sm70_legal_and_does_not_spill():
         for d in fp.HEAD_DIMS
     }  # fmt: skip
     for r in resources:
-        if "_w8b2_d256" in r.name:  # capped at 128 registers (two blocks per SM): a small spill, measured
-            assert r.registers <= 128 and r.spill_stores <= 64 and r.spill_loads <= 64, r
-            continue
         assert r.spill_stores == r.spill_loads == r.stack_bytes == 0, r
         assert r.registers * 256 <= 65536, r
-    assert "wmma.mma.sync.aligned.row.row.m8n32k16.f32.f32" in ptx  # the w8 variants' P V
 
 
 def test_runtime_torch_path_matches_reference_over_a_ragged_pass():

@@ -23,11 +23,6 @@ def random_layer(n: int, k: int, g: int, seed: int = 0):
     return q, z, s
 
 
-SPILLING_CANDIDATES = {f"flash_prefill{kv}_w8b2_d256" for kv in ("", "_fp8", "_int8")}
-"""Kernels capped at 128 registers for two blocks per SM (flash_prefill.cu's w8b2): a few words
-spill (24 / 40 bytes with NVRTC 12.9); the runtime does not run them by default."""
-
-
 @pytest.fixture(scope="module")
 def sm70_builds():
     return {p: build.compile_program(p, "sm_70") for p in build.PROGRAMS}
@@ -49,9 +44,6 @@ def test_nvrtc_builds_sm_70_cubin_without_spills(program, sm70_builds):
     by_name = {r.name: r for r in compiled.resources}
     assert set(by_name) == set(build.kernel_names(program)), compiled.log
     for r in by_name.values():
-        if r.name in SPILLING_CANDIDATES:
-            assert r.spill_stores <= 64 and r.spill_loads <= 64, f"{r.name} spills more than measured: {r}"
-            continue
         assert r.spill_stores == 0 and r.spill_loads == 0, f"{r.name} spills: {r}"
         assert r.stack_bytes == 0, f"{r.name} uses a stack frame: {r}"
         assert r.shared_bytes <= 48 * 1024, f"{r.name} needs opt-in shared memory: {r}"

@@ -159,7 +159,7 @@ def kernel_names(program: str) -> list[str]:
             names.append(f"w4a16_moe_gemv_down_w{w}_b{b}")
         for w, b, r in re.findall(r"^ONECAT_MOE_GROUPED\((\d+), (\d+), (\d+)\)$", text, flags=re.M):
             names += [f"w4a16_moe_gemv_grouped_{part}_w{w}_b{b}_r{r}" for part in ("gate_up", "down")]
-        names += re.findall(r"^FAP_KERNEL\w*\((\w+), \d+, \d+(?:, [\w:]+)*\)$", text, flags=re.M)
+        names += re.findall(r"^FAP_KERNEL\((\w+), \d+, \d+(?:, [\w:]+)?\)$", text, flags=re.M)
         names += re.findall(r"^ONECAT_PA_SPLIT\((\w+), \d+, \d+, \w+, [\w:]+\)$", text, flags=re.M)
         for suffix in re.findall(r"^ONECAT_MOE_WMMA\((\w*), \d+, \w+\)$", text, flags=re.M):
             names += [f"w4a16_moe_wmma_gate_up{suffix}", f"w4a16_moe_wmma_down{suffix}"]

@@ -38,7 +38,7 @@
 // b -> item b / KVH, KV head b % KVH; the host lists items by descending key count, so the
 // longest blocks start first.
 //
-// Thread mapping of r16 / r32: 256 threads = 8 warps.  Warp w has row group rg = w % 4 (rows 16rg ..
+// Thread mapping: 256 threads = 8 warps.  Warp w has row group rg = w % 4 (rows 16rg ..
 // 16rg+15) and half hf = w / 4.  Per key tile:
 //   load    K (then V) tile: 64 keys x D halfs, thread t loads 16-byte pieces t + 256i (a warp
 //           reads 512 contiguous bytes of one or two cache rows); loads go to registers first
@@ -71,34 +71,6 @@
 //                          first 128 bytes of row r of S)
 //   alpha fp32 [64]        per-row rescale factor, at the end 1 / row sum
 // D = 256: 88,320 bytes (V100: 96 KB per block, one block per SM); D = 128: 55,552.
-//
-// Variants w8 and w8b2 (flash_prefill_w8): the same rows, work items, grid and math, but every
-// warp owns 8 whole rows, so the softmax needs no other warp.  256 threads = 8 warps; warp w owns
-// rows 8w .. 8w+7 through all three steps, with wmma m8n32k16 (A 8 x 16, B 16 x 32, C 8 x 32):
-//   tiles   K and V tiles of 32 keys in buffers of their own (same piece mapping as above: thread t
-//           loads 16-byte pieces t + 256i, 4 per tile at D = 256).  Per tile two block barriers:
-//           [K tile t visible] Q K^T, softmax, store V tile t [V tile t visible] P V, store K tile
-//           t + 1.  w8 issues each tile's global loads two phases before its store (two register
-//           sets); w8b2 issues them just before the store (128 registers: two blocks per SM where
-//           shared memory allows, sm_80 and later; a V100 fits one);
-//   Q K^T   warp w: S[8 rows][32 keys] over D/16 steps (Q fragments from its own 8 Q rows, K^T
-//           fragments from the whole K tile), in two accumulators (w8; one in w8b2) summed at the
-//           end, then stored to the warp's own S scratch;
-//   softmax lane l owns row 8w + l / 4 and columns 4(l%4) + 16c + {0..3}, c < 2 (the row's four
-//           lanes are adjacent: two xor shuffles; an S row stride of 48 floats keeps the float4
-//           reads conflict-free); writes P (fp16) to the warp's P scratch, alpha to alpha[row];
-//   P V     warp w: O[8 rows][D] in D/32 accumulators (64 registers at D = 256), rescaled by alpha
-//           through the m8n32 accumulator's row map (read once, as above, from a fragment of row
-//           numbers in the warp's scratch), then += P[8][32] V[32][D].
-// Only __syncwarp orders a warp's S scratch between its store and the softmax; P and alpha cross
-// the second barrier of the tile, which every warp passes after its softmax.  At the end O goes
-// through shared memory (over Q, K and V) and is written as above.
-// Shared memory (WShape):
-//   Q     fp16 [64][D+8]
-//   K, V  fp16 [32][D+8] each
-//   per warp: S fp32 [8][48], P fp16 [8][40]
-//   alpha fp32 [64]
-// D = 256: 85,248 bytes; D = 128: 52,480.
 #include "w4a16_common.cuh"  // cuda_fp16.h and the KV-cache encodings
 
 namespace onecat_fap {
@@ -175,17 +147,17 @@ __device__ __forceinline__ void load_acc(Acc& c, const float* p, int ld) {
 template <int KV> struct Piece { uint2 codes; float scale; };
 template <> struct Piece<onecat::kKvFp16> { uint4 halfs; };
 
-// Where the piece e of a KEYS x D tile of keys comes from: key k0 + e / (D/8), features
+// Where the piece e of a 64 x D tile of keys comes from: key k0 + e / (D/8), features
 // 8 (e % (D/8)) ..; zero past the block's last key (those scores are masked, and a zero value
 // row keeps P V finite whatever the cache holds there).
-template <int D, int KV, int KEYS = kKeys>
-__device__ __forceinline__ void load_tile(Piece<KV> (&r)[KEYS * D / 8 / kThreads], const void* __restrict__ src,
+template <int D, int KV>
+__device__ __forceinline__ void load_tile(Piece<KV> (&r)[Shape<D>::kPieces], const void* __restrict__ src,
                                           const float* __restrict__ scales,
                                           const long long* __restrict__ tables, int table_offset,
                                           int q_start, int k0, int n_keys, int kvh, int kv_heads,
                                           int log2_bs) {
 #pragma unroll
-  for (int i = 0; i < KEYS * D / 8 / kThreads; ++i) {
+  for (int i = 0; i < Shape<D>::kPieces; ++i) {
     const int e = threadIdx.x + kThreads * i;
     const int key = k0 + e / Shape<D>::kPiecesPerRow;
     const int piece = e % Shape<D>::kPiecesPerRow;
@@ -235,10 +207,10 @@ __device__ __forceinline__ uint4 piece_halfs(const Piece<KV>& p) {
   }
 }
 
-template <int D, int KV, int KEYS = kKeys>
-__device__ __forceinline__ void store_tile(half* tile, const Piece<KV> (&r)[KEYS * D / 8 / kThreads]) {
+template <int D, int KV>
+__device__ __forceinline__ void store_tile(half* tile, const Piece<KV> (&r)[Shape<D>::kPieces]) {
 #pragma unroll
-  for (int i = 0; i < KEYS * D / 8 / kThreads; ++i) {
+  for (int i = 0; i < Shape<D>::kPieces; ++i) {
     const int e = threadIdx.x + kThreads * i;
     *reinterpret_cast<uint4*>(tile + (e / Shape<D>::kPiecesPerRow) * Shape<D>::kLd +
                               8 * (e % Shape<D>::kPiecesPerRow)) = piece_halfs<KV>(r[i]);
@@ -441,279 +413,6 @@ __device__ __forceinline__ void flash_prefill(
     *(reinterpret_cast<uint4*>(out + (q_start + token) * o_st + head * o_sh) + piece) = packed;
   }
 }
-
-// ---- Variant w8: every warp owns 8 whole rows (wmma m8n32k16), warp-local softmax -----------
-constexpr int kWarps = kThreads / 32;
-constexpr int kWRows = kRows / kWarps;  // 8 rows per warp
-constexpr int kWKeys = 32;              // keys per K / V tile
-constexpr int kLdWS = 48;               // floats per row of a warp's S scratch (float4 reads conflict-free)
-constexpr int kLdWP = 40;               // halfs per row of a warp's P scratch
-
-template <int D> struct WShape {
-  static constexpr int kLd = D + 8;                            // halfs per Q / K / V row
-  static constexpr int kLdO = D + 4;                           // floats per O staging row
-  static constexpr int kPieces = kWKeys * D / 8 / kThreads;    // 16-byte loads per thread per K or V tile
-  static constexpr int kQPieces = kRows * D / 8 / kThreads;    // per thread, for Q and for the output
-  static constexpr int kPiecesPerRow = D / 8;
-  static constexpr int kQBytes = kRows * kLd * 2;
-  static constexpr int kTileBytes = kWKeys * kLd * 2;
-  static constexpr int kScratchBytes = kWRows * kLdWS * 4 + kWRows * kLdWP * 2;  // one warp's S and P
-  static constexpr int kSmem = kQBytes + 2 * kTileBytes + kWarps * kScratchBytes + kRows * 4;
-  static_assert(kRows * kLdO * 4 <= kQBytes + 2 * kTileBytes, "O staging must fit over Q, K and V");
-  static_assert(kQBytes % 32 == 0 && kTileBytes % 32 == 0 && kScratchBytes % 32 == 0, "wmma needs 32-byte bases");
-};
-
-// m8n32k16 operand loads, products and accumulator moves on shared memory ("memory": they stay
-// ordered with the C++ accesses to the same scratch)
-#define FAP_LOAD8(NAME, WHICH, LAYOUT)                                                         \
-  __device__ __forceinline__ void NAME(Frag& f, const half* p, int ld) {                       \
-    asm volatile("wmma.load." #WHICH ".sync.aligned." #LAYOUT ".m8n32k16.shared.f16 "          \
-                 "{%0,%1,%2,%3,%4,%5,%6,%7}, [%8], %9;"                                        \
-                 : "=r"(f.r[0]), "=r"(f.r[1]), "=r"(f.r[2]), "=r"(f.r[3]), "=r"(f.r[4]),       \
-                   "=r"(f.r[5]), "=r"(f.r[6]), "=r"(f.r[7])                                    \
-                 : "r"(shared_addr(p)), "r"(ld) : "memory");                                   \
-  }
-FAP_LOAD8(load_a8_row, a, row)  // Q rows, P rows (8 x 16)
-FAP_LOAD8(load_b8_col, b, col)  // K^T (16 features x 32 keys): the K tile read column-major
-FAP_LOAD8(load_b8_row, b, row)  // V (16 keys x 32 features)
-
-#define FAP_MMA8(NAME, AL, BL)                                                                 \
-  __device__ __forceinline__ void NAME(Acc& d, const Frag& a, const Frag& b) {                 \
-    asm volatile("wmma.mma.sync.aligned." #AL "." #BL ".m8n32k16.f32.f32 "                     \
-                 "{%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11,%12,%13,%14,%15}, "                \
-                 "{%16,%17,%18,%19,%20,%21,%22,%23}, {%0,%1,%2,%3,%4,%5,%6,%7};"               \
-                 : "+f"(d.r[0]), "+f"(d.r[1]), "+f"(d.r[2]), "+f"(d.r[3]), "+f"(d.r[4]),       \
-                   "+f"(d.r[5]), "+f"(d.r[6]), "+f"(d.r[7])                                    \
-                 : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(a.r[4]),            \
-                   "r"(a.r[5]), "r"(a.r[6]), "r"(a.r[7]), "r"(b.r[0]), "r"(b.r[1]),            \
-                   "r"(b.r[2]), "r"(b.r[3]), "r"(b.r[4]), "r"(b.r[5]), "r"(b.r[6]),            \
-                   "r"(b.r[7]));                                                               \
-  }
-FAP_MMA8(mma8_row_col, row, col)
-FAP_MMA8(mma8_row_row, row, row)
-
-__device__ __forceinline__ void store_acc8(float* p, const Acc& c, int ld) {
-  asm volatile("wmma.store.d.sync.aligned.row.m8n32k16.shared.f32 "
-               "[%0], {%1,%2,%3,%4,%5,%6,%7,%8}, %9;"
-               :: "r"(shared_addr(p)), "f"(c.r[0]), "f"(c.r[1]), "f"(c.r[2]), "f"(c.r[3]),
-                  "f"(c.r[4]), "f"(c.r[5]), "f"(c.r[6]), "f"(c.r[7]), "r"(ld) : "memory");
-}
-
-__device__ __forceinline__ void load_acc8(Acc& c, const float* p, int ld) {
-  asm volatile("wmma.load.c.sync.aligned.row.m8n32k16.shared.f32 "
-               "{%0,%1,%2,%3,%4,%5,%6,%7}, [%8], %9;"
-               : "=f"(c.r[0]), "=f"(c.r[1]), "=f"(c.r[2]), "=f"(c.r[3]), "=f"(c.r[4]),
-                 "=f"(c.r[5]), "=f"(c.r[6]), "=f"(c.r[7])
-               : "r"(shared_addr(p)), "r"(ld) : "memory");
-}
-
-// AHEAD: how far the global loads of a K / V tile run ahead of its store to shared memory.  2 (w8):
-// issued two phases (a Q K^T phase and a P V phase) earlier, so two register sets are live; 0 (w8b2):
-// issued just before the store, no set held across a phase (128 registers: two blocks per SM on GPUs
-// with 170 KB of shared memory per SM, where the other block covers the latency).  CHAINS: accumulators
-// of the Q K^T product (independent dependency chains, summed at the end).
-template <int D, int KV, int AHEAD, int CHAINS>
-__device__ __forceinline__ void flash_prefill_w8(
-    const half* __restrict__ q, long long q_st, long long q_sh, const void* __restrict__ k,
-    const void* __restrict__ v, const long long* __restrict__ tables, const int* __restrict__ seqs,
-    const int* __restrict__ items, half* __restrict__ out, long long o_st, long long o_sh,
-    int kv_heads, int group, int log2_bs, float scale_log2, const float* __restrict__ k_scale,
-    const float* __restrict__ v_scale) {
-  using Sh = WShape<D>;
-  extern __shared__ __align__(128) unsigned char smem_w8[];
-  half* q_s = reinterpret_cast<half*>(smem_w8);
-  half* k_s = reinterpret_cast<half*>(smem_w8 + Sh::kQBytes);
-  half* v_s = reinterpret_cast<half*>(smem_w8 + Sh::kQBytes + Sh::kTileBytes);
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  unsigned char* scratch = smem_w8 + Sh::kQBytes + 2 * Sh::kTileBytes + warp * Sh::kScratchBytes;
-  float* s_w = reinterpret_cast<float*>(scratch);                    // this warp's S [8][kLdWS]
-  half* p_w = reinterpret_cast<half*>(scratch + kWRows * kLdWS * 4);  // this warp's P [8][kLdWP]
-  float* alpha_s = reinterpret_cast<float*>(smem_w8 + Sh::kQBytes + 2 * Sh::kTileBytes + kWarps * Sh::kScratchBytes);
-  float* o_s = reinterpret_cast<float*>(smem_w8);  // at the end, over Q, K and V
-
-  const int item = blockIdx.x / kv_heads, kvh = blockIdx.x % kv_heads;
-  const int seq = items[2 * item], tile = items[2 * item + 1];
-  const int q_start = seqs[4 * seq], length = seqs[4 * seq + 1], past = seqs[4 * seq + 2];
-  const int table_offset = seqs[4 * seq + 3];
-  const int rows = length * group, r0 = tile * kRows;
-  const int last_token = min(length - 1, (r0 + kRows - 1) / group);
-  const int n_keys = past + last_token + 1;
-  const int n_tiles = (n_keys + kWKeys - 1) / kWKeys;
-
-  // the m8n32 accumulator's row map, from a fragment of this warp's scratch holding row numbers
-#pragma unroll
-  for (int i = 0; i < kWRows; ++i) s_w[i * kLdWS + lane] = static_cast<float>(i);
-  __syncwarp();
-  unsigned row_map = 0;
-  {
-    Acc rows_acc;
-    load_acc8(rows_acc, s_w, kLdWS);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) row_map |= static_cast<unsigned>(rows_acc.r[i]) << (4 * i);
-  }
-  // this block's queries
-#pragma unroll
-  for (int i = 0; i < Sh::kQPieces; ++i) {
-    const int e = tid + kThreads * i;
-    const int row = e / Sh::kPiecesPerRow, piece = e % Sh::kPiecesPerRow;
-    const int f = r0 + row;
-    uint4 value = make_uint4(0u, 0u, 0u, 0u);
-    if (f < rows) {
-      const int token = f / group, head = kvh * group + f % group;
-      value = __ldg(reinterpret_cast<const uint4*>(q + (q_start + token) * q_st + head * q_sh) + piece);
-    }
-    *reinterpret_cast<uint4*>(q_s + row * Sh::kLd + 8 * piece) = value;
-  }
-  // K tile 0 to shared memory; (AHEAD = 2) V tile 0 and K tile 1 wait in registers
-  Piece<KV> k_next[Sh::kPieces], v_next[Sh::kPieces];
-  load_tile<D, KV, kWKeys>(k_next, k, k_scale, tables, table_offset, q_start, 0, n_keys, kvh, kv_heads, log2_bs);
-  if constexpr (AHEAD == 2)
-    load_tile<D, KV, kWKeys>(v_next, v, v_scale, tables, table_offset, q_start, 0, n_keys, kvh, kv_heads, log2_bs);
-  store_tile<D, KV, kWKeys>(k_s, k_next);
-  if (AHEAD == 2 && n_tiles > 1)
-    load_tile<D, KV, kWKeys>(k_next, k, k_scale, tables, table_offset, q_start, kWKeys, n_keys, kvh, kv_heads, log2_bs);
-
-  Acc o[D / 32];  // O[8 rows of this warp][32 n .. 32 n + 31]
-#pragma unroll
-  for (int n = 0; n < D / 32; ++n)
-#pragma unroll
-    for (int i = 0; i < 8; ++i) o[n].r[i] = 0.f;
-
-  // the softmax lane's row (the four lanes of a row are adjacent and hold the same m and l)
-  const int wrow = lane >> 2, quarter = lane & 3, row = warp * kWRows + wrow;
-  const int limit = past + min(length - 1, (r0 + row) / group);  // last visible key
-  float m = -infinity(), l = 0.f;
-  const half* qa = q_s + warp * kWRows * Sh::kLd;
-
-#pragma unroll 1
-  for (int t = 0; t < n_tiles; ++t) {
-    const int k0 = t * kWKeys;
-    __syncthreads();  // K tile t visible (at t = 0 also Q); every warp is done with V tile t - 1
-    {  // S = Q K^T for this warp's rows and keys k0.. (CHAINS accumulators: independent dependency chains)
-      Acc s[CHAINS];
-#pragma unroll
-      for (int c = 0; c < CHAINS; ++c)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) s[c].r[i] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        Frag a, b;
-        load_a8_row(a, qa + 16 * kk, Sh::kLd);
-        load_b8_col(b, k_s + 16 * kk, Sh::kLd);
-        mma8_row_col(s[kk % CHAINS], a, b);
-      }
-#pragma unroll
-      for (int c = 1; c < CHAINS; ++c)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) s[0].r[i] += s[c].r[i];
-      store_acc8(s_w, s[0], kLdWS);
-    }
-    __syncwarp();  // the warp's S is in its scratch
-    {  // online softmax of row `row`: columns 4 quarter + 16 c + {0..3}, c < 2
-      float x[8];
-      const float* sp = s_w + wrow * kLdWS + 4 * quarter;
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const float4 s4 = *reinterpret_cast<const float4*>(sp + 16 * c);
-        const int key = k0 + 4 * quarter + 16 * c;
-        x[4 * c + 0] = key + 0 <= limit ? s4.x * scale_log2 : -infinity();
-        x[4 * c + 1] = key + 1 <= limit ? s4.y * scale_log2 : -infinity();
-        x[4 * c + 2] = key + 2 <= limit ? s4.z * scale_log2 : -infinity();
-        x[4 * c + 3] = key + 3 <= limit ? s4.w * scale_log2 : -infinity();
-      }
-      float mx = x[0];
-#pragma unroll
-      for (int i = 1; i < 8; ++i) mx = fmaxf(mx, x[i]);
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m, mx);
-      // a row whose keys are all masked so far (never a real row: key 0 is visible to all)
-      const float base = m_new == -infinity() ? 0.f : m_new;
-      const float alpha = exp2f(m - base);
-      float sum = 0.f;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        x[i] = exp2f(x[i] - base);
-        sum += x[i];
-      }
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      l = l * alpha + sum;
-      m = m_new;
-      half* pp = p_w + wrow * kLdWP + 4 * quarter;
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const half2 lo = __floats2half2_rn(x[4 * c], x[4 * c + 1]);
-        const half2 hi = __floats2half2_rn(x[4 * c + 2], x[4 * c + 3]);
-        uint2 packed;
-        packed.x = *reinterpret_cast<const unsigned*>(&lo);
-        packed.y = *reinterpret_cast<const unsigned*>(&hi);
-        *reinterpret_cast<uint2*>(pp + 16 * c) = packed;
-      }
-      if (quarter == 0) alpha_s[row] = alpha;
-    }
-    // V tile t to shared memory (every warp finished V tile t - 1 before the barrier above)
-    if constexpr (AHEAD == 0)
-      load_tile<D, KV, kWKeys>(v_next, v, v_scale, tables, table_offset, q_start, k0, n_keys, kvh, kv_heads, log2_bs);
-    store_tile<D, KV, kWKeys>(v_s, v_next);
-    if (AHEAD == 2 && t + 1 < n_tiles)
-      load_tile<D, KV, kWKeys>(v_next, v, v_scale, tables, table_offset, q_start, k0 + kWKeys, n_keys, kvh, kv_heads,
-                               log2_bs);
-    __syncthreads();  // V tile t, P and alpha visible; every warp is done with K tile t
-    {  // O = alpha O + P V for this warp's rows, all D columns
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float a = alpha_s[warp * kWRows + ((row_map >> (4 * i)) & 15)];
-#pragma unroll
-        for (int n = 0; n < D / 32; ++n) o[n].r[i] *= a;
-      }
-#pragma unroll
-      for (int kk = 0; kk < kWKeys / 16; ++kk) {
-        Frag a;
-        load_a8_row(a, p_w + 16 * kk, kLdWP);
-#pragma unroll
-        for (int n = 0; n < D / 32; ++n) {
-          Frag b;
-          load_b8_row(b, v_s + 16 * kk * Sh::kLd + 32 * n, Sh::kLd);
-          mma8_row_row(o[n], a, b);
-        }
-      }
-    }
-    if (t + 1 < n_tiles) {  // K tile t + 1 to shared memory (every warp finished K tile t)
-      if constexpr (AHEAD == 0)
-        load_tile<D, KV, kWKeys>(k_next, k, k_scale, tables, table_offset, q_start, k0 + kWKeys, n_keys, kvh, kv_heads,
-                                 log2_bs);
-      store_tile<D, KV, kWKeys>(k_s, k_next);
-      if (AHEAD == 2 && t + 2 < n_tiles)
-        load_tile<D, KV, kWKeys>(k_next, k, k_scale, tables, table_offset, q_start, k0 + 2 * kWKeys, n_keys, kvh,
-                                 kv_heads, log2_bs);
-    }
-  }
-  __syncthreads();  // every read of Q, K, V and alpha is done
-  if (quarter == 0) alpha_s[row] = l > 0.f ? 1.f / l : 0.f;
-#pragma unroll
-  for (int n = 0; n < D / 32; ++n) store_acc8(o_s + warp * kWRows * Sh::kLdO + 32 * n, o[n], Sh::kLdO);
-  __syncthreads();
-#pragma unroll
-  for (int i = 0; i < Sh::kQPieces; ++i) {
-    const int e = tid + kThreads * i;
-    const int orow = e / Sh::kPiecesPerRow, piece = e % Sh::kPiecesPerRow;
-    const int f = r0 + orow;
-    if (f >= rows) continue;
-    const int token = f / group, head = kvh * group + f % group;
-    const float inv = alpha_s[orow];
-    const float4 lo = *reinterpret_cast<const float4*>(o_s + orow * Sh::kLdO + 8 * piece);
-    const float4 hi = *reinterpret_cast<const float4*>(o_s + orow * Sh::kLdO + 8 * piece + 4);
-    const half2 h0 = __floats2half2_rn(lo.x * inv, lo.y * inv), h1 = __floats2half2_rn(lo.z * inv, lo.w * inv);
-    const half2 h2 = __floats2half2_rn(hi.x * inv, hi.y * inv), h3 = __floats2half2_rn(hi.z * inv, hi.w * inv);
-    uint4 packed;
-    packed.x = *reinterpret_cast<const unsigned*>(&h0);
-    packed.y = *reinterpret_cast<const unsigned*>(&h1);
-    packed.z = *reinterpret_cast<const unsigned*>(&h2);
-    packed.w = *reinterpret_cast<const unsigned*>(&h3);
-    *(reinterpret_cast<uint4*>(out + (q_start + token) * o_st + head * o_sh) + piece) = packed;
-  }
-}
 }  // namespace onecat_fap
 
 // (one block per SM: a V100 has 96 KB of shared memory per SM and the d256 block takes 86 KB)
@@ -742,32 +441,3 @@ FAP_KERNEL(flash_prefill_int8_r16_d128, 128, 16, onecat::kKvInt8)
 FAP_KERNEL(flash_prefill_int8_r16_d256, 256, 16, onecat::kKvInt8)
 FAP_KERNEL(flash_prefill_int8_r32_d128, 128, 32, onecat::kKvInt8)
 FAP_KERNEL(flash_prefill_int8_r32_d256, 256, 32, onecat::kKvInt8)
-
-// w8 / w8b2 (8 rows per warp, m8n32k16, warp-local softmax; WShape: 85,248 bytes at d256, one block
-// per SM on a V100).  w8b2 is capped at 128 registers for two blocks per SM where shared memory allows
-// (sm_80 and later); AHEAD and CHAINS: flash_prefill_w8.
-#define FAP_KERNEL_W8(NAME, D, MIN_BLOCKS, AHEAD, CHAINS, KV)                                  \
-  extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(                          \
-      const half* __restrict__ q, long long q_st, long long q_sh, const void* __restrict__ k,  \
-      const void* __restrict__ v, const long long* __restrict__ tables,                        \
-      const int* __restrict__ seqs, const int* __restrict__ items, half* __restrict__ out,     \
-      long long o_st, long long o_sh, int kv_heads, int group, int log2_bs, float scale_log2,  \
-      const float* __restrict__ k_scale, const float* __restrict__ v_scale) {                  \
-    onecat_fap::flash_prefill_w8<D, KV, AHEAD, CHAINS>(q, q_st, q_sh, k, v, tables, seqs,      \
-                                                       items, out, o_st, o_sh, kv_heads,       \
-                                                       group, log2_bs, scale_log2, k_scale,    \
-                                                       v_scale);                               \
-  }
-
-FAP_KERNEL_W8(flash_prefill_w8_d128, 128, 1, 2, 2, onecat::kKvFp16)
-FAP_KERNEL_W8(flash_prefill_w8_d256, 256, 1, 2, 2, onecat::kKvFp16)
-FAP_KERNEL_W8(flash_prefill_fp8_w8_d128, 128, 1, 2, 2, onecat::kKvFp8)
-FAP_KERNEL_W8(flash_prefill_fp8_w8_d256, 256, 1, 2, 2, onecat::kKvFp8)
-FAP_KERNEL_W8(flash_prefill_int8_w8_d128, 128, 1, 2, 2, onecat::kKvInt8)
-FAP_KERNEL_W8(flash_prefill_int8_w8_d256, 256, 1, 2, 2, onecat::kKvInt8)
-FAP_KERNEL_W8(flash_prefill_w8b2_d128, 128, 2, 0, 1, onecat::kKvFp16)
-FAP_KERNEL_W8(flash_prefill_w8b2_d256, 256, 2, 0, 1, onecat::kKvFp16)
-FAP_KERNEL_W8(flash_prefill_fp8_w8b2_d128, 128, 2, 0, 1, onecat::kKvFp8)
-FAP_KERNEL_W8(flash_prefill_fp8_w8b2_d256, 256, 2, 0, 1, onecat::kKvFp8)
-FAP_KERNEL_W8(flash_prefill_int8_w8b2_d128, 128, 2, 0, 1, onecat::kKvInt8)
-FAP_KERNEL_W8(flash_prefill_int8_w8b2_d256, 256, 2, 0, 1, onecat::kKvInt8)

@@ -36,34 +36,21 @@ HEAD_DIMS = (128, 256)
 ROWS = 64
 """(token, query head) rows per block (``kRows``)."""
 KEYS = 64
-"""Keys per tile (``kKeys``) of the ``r16`` / ``r32`` variants."""
-W8_KEYS = 32
-"""Keys per K / V tile (``kWKeys``) of the ``w8`` / ``w8b2`` variants."""
+"""Keys per tile (``kKeys``)."""
 _THREADS = 256
-VARIANTS = ("r16", "r32", "w8", "w8b2")
-"""Kernel variants (``flash_prefill_<variant>_d<D>``; the kernel file's header has each one's
-thread mapping). ``r16`` / ``r32``: 64-key tiles, warps split Q K^T (16 rows x 32 keys) and
-P V (16 rows x D/2 columns, or 32 rows x D/4) between block barriers, the softmax in its own
-phase. ``w8``: every warp owns 8 whole rows (wmma m8n32k16) through Q K^T, a warp-local
-softmax and P V, over 32-key K and V tiles in their own buffers (two block barriers per tile,
-no phase without tensor work). ``w8b2``: ``w8`` capped at 128 registers so that two blocks fit
-an SM with 170 KB of shared memory (not a V100's 96 KB). Same contract; the results differ by
-rounding only (P is rounded against the running maximum of 64- or 32-key tiles)."""
+VARIANTS = ("r16", "r32")
+"""Kernel variants (``flash_prefill_<variant>_d<D>``): the rows each warp holds in the P V
+product, 16 (warps of 16 rows x D/2 columns) or 32 (32 rows x D/4 columns: fewer shared-memory
+fragment loads per tensor-core op). Identical results; they differ in speed only."""
 DEFAULT_VARIANT = "r16"
 """The variant the runtime runs (the faster on the H200: BENCHMARKS.md, 2026-12-03)."""
 
 
-def shared_bytes(head_dim: int, variant: str = DEFAULT_VARIANT) -> int:
-    """Dynamic shared memory of one block of ``variant`` (a V100 gives a block up to 96 KB).
-
-    ``r16`` / ``r32``: the Q and K/V tiles (fp16, 64 rows padded by 8), the fp32 score tile
-    (64 x 80) and 64 row factors: 88,320 bytes at head dim 256. ``w8`` / ``w8b2``: Q (64 rows),
-    a K and a V tile of 32 keys, each warp's S (8 x 48 fp32) and P (8 x 40 fp16) scratch and 64
-    row factors: 85,248 bytes at head dim 256."""
-    row_bytes = (head_dim + 8) * 2
-    if variant in ("w8", "w8b2"):
-        return ROWS * row_bytes + 2 * W8_KEYS * row_bytes + 8 * (8 * 48 * 4 + 8 * 40 * 2) + ROWS * 4
-    return 2 * ROWS * row_bytes + ROWS * 80 * 4 + ROWS * 4
+def shared_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of one block: the Q and K/V tiles (fp16, rows padded by 8), the
+    fp32 score tile (64 x 80) and 64 row factors. 88,320 bytes at head dim 256 (a V100 gives a
+    block up to 96 KB)."""
+    return 2 * ROWS * (head_dim + 8) * 2 + ROWS * 80 * 4 + ROWS * 4
 
 
 def supports(
@@ -256,7 +243,7 @@ def flash_prefill_attention(
         out = torch.empty(q.shape, dtype=torch.float16, device=q.device)
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     name = f"flash_prefill{kv_cache.KERNEL_SUFFIX[kv_format]}_{variant}_d{head_dim}"
-    launch = _launch(device_index, name, shared_bytes(head_dim, variant), batch.num_items * k.shape[-2])
+    launch = _launch(device_index, name, head_dim, batch.num_items * k.shape[-2])
     int8 = kv_format == "int8"
     stream = torch.cuda.current_stream(q.device).cuda_stream
     launch(
@@ -272,7 +259,7 @@ _launches: dict[tuple[int, str, int], PreparedLaunch] = {}
 _MAX_LAUNCHES = 1 << 12  # one per (device, kernel, grid): stay bounded
 
 
-def _launch(device_index: int, name: str, shared: int, blocks: int) -> PreparedLaunch:
+def _launch(device_index: int, name: str, head_dim: int, blocks: int) -> PreparedLaunch:
     key = (device_index, name, blocks)
     launch = _launches.get(key)
     if launch is None:
@@ -282,7 +269,7 @@ def _launch(device_index: int, name: str, shared: int, blocks: int) -> PreparedL
         kernel = get_kernel(name, device_index)
         launch = _launches[key] = PreparedLaunch(
             kernel, (blocks, 1, 1), _THREADS, [p, ll, ll, p, p, p, p, p, p, ll, ll, i, i, i, ctypes.c_float, p, p],
-            shared=shared,
+            shared=shared_bytes(head_dim),
         )  # fmt: skip
     return launch
 
