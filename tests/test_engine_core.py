@@ -496,9 +496,11 @@ def test_a_core_still_building_exits_when_its_api_process_dies(tmp_path):
     spec = {"config": {"model": str(TRAINED), "device": "cpu"}, "index": 0,
             "inputs": f"ipc://{tmp_path}/in", "outputs": f"ipc://{tmp_path}/out",
             "factory": "test_engine_core:sleeping_engine", "factory_args": {"seconds": 600}}
-    parent_code = (
-        "import subprocess, sys, time\n"
-        f"core = subprocess.Popen([sys.executable, '-m', 'onecat.runtime.core.process', {json.dumps(spec)!r}])\n"
+    parent_code = (  # the spec names its parent, as EngineCoreClient's does: a core still importing
+        # when the parent dies would otherwise take its new parent for the API process
+        "import json, os, subprocess, sys, time\n"
+        f"spec = json.dumps({{**json.loads({json.dumps(spec)!r}), 'parent': os.getpid()}})\n"
+        "core = subprocess.Popen([sys.executable, '-m', 'onecat.runtime.core.process', spec])\n"
         "print(core.pid, flush=True)\n"
         "time.sleep(600)\n"
     )
