@@ -57,13 +57,55 @@ def chat_token_ids(
     special tokens, so the tokenizer adds none unless ``add_special_tokens``)."""
     text = render_chat(tokenizer, messages, template_kwargs, chat_template, add_generation_prompt,
                        continue_final_message)
-    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    return encode(tokenizer, text, add_special_tokens)
 
 
 def text_token_ids(tokenizer: Any, prompt: str, add_special_tokens: bool = True) -> list[int]:
     """Token ids of a plain-text prompt, with the tokenizer's own special tokens (e.g. BOS)
     unless ``add_special_tokens`` is false."""
-    return list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+    return encode(tokenizer, prompt, add_special_tokens)
+
+
+def encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    """``tokenizer.encode(text, add_special_tokens=...)``, through the Rust tokenizer's
+    ``encode_batch_fast`` (no character offsets) when that gives the same ids
+    (:func:`plain_backend`): 40-45% less time per prompt (a 128-token prompt after an idle
+    pause, as a server sees one: 0.42 ms against 0.70 on the CPU box), on the time to first
+    token's path."""
+    backend = plain_backend(tokenizer)
+    if backend is None:
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+
+
+def plain_backend(tokenizer: Any) -> Any | None:
+    """The ``tokenizers.Tokenizer`` behind ``tokenizer`` when encoding a text with it directly
+    equals ``tokenizer.encode``: a transformers fast tokenizer whose class keeps the generic
+    encoding (``TokenizersBackend``'s ``encode`` and ``_encode_plus``), with no truncation or
+    padding set on the backend and its special-token splitting as the tokenizer's
+    ``split_special_tokens`` (transformers sets exactly these before calling the backend). None otherwise: the caller
+    goes through ``tokenizer.encode``, which also restores that state for the next call."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not hasattr(backend, "encode_batch_fast"):
+        return None
+    generic = _generic_backend()
+    if generic is None or any(getattr(type(tokenizer), name, None) is not getattr(generic, name)
+                              for name in ("encode", "_encode_plus")):
+        return None
+    if backend.truncation is not None or backend.padding is not None:
+        return None
+    if backend.encode_special_tokens != bool(getattr(tokenizer, "split_special_tokens", False)):
+        return None
+    return backend
+
+
+def _generic_backend() -> Any:
+    """transformers' generic fast-tokenizer class (None on versions without ``TokenizersBackend``)."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    return TokenizersBackend
 
 
 def reserved_template_kwargs(tokenizer: Any) -> frozenset[str]:
