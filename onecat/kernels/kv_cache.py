@@ -18,7 +18,8 @@ type names the encoding (:func:`cache_format`):
 These functions are the contract the CUDA kernels implement (``attention_prep.cu`` writes,
 ``paged_attention.cu`` and ``flash_prefill.cu`` read): on fp16 inputs the kernels' fp8 codes
 are bit-equal to :func:`encode`'s, their int8 scales equal to 1e-6 and their int8 codes within
-one step of :func:`encode`'s (measured on an H200: a few values on a code boundary round apart). The runtime's torch path (``runtime.layers.attention``) uses them directly.
+one step of :func:`encode`'s (measured on an H200: a few values on a code boundary round
+apart). The runtime's torch path (``runtime.layers.attention``) uses them directly.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ prompt: the server runs them in a thread pool, never on its event loop.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -99,6 +100,7 @@ def plain_backend(tokenizer: Any) -> Any | None:
     return backend
 
 
+@functools.cache
 def _generic_backend() -> Any:
     """transformers' generic fast-tokenizer class (None on versions without ``TokenizersBackend``)."""
     try:
