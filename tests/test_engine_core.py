@@ -158,6 +158,52 @@ def test_stop_strings_wait_for_min_tokens():
     assert out.new_text == "ab" and out.new_token_ids == [0, 1, 0]
 
 
+# ----- the wire to a core ------------------------------------------------------------------------
+
+
+def _peer_code(address: str) -> str:
+    return ("import sys, time, zmq\n"
+            f"s = zmq.Context().socket(zmq.PULL); s.connect({address!r})\n"
+            "print(repr(s.recv()), flush=True)\n"
+            "time.sleep(600)\n")
+
+
+def test_send_to_a_killed_core_returns_at_once(tmp_path):
+    """A request routed to a core between its death and the receiver thread noticing must
+    not block: a PUSH socket without a peer blocks a plain send for ever, which froze the
+    server's event loop and (through the send lock) the failover (CI, 2 cores)."""
+    import subprocess
+    import sys
+
+    import zmq
+
+    from onecat.runtime.core.client import EngineCoreClient
+    from onecat.runtime.core.messages import AbortRequests
+
+    context = zmq.Context()
+    client = EngineCoreClient(context, tmp_path, EngineConfig(model=str(TRAINED), device="cpu"),
+                              place_replicas(1, 1, "cpu", 0)[0], on_message=lambda *a: None,
+                              on_exit=lambda *a: None)
+    client._inputs = context.socket(zmq.PUSH)
+    client._inputs.setsockopt(zmq.LINGER, 0)
+    address = f"ipc://{tmp_path}/in"
+    client._inputs.bind(address)
+    client.process = subprocess.Popen([sys.executable, "-c", _peer_code(address)], stdout=subprocess.PIPE, text=True)
+    try:
+        client.send(AbortRequests(["first"]))  # waits for the peer to connect: it is alive
+        assert "first" in client.process.stdout.readline()
+        client.kill()
+        client.process.wait()
+        done = threading.Event()
+        sender = threading.Thread(target=lambda: (client.send(AbortRequests(["late"])), done.set()), daemon=True)
+        sender.start()
+        assert done.wait(10), "send to a dead core blocked"
+    finally:
+        client.kill()
+        client._close_sockets()
+        context.term()
+
+
 # ----- restarts (fake cores) ---------------------------------------------------------------------
 
 

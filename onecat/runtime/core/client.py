@@ -37,6 +37,9 @@ from onecat.runtime.core.placement import Placement
 RECEIVE_POLL_MS = 200
 """How often the receiver thread checks whether the process has exited while it is silent."""
 STOP_TIMEOUT = 15.0
+SEND_RETRY_MS = 10
+"""How long a send waits for the core's socket to take a message before it checks again
+that the process still runs."""
 
 
 class EngineStartError(OnecatError):
@@ -144,11 +147,24 @@ class EngineCoreClient:
         return self.ready
 
     def send(self, message: Any) -> None:
-        """Send a message to the core (any thread); dropped once the core has gone."""
+        """Send a message to the core (any thread); dropped once the core has gone.
+
+        Never blocks on a dead core: a PUSH socket whose only peer has gone blocks a plain
+        send for ever, and a request routed here between the core's death and the receiver
+        thread noticing it (up to ``RECEIVE_POLL_MS``) would then freeze the caller (the
+        server's event loop) and, through the lock, the receiver thread's failover. So the
+        send does not wait; while the peer is missing it retries only as long as the process
+        lives (``on_exit`` then fails the request over or ends it)."""
         data = messages.encoder.encode(message)
         with self._send_lock:
-            if self._inputs is not None and not self._inputs.closed:
-                self._inputs.send(data, copy=False)
+            while self._inputs is not None and not self._inputs.closed:
+                try:
+                    self._inputs.send(data, flags=zmq.NOBLOCK, copy=False)
+                    return
+                except zmq.Again:
+                    if not self.alive():
+                        return
+                    self._inputs.poll(SEND_RETRY_MS, zmq.POLLOUT)
 
     def alive(self) -> bool:
         """True while the core process runs."""
