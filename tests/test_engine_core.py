@@ -204,6 +204,42 @@ def test_send_to_a_killed_core_returns_at_once(tmp_path):
         context.term()
 
 
+def test_a_message_the_api_process_cannot_handle_restarts_the_core(tmp_path, caplog):
+    """A message the receiver thread cannot handle (a protocol bug) kills the core and reports
+    why through ``on_exit`` (failover, restart), instead of ending the receiver thread and
+    leaving the replica's requests waiting for ever."""
+    import subprocess
+    import sys
+
+    import zmq
+
+    from onecat.runtime.core.client import EngineCoreClient
+
+    context = zmq.Context()
+    exits = []
+    client = EngineCoreClient(context, tmp_path, EngineConfig(model=str(TRAINED), device="cpu"),
+                              place_replicas(1, 1, "cpu", 0)[0], on_message=lambda *a: None,
+                              on_exit=lambda c, reason: exits.append(reason))
+    client._outputs = context.socket(zmq.PULL)
+    client._outputs.setsockopt(zmq.LINGER, 0)
+    address = f"ipc://{tmp_path}/out"
+    client._outputs.bind(address)
+    code = ("import time, zmq\n"
+            f"s = zmq.Context().socket(zmq.PUSH); s.connect({address!r})\n"
+            "s.send(b'not a message'); time.sleep(600)\n")
+    client.process = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        with caplog.at_level(logging.ERROR, logger="onecat.runtime.core.client"):
+            client._receive()  # returns once the killed core's exit is reported
+        assert client.process.returncode == -9
+        assert len(exits) == 1 and "could not be handled" in exits[0]
+        assert "killing it" in caplog.text
+    finally:
+        client.kill()
+        client._close_sockets()
+        context.term()
+
+
 # ----- restarts (fake cores) ---------------------------------------------------------------------
 
 
@@ -297,6 +333,45 @@ def test_requests_of_a_dead_replica_fail_over(monkeypatch):
             # the restarted replica takes new requests again
             again = [await add(10 + i, [7, 7, 7]) for i in range(4)]
             assert {s.engine_index for s in again} == {"0"}, "the least loaded: the fresh replica"
+
+        asyncio.run(scenario())
+    finally:
+        rs.shutdown()
+
+
+def test_a_request_whose_text_fails_ends_alone(monkeypatch, caplog):
+    """An exception while turning one request's tokens into text (a bug) ends that request
+    with an error and aborts it in its core; the other requests in the same message go on,
+    and the receiver thread survives (before, it died and every request on the replica hung)."""
+    from onecat.runtime.core.messages import AbortRequests, Outputs
+    from onecat.runtime.server.async_engine import RequestFailedError
+
+    rs = _fake_set(monkeypatch, outcomes=[])
+    real_text = replicas_module.ReplicaSet._text
+
+    def text(request, out):
+        if request.request_id == "bad":
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+        return real_text(request, out)
+
+    monkeypatch.setattr(replicas_module.ReplicaSet, "_text", staticmethod(text))
+    try:
+        async def scenario():
+            good = await rs.add_request("good", [1, 2, 3], SamplingParams(max_tokens=4))
+            bad = await rs.add_request("bad", [1, 2, 3], SamplingParams(max_tokens=4))
+            client = rs._replicas[0].client
+            outs = [RequestOutput(rid, [5], "", False, None, 3, 1) for rid in ("good", "bad")]
+            with caplog.at_level(logging.ERROR, logger="onecat.runtime.core.replicas"):
+                rs._on_message(client, Outputs(outs), time.monotonic())
+            with pytest.raises(RequestFailedError, match="UnicodeDecodeError"):
+                await bad.__anext__()
+            first = await good.__anext__()
+            assert first.new_token_ids == [5] and not good.finished
+            assert "bad" not in rs._requests and "good" in rs._requests
+            assert rs._replicas[0].load == 1
+            aborts = [m for m in client.sent if isinstance(m, AbortRequests)]
+            assert aborts and aborts[-1].request_ids == ["bad"]
+            assert "could not be turned into text" in caplog.text
 
         asyncio.run(scenario())
     finally:

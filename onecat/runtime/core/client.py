@@ -14,6 +14,7 @@ reaches its successor.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -33,6 +34,8 @@ from onecat.runtime.config import EngineConfig
 from onecat.runtime.core import messages
 from onecat.runtime.core.messages import Failed, Ready, Shutdown
 from onecat.runtime.core.placement import Placement
+
+logger = logging.getLogger(__name__)
 
 RECEIVE_POLL_MS = 200
 """How often the receiver thread checks whether the process has exited while it is silent."""
@@ -205,18 +208,30 @@ class EngineCoreClient:
         sock = self._outputs
         while not self._stopping:
             if sock.poll(RECEIVE_POLL_MS):
-                self._handle(sock.recv(copy=False))
+                self._guarded_handle(sock.recv(copy=False))
                 continue
             if self.process.poll() is None:
                 continue
             while sock.poll(0):  # what it sent before it died
-                self._handle(sock.recv(copy=False))
+                self._guarded_handle(sock.recv(copy=False))
             if self._stopping:
                 return
             reason = self._failure or exit_reason(self.process.returncode)
             self._close_sockets()
             self._on_exit(self, reason)
             return
+
+    def _guarded_handle(self, frame: Any) -> None:
+        """``_handle``; a message that cannot be handled (a bug: requests fail one by one in
+        ``on_message``) kills the core rather than the receiver thread, so its requests fail
+        over and the replica restarts instead of hanging for ever."""
+        try:
+            self._handle(frame)
+        except Exception as exc:  # noqa: BLE001 - logged; the core's exit is handled next
+            logger.error("engine replica %d: a message from its core could not be handled; killing it",
+                         self.index, exc_info=exc)
+            self._failure = f"a message from the engine core could not be handled ({type(exc).__name__}: {exc})"
+            self.kill()
 
     def _handle(self, frame: Any) -> None:
         message = messages.from_core.decode(frame.buffer)

@@ -60,6 +60,7 @@ from onecat.runtime.server.async_engine import (
     EngineClient,
     EngineDeadError,
     QueueFullError,
+    RequestFailedError,
     RequestStream,
     ShuttingDownError,
     call_on_loop,
@@ -460,7 +461,16 @@ class ReplicaSet(EngineClient):
         for out, request in pairs:
             if request is None or request.replica is not replica:  # aborted, or passed on
                 continue
-            if self._text(request, out):
+            try:
+                hit_stop = self._text(request, out)
+            except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
+                logger.error("request %s: its tokens could not be turned into text", request.request_id, exc_info=exc)
+                stopped.append(request.request_id)
+                finished.append(request)
+                failure = RequestFailedError(request.request_id, f"{type(exc).__name__}: {exc}")
+                by_loop.setdefault(request.stream.loop, []).append((request.stream, failure))
+                continue
+            if hit_stop:
                 stopped.append(request.request_id)
             request.started = True
             if out.finished:
