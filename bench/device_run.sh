@@ -99,6 +99,8 @@ for section in "${sections[@]}"; do
     long-serve-kv) (cd bench && run 330 long-serve-kv python3 serve_h200.py --models 35b-a3b --concurrency 32 \
                       --workloads longdoc --kv-cache-dtype int8,fp8_e5m2 --out "$out/long_serve_kv.json") ;;
     decode-long) (cd bench && run 90 decode-long python3 decode_long_context.py --out "$out/decode_long.json") ;;
-    *) echo "unknown section $section (tests, tp-tests, tp, profile, mixed, quantize, moe-tiles, moe-shapes, wmmar, serve32, router, ncu, gemv, norm, gdn, attention, e2e, serve, serve-dp2, serve-decode, long, long-prompts, long-27b, long-35b, long-32gb, long-serve-35b, long-serve-27b, long-serve-kv, decode-long)" >&2; exit 2 ;;
+    ttft) (cd bench && run 150 ttft python3 serve_h200.py --models 27b --concurrency "" --ttft-run --out "$out/ttft.json") ;;
+    ipc-latency) run 60 ipc-latency python3 bench/ipc_latency.py --repeats 3 ;;  # the host CPU's share of TTFT
+    *) echo "unknown section $section (tests, tp-tests, tp, profile, mixed, quantize, moe-tiles, moe-shapes, wmmar, serve32, router, ncu, gemv, norm, gdn, attention, e2e, serve, serve-dp2, serve-decode, long, long-prompts, long-27b, long-35b, long-32gb, long-serve-35b, long-serve-27b, long-serve-kv, decode-long, ttft, ipc-latency)" >&2; exit 2 ;;
   esac
 done
