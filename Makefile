@@ -44,7 +44,7 @@ demo: venv
 
 test: venv vllm-env
 	$(PY) -m ruff check onecat tests bench
-	ONECAT_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest -m "not gpu" -q
+	ONECAT_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest -m "not gpu" -q --durations=15
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider --noconftest tests/test_vllm_layers.py
 
 test-fast: venv
